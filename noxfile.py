@@ -1,0 +1,48 @@
+"""Sessions: ``nox -s tests`` (CPU backend matrix), ``tests_gpu``, ``lint``, ``docs``.
+
+Environments use ``constraints.txt`` (known-good pins; torch must be pinned). nox's
+``uv`` backend does not read pip's local wheel folder, so sessions use virtualenv + pip.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.sessions = ["lint", "tests"]
+
+CONSTRAINTS = ("-c", "constraints.txt")
+CPU_BACKENDS = ["numpy", "array_api_strict", "torch", "jax", "dask"]
+
+
+@nox.session
+@nox.parametrize("backend", CPU_BACKENDS)
+def tests(session: nox.Session, backend: str) -> None:
+    """The test suite on one CPU backend (every backend-independent test runs too)."""
+    session.install(*CONSTRAINTS, "-e", ".[test]")
+    session.run("python", "-m", "pytest", "-n", "auto", *session.posargs,
+                env={"XATTN_BACKENDS": backend})
+
+
+@nox.session(venv_backend="none")
+def tests_gpu(session: nox.Session) -> None:
+    """GPU backends against the packages already installed on the machine.
+
+    Each backend skips cleanly where no GPU (or no package) is present.
+    """
+    session.run("python", "-m", "pytest", *session.posargs,
+                env={"XATTN_BACKENDS": "cupy,torch-cuda,jax-gpu"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, over the sources, tests, benchmarks and docs."""
+    session.install(*CONSTRAINTS, "ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the Sphinx documentation with warnings as errors."""
+    session.install(*CONSTRAINTS, "-e", ".[docs,cli]")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")

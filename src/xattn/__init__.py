@@ -1,0 +1,13 @@
+"""xattn: randomized attention estimators for any Array API library.
+
+Public names:
+
+- :func:`softmax_attention`: exact softmax attention (the reference);
+- :mod:`xattn.random`: the random-number adapter (:func:`xattn.random.default_rng`).
+"""
+
+from xattn import random
+from xattn.softmax import softmax_attention
+
+__all__ = ["random", "softmax_attention"]
+__version__ = "0.1.0.dev0"

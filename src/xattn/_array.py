@@ -1,0 +1,302 @@
+"""Namespace, device, dtype and validation helpers shared by every estimator.
+
+This is the only module (with :mod:`xattn.random`) that knows about concrete array
+libraries. Everything here is thin: it resolves the Array API namespace of the inputs
+with :func:`array_api_compat.array_namespace`, checks shapes and dtypes with messages
+that name the argument, and picks the dtype in which an estimator computes.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+__all__ = [
+    "AttentionInputs",
+    "array_namespace",
+    "broadcast_shapes",
+    "check_choice",
+    "check_positive_int",
+    "check_scale",
+    "compute_dtype",
+    "host_to_device",
+    "library_name",
+    "prepare_attention",
+    "qr",
+]
+
+Array = Any
+
+
+def library_name(x: Any) -> str:
+    """Name of the array library that owns ``x`` (``"numpy"``, ``"torch"``, ...)."""
+    if array_api_compat.is_numpy_array(x):
+        return "numpy"
+    if array_api_compat.is_torch_array(x):
+        return "torch"
+    if array_api_compat.is_jax_array(x):
+        return "jax"
+    if array_api_compat.is_cupy_array(x):
+        return "cupy"
+    if array_api_compat.is_dask_array(x):
+        return "dask"
+    module = type(x).__module__.split(".")[0]
+    return module or type(x).__name__
+
+
+def array_namespace(*arrays: Any, names: tuple[str, ...] | None = None) -> Any:
+    """Array API namespace shared by ``arrays`` (``None`` entries are ignored).
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array, or the arrays come from two libraries; the
+        message names the arguments and their libraries.
+    """
+    names = names or tuple(f"argument {i}" for i in range(len(arrays)))
+    present = [(name, a) for name, a in zip(names, arrays, strict=True) if a is not None]
+    for name, a in present:
+        if not array_api_compat.is_array_api_obj(a):
+            raise TypeError(
+                f"{name} must be an array (NumPy, CuPy, PyTorch, JAX, Dask or any Array API "
+                f"library), got {type(a).__module__}.{type(a).__qualname__}"
+            )
+    try:
+        return array_api_compat.array_namespace(*(a for _, a in present))
+    except TypeError:
+        libraries = ", ".join(f"{name} is a {library_name(a)} array" for name, a in present)
+        raise TypeError(
+            f"all arrays must come from one array library, but {libraries}; "
+            "convert them to one library first"
+        ) from None
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """Broadcast shapes by the Array API rules; raises ``ValueError`` if they do not."""
+    ndim = max((len(s) for s in shapes), default=0)
+    result = []
+    for axis in range(-ndim, 0):
+        sizes = {s[axis] for s in shapes if len(s) >= -axis and s[axis] != 1}
+        if len(sizes) > 1:
+            raise ValueError(f"shapes {', '.join(map(str, shapes))} do not broadcast")
+        result.append(sizes.pop() if sizes else 1)
+    return tuple(result)
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """Return ``value`` as an int if it is an integer >= 1, else raise."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``, else raise ``ValueError``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def check_scale(scale: Any, head_dim: int) -> float:
+    """``scale=None`` means ``1/sqrt(D)``; otherwise a positive finite Python number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, int | float | np.floating | np.integer):
+        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return float(scale)
+
+
+def _is_real_floating(xp: Any, dtype: Any) -> bool:
+    try:
+        return bool(xp.isdtype(dtype, "real floating"))
+    except (TypeError, ValueError):
+        return False
+
+
+def compute_dtype(xp: Any, dtype: Any) -> Any:
+    """The dtype an estimator computes in: float32 for half precision, else ``dtype``."""
+    if dtype == xp.float64 or dtype == xp.float32:
+        return dtype
+    return xp.float32
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """Validated attention inputs, cast to the compute dtype.
+
+    Attributes
+    ----------
+    xp : namespace
+        The Array API namespace of the inputs.
+    q, k, v : arrays
+        ``(..., N, D)``, ``(..., M, D)``, ``(..., M, Dv)`` in :attr:`compute_dtype`.
+    key_mask, query_mask : arrays or None
+        Boolean, broadcast to ``(..., M)`` / ``(..., N)`` in their last axis.
+    scale : float
+        The score scale (``1/sqrt(D)`` unless given).
+    dtype : dtype
+        The dtype of the result (that of the inputs).
+    compute_dtype : dtype
+        float32 for half-precision inputs, else :attr:`dtype`.
+    device : device
+        The device of ``q``, where the result lives.
+    batch_shape : tuple of int
+        The broadcast leading dims of q, k, v and the masks.
+    """
+
+    xp: Any
+    q: Array
+    k: Array
+    v: Array
+    key_mask: Array | None
+    query_mask: Array | None
+    scale: float
+    dtype: Any
+    compute_dtype: Any
+    device: Any
+    batch_shape: tuple[int, ...]
+
+    @property
+    def num_queries(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def num_keys(self) -> int:
+        return self.k.shape[-2]
+
+    def finish(self, out: Array) -> Array:
+        """Cast an estimator's result back to the input dtype."""
+        if out.dtype == self.dtype:
+            return out
+        return self.xp.astype(out, self.dtype)
+
+
+def _check_mask(xp: Any, mask: Any, name: str, length: int, length_name: str) -> Array | None:
+    if mask is None:
+        return None
+    if mask.dtype != xp.bool:
+        raise TypeError(f"{name} must be a boolean array of shape (..., {length_name}), "
+                        f"got dtype {mask.dtype}")
+    if mask.ndim < 1 or mask.shape[-1] not in (1, length):
+        raise ValueError(
+            f"{name} must have shape (..., {length_name}) with {length_name} = {length} "
+            f"(or 1 to broadcast), got shape {tuple(mask.shape)}"
+        )
+    if mask.shape[-1] != length:
+        mask = xp.broadcast_to(mask, (*mask.shape[:-1], length))
+    return mask
+
+
+def prepare_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: Any = None,
+    key_mask: Any = None,
+    query_mask: Any = None,
+) -> AttentionInputs:
+    """Validate ``q, k, v`` and the masks of an attention call.
+
+    Checks: all arrays from one library; ranks >= 2; ``D`` of q equals ``D`` of k;
+    ``M`` of k equals ``M`` of v; real floating dtypes; boolean masks of shape
+    ``(..., M)`` / ``(..., N)``; leading dims that broadcast. Half-precision inputs are
+    cast to float32 for the computation (:meth:`AttentionInputs.finish` casts back).
+
+    Raises
+    ------
+    TypeError
+        Mixed libraries, non-floating inputs, non-boolean masks.
+    ValueError
+        Wrong ranks or shapes; the message names the argument and the expected shape.
+    """
+    xp = array_namespace(q, k, v, key_mask, query_mask,
+                         names=("q", "k", "v", "key_mask", "query_mask"))
+    for name, x, shape in (("q", q, "(..., N, D)"), ("k", k, "(..., M, D)"),
+                           ("v", v, "(..., M, Dv)")):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have shape {shape} (rank >= 2), "
+                             f"got shape {tuple(x.shape)}")
+        if not _is_real_floating(xp, x.dtype):
+            raise TypeError(f"{name} must have a real floating dtype (float16, bfloat16, "
+                            f"float32 or float64), got {x.dtype}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same last dim D: q has shape "
+                         f"{tuple(q.shape)} (..., N, D), k has shape {tuple(k.shape)} (..., M, D)")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same number of keys M: k has shape "
+                         f"{tuple(k.shape)} (..., M, D), v has shape {tuple(v.shape)} (..., M, Dv)")
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    key_mask = _check_mask(xp, key_mask, "key_mask", num_keys, "M")
+    query_mask = _check_mask(xp, query_mask, "query_mask", num_queries, "N")
+
+    leading = {"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2]}
+    if key_mask is not None:
+        leading["key_mask"] = key_mask.shape[:-1]
+    if query_mask is not None:
+        leading["query_mask"] = query_mask.shape[:-1]
+    try:
+        batch_shape = broadcast_shapes(*leading.values())
+    except ValueError:
+        described = ", ".join(f"{name} {tuple(s)}" for name, s in leading.items())
+        raise ValueError(f"the leading (batch) dims do not broadcast: {described}") from None
+
+    device = array_api_compat.device(q)
+    for name, x in (("k", k), ("v", v), ("key_mask", key_mask), ("query_mask", query_mask)):
+        # traced JAX arrays have no device (None): nothing to compare
+        if x is None or device is None or array_api_compat.device(x) is None:
+            continue
+        if array_api_compat.device(x) != device:
+            raise ValueError(f"{name} is on device {array_api_compat.device(x)} but q is on "
+                             f"{device}; move them to one device")
+
+    dtype = xp.result_type(q, k, v)
+    work = compute_dtype(xp, dtype)
+    q, k, v = (x if x.dtype == work else xp.astype(x, work) for x in (q, k, v))
+    return AttentionInputs(
+        xp=xp, q=q, k=k, v=v, key_mask=key_mask, query_mask=query_mask,
+        scale=check_scale(scale, q.shape[-1]), dtype=dtype, compute_dtype=work,
+        device=device, batch_shape=batch_shape,
+    )
+
+
+def host_to_device(xp: Any, host: np.ndarray, *, dtype: Any, device: Any) -> Array:
+    """Move a NumPy array (drawn on the host) into namespace ``xp`` on ``device``."""
+    if array_api_compat.is_torch_namespace(xp):
+        import torch
+
+        # torch cannot read float64 NumPy into bfloat16 on every device in one step
+        return torch.as_tensor(host, device=device).to(dtype)
+    if array_api_compat.is_jax_namespace(xp):
+        import jax
+
+        return jax.device_put(xp.asarray(host, dtype=dtype), device)
+    return xp.asarray(host, dtype=dtype, device=device)
+
+
+def qr(xp: Any, a: Array) -> tuple[Array, Array]:
+    """Reduced QR of a stack of square matrices ``a`` (..., D, D).
+
+    Uses ``xp.linalg.qr`` where the namespace has it for square stacks; Dask (whose
+    QR is tall-and-skinny only) computes these small matrices with NumPy.
+    """
+    if array_api_compat.is_dask_namespace(xp):
+        host = np.asarray(a.compute())
+        q_host, r_host = np.linalg.qr(host)
+        return xp.asarray(q_host, dtype=a.dtype), xp.asarray(r_host, dtype=a.dtype)
+    return xp.linalg.qr(a)
+
+
+def index_sizes(total: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous segments of ``total`` items, differing by at most one."""
+    base, extra = divmod(operator.index(total), operator.index(parts))
+    return [base + 1 if i < extra else base for i in range(parts)]

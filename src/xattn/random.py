@@ -1,0 +1,327 @@
+"""Random-number adapter: one small protocol over every array library's generators.
+
+Every randomized estimator in xattn draws through a :class:`Generator`, which makes
+normal and uniform draws of a given shape and dtype in a given namespace and device.
+The ``rng`` argument of the estimators accepts:
+
+* ``None``: fresh entropy from the operating system (a :class:`HostGenerator`);
+* an ``int`` seed: a :class:`HostGenerator` seeded with it. It draws on the host with
+  NumPy in float64 and moves the numbers to the arrays' device, so **the same seed gives
+  the same numbers on every backend** (exactly in float64, up to the rounding of the cast
+  in lower precision);
+* an xattn :class:`Generator` (for example from :func:`default_rng`);
+* a native generator, which draws where it lives: a :class:`numpy.random.Generator`, a
+  :class:`torch.Generator` (on its device), a JAX PRNG key (split for every draw; the way
+  to draw inside :func:`jax.jit`), a ``cupy.random.Generator``, or a Dask
+  ``dask.array.random.Generator``.
+
+Array libraries are detected lazily: nothing here imports torch, JAX, CuPy or Dask
+unless an object of theirs is passed in.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+from xattn._array import host_to_device
+
+__all__ = [
+    "CupyGenerator",
+    "DaskGenerator",
+    "Generator",
+    "HostGenerator",
+    "JaxGenerator",
+    "TorchGenerator",
+    "as_generator",
+    "default_rng",
+]
+
+Array = Any
+
+
+class Generator:
+    """Protocol of an xattn random-number generator.
+
+    Subclasses implement :meth:`normal` and :meth:`uniform`. Both return an array of
+    namespace ``xp``, of the given ``shape`` and real floating ``dtype``, on ``device``.
+    """
+
+    def normal(self, xp: Any, shape: tuple[int, ...], *, dtype: Any, device: Any = None) -> Array:
+        """Standard normal draws N(0, 1)."""
+        raise NotImplementedError
+
+    def uniform(self, xp: Any, shape: tuple[int, ...], *, dtype: Any,
+                device: Any = None) -> Array:
+        """Uniform draws on [0, 1)."""
+        raise NotImplementedError
+
+    def _require(self, xp: Any, library: str, check: Any) -> None:
+        if not check(xp):
+            raise TypeError(
+                f"rng is a {library} generator but the arrays come from {xp.__name__}; "
+                "pass an int seed (portable across libraries) or a generator of the arrays' "
+                "library"
+            )
+
+
+class HostGenerator(Generator):
+    """Draws on the host with a :class:`numpy.random.Generator` and moves the result.
+
+    Numbers are drawn in float64 and cast, so a given seed yields the same values in
+    every namespace and on every device.
+
+    Parameters
+    ----------
+    generator : numpy.random.Generator
+        The host generator to draw from.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.random import HostGenerator
+    >>> rng = HostGenerator(np.random.default_rng(0))
+    >>> rng.normal(np, (2, 3), dtype=np.float64).shape
+    (2, 3)
+    """
+
+    def __init__(self, generator: np.random.Generator):
+        self.generator = generator
+
+    def normal(self, xp, shape, *, dtype, device=None):
+        host = self.generator.standard_normal(shape)
+        return host_to_device(xp, host, dtype=dtype, device=device)
+
+    def uniform(self, xp, shape, *, dtype, device=None):
+        host = self.generator.random(shape)
+        return host_to_device(xp, host, dtype=dtype, device=device)
+
+    def __repr__(self) -> str:
+        return f"HostGenerator({self.generator!r})"
+
+
+class TorchGenerator(Generator):
+    """Draws with a :class:`torch.Generator` on its own device."""
+
+    def __init__(self, generator: Any):
+        self.generator = generator
+
+    def _draw(self, sample: Any, xp, shape, dtype, device):
+        self._require(xp, "torch", array_api_compat.is_torch_namespace)
+        draw_dtype = dtype if dtype in (xp.float32, xp.float64) else xp.float32
+        values = sample(tuple(shape), generator=self.generator, dtype=draw_dtype,
+                        device=self.generator.device)
+        return values.to(device=device, dtype=dtype)
+
+    def normal(self, xp, shape, *, dtype, device=None):
+        import torch
+
+        return self._draw(torch.randn, xp, shape, dtype, device)
+
+    def uniform(self, xp, shape, *, dtype, device=None):
+        import torch
+
+        return self._draw(torch.rand, xp, shape, dtype, device)
+
+    def __repr__(self) -> str:
+        return f"TorchGenerator(device={self.generator.device})"
+
+
+class JaxGenerator(Generator):
+    """Draws with a JAX PRNG key, splitting it for every draw (functional randomness).
+
+    The adapter holds the current key and replaces it by a fresh split after each draw,
+    so a key passed as an argument of a :func:`jax.jit`-compiled function is traced like
+    any other input. Both typed keys (:func:`jax.random.key`) and raw ``uint32[2]`` keys
+    (:func:`jax.random.PRNGKey`) are accepted.
+    """
+
+    def __init__(self, key: Any):
+        self.key = key
+
+    def _next_key(self, xp):
+        import jax
+
+        self._require(xp, "JAX", array_api_compat.is_jax_namespace)
+        self.key, subkey = jax.random.split(self.key)
+        return subkey
+
+    def _place(self, values, device):
+        import jax
+
+        return values if device is None else jax.device_put(values, device)
+
+    def normal(self, xp, shape, *, dtype, device=None):
+        import jax
+
+        return self._place(jax.random.normal(self._next_key(xp), tuple(shape), dtype), device)
+
+    def uniform(self, xp, shape, *, dtype, device=None):
+        import jax
+
+        return self._place(jax.random.uniform(self._next_key(xp), tuple(shape), dtype), device)
+
+    def __repr__(self) -> str:
+        return "JaxGenerator(key)"
+
+
+class CupyGenerator(Generator):
+    """Draws with a ``cupy.random.Generator`` on the current CUDA device."""
+
+    def __init__(self, generator: Any):
+        self.generator = generator
+
+    def _finish(self, values, dtype, device):
+        import cupy
+
+        with cupy.cuda.Device(device.id if device is not None else None):
+            return cupy.asarray(values).astype(dtype, copy=False)
+
+    def normal(self, xp, shape, *, dtype, device=None):
+        self._require(xp, "CuPy", array_api_compat.is_cupy_namespace)
+        draw_dtype = dtype if dtype in (xp.float32, xp.float64) else xp.float32
+        values = self.generator.standard_normal(tuple(shape), dtype=draw_dtype)
+        return self._finish(values, dtype, device)
+
+    def uniform(self, xp, shape, *, dtype, device=None):
+        self._require(xp, "CuPy", array_api_compat.is_cupy_namespace)
+        draw_dtype = dtype if dtype in (xp.float32, xp.float64) else xp.float32
+        values = self.generator.random(tuple(shape), dtype=draw_dtype)
+        return self._finish(values, dtype, device)
+
+    def __repr__(self) -> str:
+        return "CupyGenerator()"
+
+
+class DaskGenerator(Generator):
+    """Draws lazily with a Dask ``Generator`` (or ``RandomState``), chunked by Dask."""
+
+    def __init__(self, generator: Any, chunks: Any = "auto"):
+        self.generator = generator
+        self.chunks = chunks
+
+    def normal(self, xp, shape, *, dtype, device=None):
+        self._require(xp, "Dask", array_api_compat.is_dask_namespace)
+        values = self.generator.standard_normal(size=tuple(shape), chunks=self.chunks)
+        return values.astype(dtype)
+
+    def uniform(self, xp, shape, *, dtype, device=None):
+        self._require(xp, "Dask", array_api_compat.is_dask_namespace)
+        values = self.generator.random(size=tuple(shape), chunks=self.chunks)
+        return values.astype(dtype)
+
+    def __repr__(self) -> str:
+        return "DaskGenerator()"
+
+
+def _is_jax_key(rng: Any) -> bool:
+    jax = sys.modules.get("jax")
+    if jax is None or not isinstance(rng, jax.Array):
+        return False
+    if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        return True
+    return rng.dtype == np.uint32 and tuple(rng.shape) == (2,)
+
+
+def _module_of(obj: Any) -> str:
+    return type(obj).__module__.split(".")[0]
+
+
+def as_generator(rng: Any) -> Generator:
+    """Turn any accepted ``rng`` value into an xattn :class:`Generator`.
+
+    This is the single entry point the estimators use. See the module docstring for
+    the accepted values.
+
+    Raises
+    ------
+    TypeError
+        For anything else, naming the type received and the accepted ones.
+    """
+    if isinstance(rng, Generator):
+        return rng
+    if rng is None or (isinstance(rng, int | np.integer) and not isinstance(rng, bool)):
+        if rng is not None and rng < 0:
+            raise ValueError(f"rng seed must be a non-negative int, got {rng}")
+        return HostGenerator(np.random.default_rng(rng))
+    if isinstance(rng, np.random.Generator):
+        return HostGenerator(rng)
+    module = _module_of(rng)
+    if module == "torch" and type(rng).__name__ == "Generator":
+        return TorchGenerator(rng)
+    if _is_jax_key(rng):
+        return JaxGenerator(rng)
+    if module == "cupy" and hasattr(rng, "standard_normal"):
+        return CupyGenerator(rng)
+    if module == "dask" and hasattr(rng, "standard_normal"):
+        return DaskGenerator(rng)
+    raise TypeError(
+        "rng must be None, an int seed, an xattn.random.Generator, a numpy.random.Generator, "
+        "a torch.Generator, a JAX PRNG key, a cupy.random.Generator or a Dask Generator; "
+        f"got {type(rng).__module__}.{type(rng).__qualname__}"
+    )
+
+
+def default_rng(seed: int | None = None, *, like: Any = None) -> Generator:
+    """Create an xattn random-number generator.
+
+    Parameters
+    ----------
+    seed : int or None
+        Seed; ``None`` takes fresh entropy from the operating system.
+    like : array, optional
+        Without ``like`` the generator is a portable :class:`HostGenerator`: it draws on
+        the host, so a seed gives the same numbers on every backend. With an array
+        ``like``, the generator is native to that array's library and device (a
+        ``torch.Generator`` on the tensor's device, a JAX key, a CuPy or Dask generator),
+        which avoids host transfers but gives library-specific streams. For NumPy and
+        any other Array API library the host generator is used.
+
+    Returns
+    -------
+    Generator
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import xattn
+    >>> rng = xattn.random.default_rng(0)
+    >>> a = rng.normal(np, (3,), dtype=np.float64)
+    >>> b = xattn.random.default_rng(0).normal(np, (3,), dtype=np.float64)
+    >>> bool(np.all(a == b))
+    True
+    """
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if array_api_compat.is_torch_array(like):
+        import torch
+
+        generator = torch.Generator(device=like.device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(int(seed))
+        return TorchGenerator(generator)
+    if array_api_compat.is_jax_array(like):
+        import jax
+
+        if seed is None:
+            seed = int(np.random.SeedSequence().generate_state(1)[0])
+        return JaxGenerator(jax.random.key(int(seed)))
+    if array_api_compat.is_cupy_array(like):
+        import cupy
+
+        return CupyGenerator(cupy.random.default_rng(seed))
+    if array_api_compat.is_dask_array(like):
+        import dask.array
+
+        return DaskGenerator(dask.array.random.default_rng(seed))
+    if like is None or array_api_compat.is_array_api_obj(like):
+        return as_generator(seed)  # NumPy and other libraries: draw on the host
+    raise TypeError(
+        "like must be an array (NumPy, PyTorch, JAX, CuPy, Dask, ...) or None, got "
+        f"{type(like).__module__}.{type(like).__qualname__}"
+    )

@@ -1,0 +1,114 @@
+"""Exact softmax attention, the reference every estimator is measured against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xattn._array import check_positive_int, prepare_attention
+
+__all__ = ["softmax_attention"]
+
+Array = Any
+
+
+def causal_allowed(xp: Any, num_queries: int, key_start: int, key_stop: int,
+                   device: Any) -> Array:
+    """Boolean ``(N, key_stop - key_start)``: True where key ``m <= n`` (query ``n``).
+
+    Causal attention in xattn is aligned top-left, as in PyTorch's
+    ``scaled_dot_product_attention(is_causal=True)``: query ``n`` sees keys ``0..n``.
+    """
+    queries = xp.arange(num_queries, device=device)
+    keys = xp.arange(key_start, key_stop, device=device)
+    return queries[:, None] >= keys[None, :]
+
+
+def softmax_attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    scale: float | None = None,
+    key_mask: Array | None = None,
+    causal: bool = False,
+    chunk_size: int = 1024,
+) -> Array:
+    r"""Exact softmax attention, numerically stable and chunked over keys.
+
+    .. math::
+
+        y_n = \sum_m \frac{\exp(s\, q_n \cdot k_m)}{\sum_{m'} \exp(s\, q_n \cdot k_{m'})} v_m
+
+    over the allowed keys ``m`` (``key_mask`` and, if ``causal``, ``m <= n``), with
+    score scale ``s``. Keys are processed ``chunk_size`` at a time with a running
+    maximum and running normalizer (online softmax), so memory is
+    ``O(N * chunk_size + (N + M) * D)`` per batch-head instead of ``O(N * M)``.
+
+    Parameters
+    ----------
+    q : array, shape (..., N, D)
+        Queries. Real floating dtype; half precision is computed in float32.
+    k : array, shape (..., M, D)
+        Keys.
+    v : array, shape (..., M, Dv)
+        Values.
+    scale : float, optional
+        Score scale; ``None`` means ``1/sqrt(D)``.
+    key_mask : bool array, shape broadcastable to (..., M), optional
+        True where the key takes part. A query whose keys are all masked gets a zero row.
+    causal : bool
+        If True, query ``n`` attends keys ``m <= n`` only (top-left aligned, as in
+        PyTorch's ``is_causal``).
+    chunk_size : int
+        Number of keys processed at a time.
+
+    Returns
+    -------
+    array, shape (..., N, Dv)
+        In the namespace, device and dtype of the inputs; leading dims broadcast.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import xattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 7, 4)), rng.normal(size=(2, 7, 3))
+    >>> xattn.softmax_attention(q, k, v).shape
+    (2, 5, 3)
+    """
+    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    xp, q, k, v = inputs.xp, inputs.q, inputs.k, inputs.v
+    num_queries, num_keys = inputs.num_queries, inputs.num_keys
+    work, device = inputs.compute_dtype, inputs.device
+    batch = inputs.batch_shape
+
+    running_max = xp.full((*batch, num_queries, 1), -xp.inf, dtype=work, device=device)
+    normalizer = xp.zeros((*batch, num_queries, 1), dtype=work, device=device)
+    numerator = xp.zeros((*batch, num_queries, v.shape[-1]), dtype=work, device=device)
+    q_scaled = q * inputs.scale
+    # under causal masking, keys past the last query are never seen
+    key_stop = min(num_keys, num_queries) if causal else num_keys
+    for start in range(0, key_stop, chunk_size):
+        stop = min(start + chunk_size, key_stop)
+        scores = q_scaled @ xp.matrix_transpose(k[..., start:stop, :])
+        allowed = None
+        if inputs.key_mask is not None:
+            allowed = inputs.key_mask[..., None, start:stop]
+        if causal:
+            in_past = causal_allowed(xp, num_queries, start, stop, device)
+            allowed = in_past if allowed is None else (allowed & in_past)
+        if allowed is not None:
+            scores = xp.where(allowed, scores, -xp.inf)
+        new_max = xp.maximum(running_max, xp.max(scores, axis=-1, keepdims=True))
+        # rows with no allowed key so far keep max = -inf; shift them by 0 instead
+        shift = xp.where(new_max == -xp.inf, xp.zeros_like(new_max), new_max)
+        weights = xp.exp(scores - shift)  # masked scores: exp(-inf) = 0
+        rescale = xp.exp(running_max - shift)  # 0 while nothing was allowed
+        normalizer = normalizer * rescale + xp.sum(weights, axis=-1, keepdims=True)
+        numerator = numerator * rescale + weights @ v[..., start:stop, :]
+        running_max = new_max
+    safe_normalizer = xp.where(normalizer > 0, normalizer, xp.ones_like(normalizer))
+    return inputs.finish(numerator / safe_normalizer)

@@ -1,0 +1,156 @@
+"""The backend matrix: one ``xp`` fixture parametrized over array libraries.
+
+Select the backends with the environment variable ``XATTN_BACKENDS`` (comma-separated;
+default: every CPU and GPU backend below). CPU backends must be installed (the ``test``
+extra installs them); GPU backends skip cleanly when no GPU is present, so the same suite
+runs on a GPU machine with plain ``python -m pytest`` against its installed packages::
+
+    XATTN_BACKENDS=cupy,torch-cuda,jax-gpu python -m pytest
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import array_api_compat
+import numpy as np
+import pytest
+
+CPU_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "dask")
+GPU_BACKENDS = ("cupy", "torch-cuda", "jax-gpu")
+ALL_BACKENDS = CPU_BACKENDS + GPU_BACKENDS
+
+
+def selected_backends() -> tuple[str, ...]:
+    raw = os.environ.get("XATTN_BACKENDS", "")
+    names = tuple(n.strip() for n in raw.split(",") if n.strip()) or ALL_BACKENDS
+    unknown = set(names) - set(ALL_BACKENDS)
+    if unknown:
+        raise pytest.UsageError(f"XATTN_BACKENDS: unknown backends {sorted(unknown)}; "
+                                f"choose from {', '.join(ALL_BACKENDS)}")
+    return names
+
+
+@dataclass
+class Backend:
+    """An array library on a device, as seen by the tests.
+
+    Attribute access falls through to the Array API namespace, so ``xp.float32`` and
+    ``xp.sum`` work; :meth:`asarray` places NumPy data on the backend's device.
+    """
+
+    name: str
+    ns: Any
+    device: Any
+    is_native: Any = field(repr=False)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.ns, attr)
+
+    def asarray(self, x: Any, dtype: Any = None) -> Any:
+        x = np.asarray(x)
+        if dtype is None:
+            dtype = {np.dtype(np.float64): self.ns.float64, np.dtype(np.float32): self.ns.float32,
+                     np.dtype(bool): self.ns.bool}.get(x.dtype)
+        if self.name.startswith("torch"):
+            import torch
+
+            return torch.as_tensor(x, device=self.device).to(dtype)
+        if self.name.startswith("jax"):
+            import jax
+
+            return jax.device_put(self.ns.asarray(x, dtype=dtype), self.device)
+        return self.ns.asarray(x, dtype=dtype, device=self.device)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """A float64 (or bool) NumPy copy of a backend array."""
+        if array_api_compat.is_torch_array(x):
+            x = x.detach().cpu()
+            return x.numpy() if x.dtype == self.ns.bool else x.double().numpy()
+        if array_api_compat.is_dask_array(x):
+            x = x.compute()
+        if array_api_compat.is_cupy_array(x):
+            x = x.get()
+        x = np.asarray(x)
+        return x if x.dtype == bool else x.astype(np.float64)
+
+    def check(self, out: Any, expected: np.ndarray, *, dtype: Any, rtol: float | None = None,
+              atol: float | None = None) -> None:
+        """Assert that ``out`` is native to this backend, on its device, of ``dtype``,
+        and equal to the float64 NumPy reference ``expected`` within the dtype tolerance."""
+        assert self.is_native(out), f"result is a {type(out)}, not a {self.name} array"
+        assert array_api_compat.device(out) == self.device, (
+            f"result on {array_api_compat.device(out)}, expected {self.device}")
+        assert out.dtype == dtype, f"result dtype {out.dtype}, expected {dtype}"
+        if rtol is None:
+            rtol = tolerance(self.ns, dtype)
+        if atol is None:
+            atol = rtol * max(1.0, float(np.max(np.abs(expected), initial=0.0)))
+        np.testing.assert_allclose(self.to_numpy(out), expected, rtol=rtol, atol=atol)
+
+
+def tolerance(ns: Any, dtype: Any) -> float:
+    """Relative tolerance of a dtype: float64 1e-10, float32 1e-5, half 1e-2."""
+    if dtype == ns.float64:
+        return 1e-10
+    if dtype == ns.float32:
+        return 2e-5
+    return 2e-2
+
+
+def _make_backend(name: str) -> Backend:
+    if name == "numpy":
+        return Backend(name, array_api_compat.array_namespace(np.empty(0)), "cpu",
+                       array_api_compat.is_numpy_array)
+    if name == "array_api_strict":
+        strict = importlib.import_module("array_api_strict")
+        return Backend(name, strict, strict.Device("CPU_DEVICE"),
+                       lambda a: type(a).__module__.startswith("array_api_strict"))
+    if name in ("torch", "torch-cuda"):
+        torch = importlib.import_module("torch")
+        if name == "torch-cuda" and not torch.cuda.is_available():
+            pytest.skip("torch-cuda: no CUDA device")
+        device = torch.device("cuda:0" if name == "torch-cuda" else "cpu")
+        return Backend(name, array_api_compat.array_namespace(torch.empty(0)), device,
+                       array_api_compat.is_torch_array)
+    if name in ("jax", "jax-gpu"):
+        jax = importlib.import_module("jax")
+        jax.config.update("jax_enable_x64", True)  # tests need float64; the library never sets it
+        if name == "jax-gpu":
+            try:
+                device = jax.devices("gpu")[0]
+            except RuntimeError:
+                pytest.skip("jax-gpu: no GPU device")
+        else:
+            device = jax.devices("cpu")[0]
+        return Backend(name, importlib.import_module("jax.numpy"), device,
+                       array_api_compat.is_jax_array)
+    if name == "dask":
+        da = importlib.import_module("dask.array")
+        return Backend(name, array_api_compat.array_namespace(da.empty(0)), "cpu",
+                       array_api_compat.is_dask_array)
+    if name == "cupy":
+        try:
+            cupy = importlib.import_module("cupy")
+        except ImportError:
+            pytest.skip("cupy: not installed")
+        if not cupy.cuda.is_available():
+            pytest.skip("cupy: no CUDA device")
+        return Backend(name, array_api_compat.array_namespace(cupy.empty(0)),
+                       cupy.cuda.Device(0), array_api_compat.is_cupy_array)
+    raise AssertionError(name)
+
+
+@pytest.fixture(params=selected_backends())
+def xp(request) -> Backend:
+    """The backend under test (see the module docstring)."""
+    return _make_backend(request.param)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """A fixed-seed NumPy generator for test data."""
+    return np.random.default_rng(20221122)

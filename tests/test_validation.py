@@ -1,0 +1,86 @@
+"""Bad input gets a clear error naming the argument and the expected shape or dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import xattn
+
+
+def good_inputs(batch=(2,), num_queries=5, num_keys=6, head_dim=4, value_dim=3):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(*batch, num_queries, head_dim)),
+            rng.normal(size=(*batch, num_keys, head_dim)),
+            rng.normal(size=(*batch, num_keys, value_dim)))
+
+
+def test_mixed_namespaces_name_both_libraries():
+    torch = pytest.importorskip("torch")
+    q, k, v = good_inputs()
+    with pytest.raises(TypeError, match=r"q is a numpy array.*k is a torch array"):
+        xattn.softmax_attention(q, torch.as_tensor(k), v)
+
+
+def test_not_an_array():
+    q, k, v = good_inputs()
+    with pytest.raises(TypeError, match="v must be an array"):
+        xattn.softmax_attention(q, k, v.tolist())
+
+
+@pytest.mark.parametrize(
+    "shapes,match",
+    [
+        (((5, 4), (6, 3), (6, 3)), r"q and k must have the same last dim D"),
+        (((5, 4), (6, 4), (7, 3)), r"k and v must have the same number of keys M"),
+        (((4,), (6, 4), (6, 3)), r"q must have shape \(\.\.\., N, D\) \(rank >= 2\)"),
+        (((2, 5, 4), (3, 6, 4), (3, 6, 3)), r"leading \(batch\) dims do not broadcast: q \(2,\)"),
+    ],
+)
+def test_mismatched_shapes(shapes, match):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        xattn.softmax_attention(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_integer_dtype(name):
+    arrays = dict(zip("qkv", good_inputs(), strict=True))
+    arrays[name] = arrays[name].astype(np.int64)
+    with pytest.raises(TypeError, match=rf"{name} must have a real floating dtype.*got int64"):
+        xattn.softmax_attention(arrays["q"], arrays["k"], arrays["v"])
+
+
+def test_complex_dtype():
+    q, k, v = good_inputs()
+    with pytest.raises(TypeError, match="q must have a real floating dtype"):
+        xattn.softmax_attention(q.astype(np.complex128), k, v)
+
+
+@pytest.mark.parametrize(
+    "mask,error,match",
+    [
+        (np.ones((2, 5), dtype=bool), ValueError,
+         r"key_mask must have shape \(\.\.\., M\) with M = 6"),
+        (np.ones((3, 6), dtype=bool), ValueError, r"leading \(batch\) dims do not broadcast"),
+        (np.ones((2, 6)), TypeError, r"key_mask must be a boolean array"),
+    ],
+)
+def test_wrong_mask(mask, error, match):
+    with pytest.raises(error, match=match):
+        xattn.softmax_attention(*good_inputs(), key_mask=mask)
+
+
+@pytest.mark.parametrize("scale,error", [(-1.0, ValueError), (float("nan"), ValueError),
+                                         ("1", TypeError)])
+def test_bad_scale(scale, error):
+    with pytest.raises(error, match="scale must be"):
+        xattn.softmax_attention(*good_inputs(), scale=scale)
+
+
+def test_bad_causal_and_chunk_size():
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        xattn.softmax_attention(*good_inputs(), causal="yes")
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        xattn.softmax_attention(*good_inputs(), chunk_size=0)
