@@ -1,0 +1,256 @@
+r"""Randomized attention (RA): an unbiased Monte Carlo estimator of softmax attention.
+
+Paper: Zheng et al., *Linear Complexity Randomized Self-attention Mechanism*, ICML 2022
+(``seeds/002``), §3.2 and Proposition 3.2. With the positive randomized mapping
+:math:`\xi(x, \omega) = \exp(\omega \cdot x - \lVert x \rVert^2 / 2)`, softmax attention
+is an expectation over the Gaussian mixture
+
+.. math::
+
+    p_n(\omega) = \sum_m \pi_{nm}\, N(\omega; \hat q_n + \hat k_m, I), \qquad
+    \pi_{nm} = \operatorname{softmax}_m(\hat q_n \cdot \hat k_m),
+
+of the function (eq. 12; :math:`\xi(\hat q_n, \omega)` cancels between the numerator and
+the denominator)
+
+.. math::
+
+    f_n(\omega) = \sum_m \operatorname{softmax}_m\!\big(\omega \cdot \hat k_m
+        - \lVert \hat k_m \rVert^2 / 2\big)\, v_m ,
+    \qquad \mathbb{E}_{\omega \sim p_n}[f_n(\omega)] = \sum_m \pi_{nm} v_m .
+
+Sampling :math:`\omega \sim p_n` is two steps: a component :math:`z \sim
+\operatorname{Categorical}(\pi_n)` and :math:`\omega = \hat q_n + \hat k_z + \varepsilon`,
+:math:`\varepsilon \sim N(0, I)`. The *biased* variant (the paper's practical form)
+replaces the mixture by one Gaussian at its mean, :math:`\omega = \hat q_n + \sum_m
+\pi_{nm} \hat k_m + \varepsilon`; its deterministic form (:math:`\varepsilon = 0`) is the
+paper's evaluation mode.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from xattn._array import check_positive_int, prepare_attention
+from xattn.random import as_generator
+
+__all__ = ["ra"]
+
+Array = Any
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _allowed_keys(xp: Any, key_mask: Array | None, causal: bool, query_start: int,
+                  query_stop: int, num_keys: int, device: Any) -> Array | None:
+    """Boolean ``(..., B, M)`` (or None: every key): may query ``n`` attend key ``m``."""
+    allowed = None
+    if key_mask is not None:
+        allowed = key_mask[..., None, :]
+    if causal:  # top-left aligned, as in softmax_attention: query n sees keys m <= n
+        queries = xp.arange(query_start, query_stop, device=device)
+        keys = xp.arange(num_keys, device=device)
+        in_past = queries[:, None] >= keys[None, :]
+        allowed = in_past if allowed is None else (allowed & in_past)
+    return allowed
+
+
+def _masked_softmax(xp: Any, logits: Array, allowed: Array | None) -> Array:
+    """Softmax over the last axis restricted to ``allowed``; rows with none allowed are 0."""
+    if allowed is not None:
+        logits = xp.where(allowed, logits, -xp.inf)
+    top = xp.max(logits, axis=-1, keepdims=True)
+    top = xp.where(top == -xp.inf, xp.zeros_like(top), top)
+    weights = xp.exp(logits - top)  # disallowed keys: exp(-inf) = 0
+    total = xp.sum(weights, axis=-1, keepdims=True)
+    return weights / xp.where(total > 0, total, xp.ones_like(total))
+
+
+def ra(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    num_samples: int = 1,
+    biased: bool = False,
+    deterministic: bool = False,
+    scale: float | None = None,
+    key_mask: Array | None = None,
+    causal: bool = False,
+    rng: Any = None,
+    chunk_size: int = 128,
+) -> Array:
+    r"""Randomized attention (RA): unbiased (or biased) Monte Carlo softmax attention.
+
+    For every query :math:`n` and each of its ``num_samples`` samples :math:`s`
+    (paper eq. 12 and Prop. 3.2, DESIGN §3 RA):
+
+    .. math::
+
+        \pi_{nm} = \operatorname{softmax}_m(\hat q_n \cdot \hat k_m), \quad
+        z_{ns} \sim \operatorname{Categorical}(\pi_n), \quad
+        \omega_{ns} = \hat q_n + \hat k_{z_{ns}} + \varepsilon_{ns}, \quad
+        \varepsilon_{ns} \sim N(0, I),
+
+    .. math::
+
+        y_n = \frac{1}{S} \sum_s \sum_m \operatorname{softmax}_m\!\big(
+            \omega_{ns} \cdot \hat k_m - \lVert \hat k_m \rVert^2 / 2\big)\, v_m ,
+
+    with :math:`\hat q = \sqrt{s}\, q`, :math:`\hat k = \sqrt{s}\, k` for the score scale
+    :math:`s`. :math:`\mathbb{E}[y_n]` is exactly softmax attention. With
+    ``biased=True``, :math:`\omega_{ns} = \hat q_n + \sum_m \pi_{nm} \hat k_m +
+    \varepsilon_{ns}` (no categorical draw; biased but lower variance), and with
+    ``deterministic=True`` as well, :math:`\varepsilon = 0` (the paper's evaluation mode;
+    all samples coincide). Cost :math:`O(NMD\,S)` time, like exact attention.
+
+    The component :math:`z_{ns}` is drawn by inverse CDF with one uniform per query and
+    sample: :math:`z` is the number of cumulative probabilities
+    :math:`\sum_{m' \le m} \pi_{nm'}` below :math:`u = 1 - U`, :math:`U \sim [0, 1)`,
+    clipped to the last allowed key (rounding can leave the total just below 1).
+    Queries are processed ``chunk_size`` at a time, so the largest intermediates are
+    ``(..., chunk_size, num_samples, M)``; no ``N x M x D`` array is formed.
+
+    **Gradients** with respect to ``q``, ``k`` and ``v`` flow through the continuous
+    path: :math:`\pi` (biased form), :math:`\hat q_n + \hat k_z` for the drawn
+    :math:`z`, and :math:`f_n(\omega)`. The discrete choice :math:`z` itself is not
+    differentiated (it is a piecewise-constant function of the inputs), so the gradient
+    is that of the estimate for fixed :math:`z` and :math:`\varepsilon`, not an unbiased
+    gradient of softmax attention.
+
+    Parameters
+    ----------
+    q : array, shape (..., N, D)
+        Queries. Real floating dtype; half precision is computed in float32.
+    k : array, shape (..., M, D)
+        Keys.
+    v : array, shape (..., M, Dv)
+        Values.
+    num_samples : int
+        Samples :math:`S` per query (>= 1), averaged; the variance falls as ``1/S``.
+    biased : bool
+        Use the single-Gaussian proposal centred at the mixture mean (biased RA).
+    deterministic : bool
+        Drop the noise (:math:`\varepsilon = 0`). Requires ``biased=True``: the unbiased
+        estimator has no deterministic form.
+    scale : float, optional
+        Score scale; ``None`` means ``1/sqrt(D)``.
+    key_mask : bool array, shape broadcastable to (..., M), optional
+        True where the key takes part. It restricts both :math:`\pi` and the softmax in
+        :math:`f_n`. A query whose keys are all masked gets a zero row.
+    causal : bool
+        If True, query ``n`` attends keys ``m <= n`` only (top-left aligned), in both
+        :math:`\pi` and :math:`f_n`.
+    rng : None, int, xattn.random.Generator or native generator
+        Randomness (see :func:`xattn.random.as_generator`). An int seed gives the same
+        output on every backend; a JAX key works under :func:`jax.jit`. Draw order:
+        uniforms of shape ``(*batch, N, S)`` (unbiased form only), then standard normals
+        of shape ``(*batch, N, S, D)`` (unless deterministic).
+    chunk_size : int
+        Number of queries processed at a time.
+
+    Returns
+    -------
+    array, shape (..., N, Dv)
+        In the namespace, device and dtype of the inputs; leading dims broadcast.
+
+    Raises
+    ------
+    ValueError
+        ``num_samples`` or ``chunk_size`` < 1, ``deterministic=True`` with
+        ``biased=False``, or inputs/masks of the wrong shape.
+    TypeError
+        Non-bool flags, non-integer counts, wrong dtypes or mixed array libraries.
+
+    References
+    ----------
+    L. Zheng, C. Wang, L. Kong, "Linear Complexity Randomized Self-attention Mechanism",
+    ICML 2022, §3.2 (randomized attention) and Proposition 3.2.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import xattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 7, 4)), rng.normal(size=(2, 7, 3))
+    >>> xattn.ra(q, k, v, num_samples=4, rng=0).shape
+    (2, 5, 3)
+    >>> y = xattn.ra(q, k, v, biased=True, deterministic=True)
+    >>> y.shape, y.dtype
+    ((2, 5, 3), dtype('float64'))
+    """
+    num_samples = check_positive_int(num_samples, "num_samples")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    biased = _check_bool(biased, "biased")
+    deterministic = _check_bool(deterministic, "deterministic")
+    causal = _check_bool(causal, "causal")
+    if deterministic and not biased:
+        raise ValueError(
+            "deterministic=True requires biased=True: unbiased RA draws a random mixture "
+            "component per sample and has no deterministic form; use biased=True, "
+            "deterministic=True for the paper's evaluation mode"
+        )
+    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask)
+    xp, work, device = inputs.xp, inputs.compute_dtype, inputs.device
+    num_queries, num_keys = inputs.num_queries, inputs.num_keys
+    batch = inputs.batch_shape
+    head_dim, value_dim = inputs.q.shape[-1], inputs.v.shape[-1]
+
+    root_scale = math.sqrt(inputs.scale)
+    q_hat, k_hat, v = inputs.q * root_scale, inputs.k * root_scale, inputs.v
+    k_hat_t = xp.matrix_transpose(k_hat)  # (..., D, M)
+    key_half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1)  # (..., M)
+    key_index = xp.arange(num_keys, device=device)
+
+    generator = None if deterministic else as_generator(rng)
+    num_draws = 1 if deterministic else num_samples
+    uniforms = None
+    if not biased:  # one uniform per query and sample, turned into (0, 1]
+        uniforms = 1.0 - generator.uniform(xp, (*batch, num_queries, num_draws), dtype=work,
+                                           device=device)
+    noise = None
+    if not deterministic:
+        noise = generator.normal(xp, (*batch, num_queries, num_draws, head_dim), dtype=work,
+                                 device=device)
+
+    outputs = []
+    for start in range(0, num_queries, chunk_size):
+        stop = min(start + chunk_size, num_queries)
+        q_chunk = q_hat[..., start:stop, :]  # (..., B, D)
+        allowed = _allowed_keys(xp, inputs.key_mask, causal, start, stop, num_keys, device)
+        # mixture weights pi_nm = softmax_m(q_n . k_m) over the allowed keys, (..., B, M)
+        mixture_weights = _masked_softmax(xp, q_chunk @ k_hat_t, allowed)
+
+        if biased:  # one Gaussian at the mixture mean: q_n + sum_m pi_nm k_m
+            proposal_means = (q_chunk + mixture_weights @ k_hat)[..., None, :]  # (..., B, 1, D)
+        else:
+            # z ~ Categorical(pi_n) by inverse CDF: count the cumulative weights below u
+            cumulative = xp.cumulative_sum(mixture_weights, axis=-1)  # (..., B, M)
+            below = cumulative[..., None, :] < uniforms[..., start:stop, :, None]
+            component = xp.count_nonzero(below, axis=-1)  # (*batch, B, S)
+            if allowed is None:
+                component = xp.clip(component, max=num_keys - 1)
+            else:  # clip to the last allowed key
+                last_allowed = xp.max(xp.where(allowed, key_index, xp.zeros_like(key_index)),
+                                      axis=-1)  # (..., B)
+                component = xp.minimum(component, last_allowed[..., None])
+            # k_z gathered by a one-hot matmul (Array API, differentiable in k)
+            one_hot = xp.astype(component[..., None] == key_index, work)  # (*batch, B, S, M)
+            proposal_means = q_chunk[..., None, :] + one_hot @ k_hat[..., None, :, :]
+
+        omega = proposal_means if noise is None else proposal_means + noise[..., start:stop, :, :]
+        # f_n(omega) = sum_m softmax_m(omega . k_m - |k_m|^2 / 2) v_m   (eq. 12)
+        logits = omega @ k_hat_t[..., None, :, :] - key_half_sq_norm[..., None, None, :]
+        key_weights = _masked_softmax(xp, logits,
+                                      None if allowed is None else allowed[..., None, :])
+        estimates = key_weights @ v[..., None, :, :]  # (*batch, B, S, Dv)
+        outputs.append(xp.mean(estimates, axis=-2))
+
+    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
+    out = xp.broadcast_to(out, (*batch, num_queries, value_dim))
+    return inputs.finish(out)
