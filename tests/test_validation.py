@@ -84,3 +84,13 @@ def test_bad_causal_and_chunk_size():
         xattn.softmax_attention(*good_inputs(), causal="yes")
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         xattn.softmax_attention(*good_inputs(), chunk_size=0)
+
+
+def test_empty_key_set_is_an_error_and_empty_query_set_is_empty():
+    q, k, v = good_inputs()
+    with pytest.raises(ValueError, match=r"k must hold at least one key \(M >= 1\)"):
+        xattn.softmax_attention(q, k[:, :0], v[:, :0])
+    with pytest.raises(ValueError, match=r"feature dim D >= 1"):
+        xattn.softmax_attention(q[..., :0], k[..., :0], v)
+    assert xattn.softmax_attention(q[:, :0], k, v).shape == (2, 0, 3)
+    assert xattn.softmax_attention(q[:, :0], k, v, causal=True).shape == (2, 0, 3)

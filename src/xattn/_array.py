@@ -236,6 +236,11 @@ def prepare_attention(
         raise ValueError(f"k and v must have the same number of keys M: k has shape "
                          f"{tuple(k.shape)} (..., M, D), v has shape {tuple(v.shape)} (..., M, Dv)")
     num_queries, num_keys = q.shape[-2], k.shape[-2]
+    if num_keys == 0:
+        raise ValueError(f"k must hold at least one key (M >= 1), got shape {tuple(k.shape)}; "
+                         "attention over an empty key set is undefined")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k must have a feature dim D >= 1, got q shape {tuple(q.shape)}")
     key_mask = _check_mask(xp, key_mask, "key_mask", num_keys, "M")
     query_mask = _check_mask(xp, query_mask, "query_mask", num_queries, "N")
 
