@@ -18,23 +18,41 @@ side, that cancel exactly in the ratio of numerator and denominator:
 
 No epsilon enters an exponent, so the result equals the unstabilized formula exactly
 (up to rounding) wherever that one is finite.
+
+This module also holds the explicit (unstabilized) feature maps of RFA / Performer
+(:func:`random_features`: positive, hyperbolic and trigonometric) and the sample matrices
+they use (:func:`sample_omega`: iid Gaussian or block-orthogonal rows).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from xattn._array import check_choice, check_positive_int, qr
+from xattn.random import as_generator
+
 __all__ = [
+    "FEATURE_MAPS",
+    "SAMPLE_NORMS",
     "log_positive_features",
     "positive_key_statistics",
+    "random_features",
+    "sample_omega",
     "weighted_readout",
 ]
+
+FEATURE_MAPS = ("positive", "hyperbolic", "trigonometric")
+"""The randomized mappings of :func:`random_features` and :func:`xattn.rfa`."""
+
+SAMPLE_NORMS = ("chi", "sqrt_dim")
+"""Row norms of orthogonal samples: an independent chi(D) draw, or exactly sqrt(D)."""
 
 Array = Any
 
 
 def log_positive_features(xp: Any, x: Array, omega: Array) -> Array:
-    r"""Logarithm of the positive randomized mapping, :math:`\omega_s \cdot x - \lVert x \rVert^2/2`.
+    r"""Log of the positive randomized mapping, :math:`\omega_s \cdot x - \lVert x \rVert^2/2`.
 
     Parameters
     ----------
@@ -140,3 +158,150 @@ def weighted_readout(
     out_denominator = weights @ denominator[..., None]
     safe = xp.where(out_denominator > 0, out_denominator, xp.ones_like(out_denominator))
     return out_numerator / safe
+
+
+def sample_omega(
+    rng: Any,
+    num_features: int,
+    dim: int,
+    *,
+    xp: Any,
+    dtype: Any,
+    device: Any = None,
+    orthogonal: bool = True,
+    norm: str = "chi",
+) -> Array:
+    r"""Draw an ``(S, D)`` matrix of random-feature samples :math:`\omega_s` (as rows).
+
+    * ``orthogonal=False``: iid rows :math:`\omega_s \sim N(0, I_D)`.
+    * ``orthogonal=True`` (Performer's ORF, DESIGN §3): :math:`\lceil S/D \rceil` blocks of
+      ``D`` rows, each block the orthogonal factor of the QR decomposition of a ``D x D``
+      standard Gaussian matrix (signs fixed by :math:`\operatorname{sign} R_{ii}`, so the
+      block is Haar-distributed), stacked and cut to ``S`` rows. Rows within a block are
+      exactly orthogonal. Each row is then rescaled to ``norm``:
+
+      - ``"chi"`` (default): the norm of an independent :math:`N(0, I_D)` vector, so every
+        row is marginally :math:`N(0, I_D)` and kernel estimates stay unbiased;
+      - ``"sqrt_dim"``: exactly :math:`\sqrt{D}` (lower variance, slightly biased).
+
+    Parameters
+    ----------
+    rng : None, int, xattn.random.Generator or native generator
+        Anything :func:`xattn.random.as_generator` accepts. An int seed draws on the host,
+        so it gives the same matrix on every backend (up to the rounding of the QR).
+    num_features : int
+        Number of samples ``S`` (>= 1).
+    dim : int
+        Dimension ``D`` (>= 1).
+    xp : namespace
+        Array API namespace of the result.
+    dtype : dtype
+        Real floating dtype of the result (use float32 or float64; QR needs them).
+    device : device, optional
+        Device of the result.
+    orthogonal : bool
+        Block-orthogonal rows (default) or iid rows.
+    norm : {"chi", "sqrt_dim"}
+        Row norms of orthogonal samples (ignored when ``orthogonal=False``).
+
+    Returns
+    -------
+    array, shape (S, D)
+
+    References
+    ----------
+    K. Choromanski et al., "Rethinking Attention with Performers", ICLR 2021, §2.4.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.features import sample_omega
+    >>> omega = sample_omega(0, 6, 4, xp=np, dtype=np.float64)
+    >>> omega.shape
+    (6, 4)
+    >>> unit = omega[:4] / np.linalg.norm(omega[:4], axis=1, keepdims=True)
+    >>> bool(np.allclose(unit @ unit.T, np.eye(4)))
+    True
+    """
+    num_features = check_positive_int(num_features, "num_features")
+    dim = check_positive_int(dim, "dim")
+    if not isinstance(orthogonal, bool):
+        raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
+    check_choice(norm, "norm", SAMPLE_NORMS)
+    generator = as_generator(rng)
+    if not orthogonal:
+        return generator.normal(xp, (num_features, dim), dtype=dtype, device=device)
+
+    num_blocks = math.ceil(num_features / dim)
+    gaussian = generator.normal(xp, (num_blocks, dim, dim), dtype=dtype, device=device)
+    q_factor, r_factor = qr(xp, gaussian)
+    identity = xp.eye(dim, dtype=dtype, device=device)
+    r_diagonal = xp.sum(r_factor * identity, axis=-1)  # (blocks, D)
+    signs = xp.where(r_diagonal < 0, -xp.ones_like(r_diagonal), xp.ones_like(r_diagonal))
+    # columns of Q * sign(diag R) form a Haar-distributed orthogonal matrix; take them as rows
+    directions = xp.matrix_transpose(q_factor * signs[..., None, :])
+    directions = xp.reshape(directions, (num_blocks * dim, dim))[:num_features, :]
+    if norm == "sqrt_dim":
+        return directions * math.sqrt(dim)
+    chi_vectors = generator.normal(xp, (num_features, dim), dtype=dtype, device=device)
+    return directions * xp.linalg.vector_norm(chi_vectors, axis=-1, keepdims=True)
+
+
+def random_features(xp: Any, x: Array, omega: Array, feature_map: str = "positive") -> Array:
+    r"""Explicit random features :math:`\phi(x)`, with :math:`\phi(x) \cdot \phi(y)
+    \approx \exp(x \cdot y)`.
+
+    With samples :math:`\omega_1, \dots, \omega_S` (rows of ``omega``):
+
+    * ``"positive"``: :math:`\phi(x) = S^{-1/2} [\xi(x, \omega_s)]_s`,
+      :math:`\xi(x, \omega) = e^{\omega \cdot x - \lVert x \rVert^2/2}`, ``S`` features;
+    * ``"hyperbolic"``: :math:`\phi(x) = S^{-1/2}\, 2^{-1/2} e^{-\lVert x \rVert^2/2}
+      [e^{\omega_s \cdot x}, e^{-\omega_s \cdot x}]_s`, ``2S`` features (samples
+      :math:`\pm\omega_s`);
+    * ``"trigonometric"``: :math:`\phi(x) = S^{-1/2} e^{\lVert x \rVert^2/2}
+      [\sin \omega_s \cdot x, \cos \omega_s \cdot x]_s`, ``2S`` features (may be negative).
+
+    For :math:`\omega_s \sim N(0, I)` the estimate :math:`\phi(x) \cdot \phi(y)` is unbiased
+    for :math:`\exp(x \cdot y)` under every map. These are the plain formulas (they
+    overflow for large inputs); :func:`xattn.rfa` evaluates attention in a stabilized form.
+
+    Parameters
+    ----------
+    xp : namespace
+    x : array, shape (..., L, D)
+    omega : array, shape (S, D)
+    feature_map : {"positive", "hyperbolic", "trigonometric"}
+
+    Returns
+    -------
+    array, shape (..., L, S) or (..., L, 2S)
+        Features ordered ``[all s for +omega (or sin), all s for -omega (or cos)]``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.features import random_features
+    >>> omega = np.random.default_rng(0).normal(size=(4096, 2))
+    >>> x, y = np.array([[0.3, -0.2]]), np.array([[0.1, 0.4]])
+    >>> phi_x, phi_y = random_features(np, x, omega), random_features(np, y, omega)
+    >>> phi_x.shape
+    (1, 4096)
+    >>> estimate, exact = (phi_x @ phi_y.T)[0, 0], np.exp(x @ y.T)[0, 0]
+    >>> bool(abs(estimate - exact) < 0.1)
+    True
+    """
+    check_choice(feature_map, "feature_map", FEATURE_MAPS)
+    num_samples = omega.shape[-2]
+    projections = x @ xp.matrix_transpose(omega)  # (..., L, S)
+    half_sq_norm = 0.5 * xp.sum(x * x, axis=-1, keepdims=True)
+    normalizer = 1.0 / math.sqrt(num_samples)
+    if feature_map == "positive":
+        return normalizer * xp.exp(projections - half_sq_norm)
+    if feature_map == "hyperbolic":
+        normalizer = normalizer / math.sqrt(2.0)
+        return normalizer * xp.concat(
+            [xp.exp(projections - half_sq_norm), xp.exp(-projections - half_sq_norm)], axis=-1
+        )
+    return normalizer * xp.exp(half_sq_norm) * xp.concat(
+        [xp.sin(projections), xp.cos(projections)], axis=-1
+    )
