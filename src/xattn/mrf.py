@@ -1,0 +1,373 @@
+r"""Partition functions of linear-chain Markov random fields, exact and linearized.
+
+A linear-chain MRF over variables :math:`x_0, \dots, x_{T-1} \in \mathcal X` with
+embeddings :math:`e_t(x) \in \mathbb R^n` (seed 003, §2.1; DESIGN §3) has pairwise
+potentials only,
+
+.. math::
+
+    p(x) \propto \prod_{t=1}^{T-1} \psi_t(x_{t-1}, x_t), \qquad
+    \psi_t(a, b) = \exp\big(e_{t-1}(a) \cdot e_t(b)\big), \qquad
+    Z = \sum_{x_0, \dots, x_{T-1}} \prod_{t=1}^{T-1} \psi_t(x_{t-1}, x_t),
+
+with no unary potentials and no initial distribution (every :math:`x_0` has weight 1),
+exactly as in the seed's example for :math:`T = 3` (its eq. 3).
+
+* :func:`log_partition` computes :math:`\log Z` exactly by a log-space forward pass in
+  :math:`O(T |\mathcal X|^2 n)`.
+* :func:`log_partition_rf` replaces every potential by positive random features,
+  :math:`\psi_t(a, b) \approx \phi(e_{t-1}(a)) \cdot \phi(e_t(b))` with
+  :math:`\phi(e) = \exp(\omega e - \lVert e \rVert^2 / 2) / \sqrt d` (DESIGN §3), and
+  reorders the sums (seed eq. 3):
+
+  .. math::
+
+      Z \approx \Big(\sum_{x_0} \phi(e_0(x_0))\Big)^{\!\top}
+      \prod_{t=1}^{T-2} \Big(\sum_{x_t} \phi(e_t(x_t)) \phi(e_t(x_t))^{\top}\Big)
+      \Big(\sum_{x_{T-1}} \phi(e_{T-1}(x_{T-1}))\Big).
+
+  Evaluated right to left as a forward pass of feature-space messages this costs
+  :math:`O(T |\mathcal X| d)` (``method="sequential"``); as a product of :math:`d \times d`
+  matrices combined by a pairwise (log-depth) reduction it costs :math:`O(T |\mathcal X|
+  d^2)` work but only :math:`O(\log T)` sequential matrix products (``method="parallel"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from array_api_compat import device as _device
+
+from xattn._array import (
+    _is_real_floating,
+    array_namespace,
+    check_choice,
+    check_positive_int,
+    compute_dtype,
+)
+from xattn.features import log_positive_features
+from xattn.random import as_generator
+
+__all__ = ["log_partition", "log_partition_rf"]
+
+Array = Any
+
+_SHAPE = "(..., T, |X|, n)"
+
+
+def _logsumexp(xp: Any, x: Array, axis: int) -> Array:
+    """:math:`\\log \\sum \\exp` over ``axis`` with the max shift (finite shift only)."""
+    shift = xp.max(x, axis=axis, keepdims=True)
+    shift = xp.where(xp.isfinite(shift), shift, xp.zeros_like(shift))
+    total = xp.sum(xp.exp(x - shift), axis=axis, keepdims=True)
+    return xp.squeeze(xp.log(total) + shift, axis=axis)
+
+
+def _prepare_embeddings(embeddings: Any) -> tuple[Any, Array, Any]:
+    """Validate ``embeddings``; return ``(xp, embeddings in the compute dtype, input dtype)``.
+
+    A sequence of ``T`` arrays of shape ``(..., |X|, n)`` is stacked along axis ``-3``.
+    """
+    if isinstance(embeddings, Sequence) and not isinstance(embeddings, str):
+        steps = list(embeddings)
+        if len(steps) < 2:
+            raise ValueError(f"embeddings must hold T >= 2 positions, got a sequence of "
+                             f"{len(steps)} arrays")
+        xp = array_namespace(*steps, names=tuple(f"embeddings[{t}]" for t in range(len(steps))))
+        shapes = [tuple(step.shape) for step in steps]
+        if any(len(shape) < 2 for shape in shapes) or len(set(shapes)) > 1:
+            raise ValueError(
+                "embeddings given as a sequence must be T arrays of one shape (..., |X|, n); "
+                f"got shapes {', '.join(map(str, shapes))}"
+            )
+        embeddings = xp.stack(steps, axis=-3)
+    else:
+        xp = array_namespace(embeddings, names=("embeddings",))
+    if embeddings.ndim < 3:
+        raise ValueError(f"embeddings must have shape {_SHAPE} (rank >= 3), got shape "
+                         f"{tuple(embeddings.shape)}")
+    num_steps, num_states = embeddings.shape[-3], embeddings.shape[-2]
+    if num_steps < 2:
+        raise ValueError(f"embeddings must have T >= 2 positions (axis -3 of {_SHAPE}), "
+                         f"got shape {tuple(embeddings.shape)}")
+    if num_states < 1 or embeddings.shape[-1] < 1:
+        raise ValueError(f"embeddings must have |X| >= 1 states and n >= 1 dims {_SHAPE}, "
+                         f"got shape {tuple(embeddings.shape)}")
+    if not _is_real_floating(xp, embeddings.dtype):
+        raise TypeError(f"embeddings must have a real floating dtype (float16, bfloat16, "
+                        f"float32 or float64), got {embeddings.dtype}")
+    dtype = embeddings.dtype
+    work = compute_dtype(xp, dtype)
+    if work != dtype:
+        embeddings = xp.astype(embeddings, work)
+    return xp, embeddings, dtype
+
+
+def _finish(xp: Any, out: Array, dtype: Any) -> Array:
+    return out if out.dtype == dtype else xp.astype(out, dtype)
+
+
+def log_partition(embeddings: Array) -> Array:
+    r"""Exact log-partition function of a linear-chain MRF.
+
+    .. math::
+
+        \log Z = \log \sum_{x_0, \dots, x_{T-1}} \prod_{t=1}^{T-1}
+        \exp\big(e_{t-1}(x_{t-1}) \cdot e_t(x_t)\big)
+
+    (no unary potentials, weight 1 for every :math:`x_0`; seed 003 §2.1), by the forward
+    recursion in log space, :math:`\log\alpha_0 = 0`,
+
+    .. math::
+
+        \log\alpha_t(b) = \operatorname{logsumexp}_a\big(\log\alpha_{t-1}(a)
+        + e_{t-1}(a) \cdot e_t(b)\big), \qquad
+        \log Z = \operatorname{logsumexp}_b \log\alpha_{T-1}(b),
+
+    every log-sum-exp shifted by its max. Cost :math:`O(T |\mathcal X|^2 n)` time,
+    :math:`O(T |\mathcal X|^2)` memory.
+
+    Parameters
+    ----------
+    embeddings : array, shape (..., T, |X|, n), or a sequence of T arrays (..., |X|, n)
+        :math:`e_t(x)` for position ``t`` and state ``x``; real floating dtype. Leading
+        dims are batch dims. Half precision is computed in float32.
+
+    Returns
+    -------
+    array, shape (...)
+        :math:`\log Z` in the dtype of ``embeddings``, same namespace and device.
+
+    Raises
+    ------
+    ValueError
+        Rank below 3, ``T < 2``, an empty state or embedding axis, or a sequence of arrays
+        of different shapes.
+    TypeError
+        Non-floating dtype, or not an array.
+
+    References
+    ----------
+    Seed 003, "RFF for MRFs" (2020), §2.1; DESIGN §3, linear-chain MRF.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.mrf import log_partition
+    >>> embeddings = np.zeros((3, 2, 4))  # T = 3, |X| = 2: every potential is 1
+    >>> bool(np.isclose(log_partition(embeddings), 3 * np.log(2)))  # 2**3 paths
+    True
+    >>> log_partition(np.ones((5, 3, 2, 4))).shape
+    (5,)
+    """
+    xp, embeddings, dtype = _prepare_embeddings(embeddings)
+    num_steps = embeddings.shape[-3]
+    # scores[..., t - 1, a, b] = e_{t-1}(a) . e_t(b) = log psi_t(a, b)
+    scores = embeddings[..., :-1, :, :] @ xp.matrix_transpose(embeddings[..., 1:, :, :])
+    log_alpha = xp.zeros_like(embeddings[..., 0, :, 0])  # (..., |X|): log alpha_0 = 0
+    for step in range(1, num_steps):
+        log_alpha = _logsumexp(xp, log_alpha[..., :, None] + scores[..., step - 1, :, :],
+                               axis=-2)
+    return _finish(xp, _logsumexp(xp, log_alpha, axis=-1), dtype)
+
+
+def _sequential_log_partition(xp: Any, log_features: Array) -> Array:
+    r"""Forward pass of feature-space messages, all in log space: :math:`O(T|X|d)`.
+
+    ``log_features[..., t, x, k]`` is :math:`\log \phi_k(e_t(x))`. The message
+    :math:`\beta_t \in \mathbb R^d` (seed eq. 3, read left to right) is kept as
+    :math:`\log \beta_t`, so the per-step scale is tracked for every feature:
+
+    .. math::
+
+        \log\beta_0(k) = \operatorname{logsumexp}_x \log\phi_k(e_0(x)), \quad
+        \log w_t(x) = \operatorname{logsumexp}_k\big(\log\beta_{t-1}(k) + \log\phi_k(e_t(x))\big),
+        \\
+        \log\beta_t(k) = \operatorname{logsumexp}_x\big(\log w_t(x) + \log\phi_k(e_t(x))\big),
+        \quad \log Z = \operatorname{logsumexp}_x \log w_{T-1}(x).
+    """
+    num_steps = log_features.shape[-3]
+    log_message = _logsumexp(xp, log_features[..., 0, :, :], axis=-2)  # (..., d)
+    for step in range(1, num_steps):
+        step_features = log_features[..., step, :, :]  # (..., |X|, d)
+        # log w_t(x): log of beta_{t-1} . phi(e_t(x)), the summed potential into state x
+        log_weights = _logsumexp(xp, log_message[..., None, :] + step_features, axis=-1)
+        if step == num_steps - 1:
+            return _logsumexp(xp, log_weights, axis=-1)
+        # beta_t = sum_x w_t(x) phi(e_t(x)) = beta_{t-1} M_t, M_t = sum_x phi phi^T
+        log_message = _logsumexp(xp, log_weights[..., :, None] + step_features, axis=-2)
+    raise AssertionError("unreachable: T >= 2 is validated")
+
+
+def _normalized(xp: Any, matrices: Array, log_scales: Array) -> tuple[Array, Array]:
+    """Rescale each matrix to max entry 1, moving the factor into its log-scale."""
+    peak = xp.max(matrices, axis=(-2, -1), keepdims=True)
+    peak = xp.where(peak > 0, peak, xp.ones_like(peak))
+    return matrices / peak, log_scales + xp.log(peak[..., 0, 0])
+
+
+def _parallel_log_partition(xp: Any, log_features: Array) -> Array:
+    r"""Product of :math:`d \times d` matrices by a pairwise reduction over ``T``.
+
+    Each middle factor :math:`M_t = \sum_x \phi(e_t(x)) \phi(e_t(x))^\top` is stored as a
+    matrix with max entry 1 and a log-scale, :math:`M_t = e^{s_t} N_t`. Neighbouring
+    pairs are multiplied, :math:`N_{2i} N_{2i+1}` with log-scale
+    :math:`s_{2i} + s_{2i+1}`, and renormalized, halving the count each round
+    (:math:`\lceil \log_2 T \rceil` rounds of batched matrix products, static loop).
+    """
+    num_steps, dim = log_features.shape[-3], log_features.shape[-1]
+    # end vectors sum_x phi(e_0(x)) and sum_x phi(e_{T-1}(x)), in log space
+    log_first = _logsumexp(xp, log_features[..., 0, :, :], axis=-2)  # (..., d)
+    log_last = _logsumexp(xp, log_features[..., -1, :, :], axis=-2)  # (..., d)
+    if num_steps == 2:
+        return _logsumexp(xp, log_first + log_last, axis=-1)
+
+    middle = log_features[..., 1:-1, :, :]  # (..., T - 2, |X|, d)
+    shift = xp.max(middle, axis=(-2, -1))  # (..., T - 2)
+    features = xp.exp(middle - shift[..., None, None])
+    matrices = xp.matrix_transpose(features) @ features  # (..., T - 2, d, d)
+    matrices, log_scales = _normalized(xp, matrices, 2.0 * shift)
+    count = num_steps - 2
+    while count > 1:  # static: shapes only
+        if count % 2:  # pad with the identity, log-scale 0
+            eye = xp.eye(dim, dtype=matrices.dtype, device=_device(matrices))
+            eye = xp.broadcast_to(eye, (*matrices.shape[:-3], 1, dim, dim))
+            matrices = xp.concat([matrices, eye], axis=-3)
+            log_scales = xp.concat([log_scales, xp.zeros_like(log_scales[..., :1])], axis=-1)
+            count += 1
+        matrices, log_scales = _normalized(
+            xp,
+            matrices[..., 0::2, :, :] @ matrices[..., 1::2, :, :],
+            log_scales[..., 0::2] + log_scales[..., 1::2],
+        )
+        count //= 2
+    product, log_scale = matrices[..., 0, :, :], log_scales[..., 0]
+    # log Z = s + log(beta_0^T N gamma), with beta_0, gamma shifted by their maxima
+    first_max = xp.max(log_first, axis=-1, keepdims=True)
+    last_max = xp.max(log_last, axis=-1, keepdims=True)
+    first = xp.exp(log_first - first_max)
+    last = xp.exp(log_last - last_max)
+    total = xp.sum((first[..., None, :] @ product)[..., 0, :] * last, axis=-1)
+    return log_scale + first_max[..., 0] + last_max[..., 0] + xp.log(total)
+
+
+def log_partition_rf(
+    embeddings: Array,
+    *,
+    num_features: int | None = None,
+    rng: Any = None,
+    method: str = "sequential",
+    omega: Array | None = None,
+) -> Array:
+    r"""Random-feature (linearized) estimate of the log-partition function of a linear chain.
+
+    Every potential is replaced by positive random features (DESIGN §3),
+
+    .. math::
+
+        \psi_t(a, b) = e^{e_{t-1}(a) \cdot e_t(b)} \approx \phi(e_{t-1}(a)) \cdot \phi(e_t(b)),
+        \qquad \phi_k(e) = \frac{1}{\sqrt d} \exp\big(\omega_k \cdot e - \lVert e \rVert^2/2\big),
+        \quad \omega_k \sim N(0, I_n),
+
+    with one sample matrix :math:`\omega` (rows :math:`\omega_k`) shared by every position,
+    as in the seed. The sums are then reordered (seed 003, eq. 3):
+
+    .. math::
+
+        Z_{\mathrm{rf}} = \beta_0^\top M_1 \cdots M_{T-2}\, \gamma, \quad
+        \beta_0 = \sum_x \phi(e_0(x)), \quad M_t = \sum_x \phi(e_t(x)) \phi(e_t(x))^\top,
+        \quad \gamma = \sum_x \phi(e_{T-1}(x)).
+
+    For ``T = 2`` the estimate of :math:`Z` is unbiased; for longer chains the shared
+    features make it consistent (bias :math:`O(1/d)`) rather than unbiased. Either way the
+    error in :math:`\log Z` shrinks like :math:`1/\sqrt d`.
+
+    Parameters
+    ----------
+    embeddings : array, shape (..., T, |X|, n), or a sequence of T arrays (..., |X|, n)
+        :math:`e_t(x)`; real floating dtype, ``T >= 2``. Half precision is computed in
+        float32.
+    num_features : int, optional
+        ``d``, the number of random features (>= 1). Required unless ``omega`` is given.
+    rng : None, int, xattn or native generator, optional
+        Where ``omega`` is drawn from (see :mod:`xattn.random`); an int seed gives the same
+        features on every backend. Ignored when ``omega`` is given.
+    method : {"sequential", "parallel"}
+        ``"sequential"``: forward pass of feature-space messages :math:`\beta_t =
+        \beta_{t-1} M_t`, kept entirely in log space (every feature carries its own
+        log-scale), :math:`O(T |\mathcal X| d)` time. ``"parallel"``: the matrices
+        :math:`M_t` (each with max entry 1 and a log-scale) multiplied by a pairwise
+        reduction, :math:`O(T |\mathcal X| d^2 + T d^3)` work in :math:`\lceil \log_2 T
+        \rceil` rounds of batched products: for long chains on parallel hardware.
+    omega : array, shape (..., d, n), optional
+        Explicit samples as rows (leading dims broadcast against those of
+        ``embeddings``), to fix the features across calls.
+
+    Returns
+    -------
+    array, shape (...)
+        The estimate of :math:`\log Z`, in the dtype of ``embeddings`` (broadcast with the
+        leading dims of ``omega`` if it has any).
+
+    Raises
+    ------
+    ValueError
+        Bad ``embeddings`` (see :func:`log_partition`), ``num_features < 1``, ``omega``
+        whose last dim is not ``n`` or whose row count disagrees with ``num_features``,
+        an unknown ``method``.
+    TypeError
+        Non-integer ``num_features``, non-floating dtypes, arrays from two libraries.
+
+    References
+    ----------
+    Seed 003, "RFF for MRFs" (2020), eq. 3; Choromanski et al., "Rethinking attention with
+    Performers" (2021), positive random features; DESIGN §3.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.mrf import log_partition, log_partition_rf
+    >>> embeddings = 0.3 * np.random.default_rng(0).normal(size=(6, 5, 4))
+    >>> exact = log_partition(embeddings)
+    >>> estimate = log_partition_rf(embeddings, num_features=4096, rng=0)
+    >>> bool(abs(estimate - exact) < 0.05)
+    True
+    >>> parallel = log_partition_rf(embeddings, num_features=4096, rng=0, method="parallel")
+    >>> bool(np.isclose(parallel, estimate, rtol=1e-10))
+    True
+    """
+    xp, embeddings, dtype = _prepare_embeddings(embeddings)
+    check_choice(method, "method", ("sequential", "parallel"))
+    embed_dim = embeddings.shape[-1]
+    work = embeddings.dtype
+    if omega is None:
+        if num_features is None:
+            raise TypeError("num_features is required (an int >= 1) unless omega is given")
+        num_features = check_positive_int(num_features, "num_features")
+        omega = as_generator(rng).normal(xp, (num_features, embed_dim), dtype=work,
+                                         device=_device(embeddings))
+    else:
+        array_namespace(embeddings, omega, names=("embeddings", "omega"))
+        if omega.ndim < 2 or omega.shape[-1] != embed_dim:
+            raise ValueError(f"omega must have shape (..., d, n) with n = {embed_dim} (the "
+                             f"last dim of embeddings), got shape {tuple(omega.shape)}")
+        if not _is_real_floating(xp, omega.dtype):
+            raise TypeError(f"omega must have a real floating dtype, got {omega.dtype}")
+        if num_features is not None and (
+            check_positive_int(num_features, "num_features") != omega.shape[-2]
+        ):
+            raise ValueError(f"num_features = {num_features} disagrees with omega of shape "
+                             f"{tuple(omega.shape)} (..., d, n)")
+        if omega.dtype != work:
+            omega = xp.astype(omega, work)
+    num_features = omega.shape[-2]
+    # log phi_k(e_t(x)) = omega_k . e_t(x) - |e_t(x)|^2 / 2 - log(d) / 2: (..., T, |X|, d)
+    log_features = log_positive_features(xp, embeddings, omega[..., None, :, :])
+    log_features = log_features - 0.5 * math.log(num_features)
+    if method == "sequential":
+        out = _sequential_log_partition(xp, log_features)
+    else:
+        out = _parallel_log_partition(xp, log_features)
+    return _finish(xp, out, dtype)
