@@ -47,8 +47,7 @@ from xattn._array import (
     check_positive_int,
     compute_dtype,
 )
-from xattn.features import log_positive_features
-from xattn.random import as_generator
+from xattn.features import log_positive_features, sample_omega
 
 __all__ = ["log_partition", "log_partition_rf"]
 
@@ -259,6 +258,7 @@ def log_partition_rf(
     num_features: int | None = None,
     rng: Any = None,
     method: str = "sequential",
+    orthogonal: bool = True,
     omega: Array | None = None,
 ) -> Array:
     r"""Random-feature (linearized) estimate of the log-partition function of a linear chain.
@@ -272,7 +272,9 @@ def log_partition_rf(
         \quad \omega_k \sim N(0, I_n),
 
     with one sample matrix :math:`\omega` (rows :math:`\omega_k`) shared by every position,
-    as in the seed. The sums are then reordered (seed 003, eq. 3):
+    as in the seed, drawn by :func:`xattn.features.sample_omega` (block-orthogonal rows
+    with chi norms by default, so every row is marginally :math:`N(0, I_n)`).
+    The sums are then reordered (seed 003, eq. 3):
 
     .. math::
 
@@ -301,6 +303,9 @@ def log_partition_rf(
         :math:`M_t` (each with max entry 1 and a log-scale) multiplied by a pairwise
         reduction, :math:`O(T |\mathcal X| d^2 + T d^3)` work in :math:`\lceil \log_2 T
         \rceil` rounds of batched products: for long chains on parallel hardware.
+    orthogonal : bool
+        Draw block-orthogonal samples (default, lower variance) or iid normal rows.
+        Ignored when ``omega`` is given.
     omega : array, shape (..., d, n), optional
         Explicit samples as rows (leading dims broadcast against those of
         ``embeddings``), to fix the features across calls.
@@ -332,7 +337,7 @@ def log_partition_rf(
     >>> embeddings = 0.3 * np.random.default_rng(0).normal(size=(6, 5, 4))
     >>> exact = log_partition(embeddings)
     >>> estimate = log_partition_rf(embeddings, num_features=4096, rng=0)
-    >>> bool(abs(estimate - exact) < 0.05)
+    >>> bool(abs(estimate - exact) < 0.15)  # the RMS error is about 2 / sqrt(d) here
     True
     >>> parallel = log_partition_rf(embeddings, num_features=4096, rng=0, method="parallel")
     >>> bool(np.isclose(parallel, estimate, rtol=1e-10))
@@ -346,8 +351,8 @@ def log_partition_rf(
         if num_features is None:
             raise TypeError("num_features is required (an int >= 1) unless omega is given")
         num_features = check_positive_int(num_features, "num_features")
-        omega = as_generator(rng).normal(xp, (num_features, embed_dim), dtype=work,
-                                         device=_device(embeddings))
+        omega = sample_omega(rng, num_features, embed_dim, xp=xp, dtype=work,
+                             device=_device(embeddings), orthogonal=orthogonal)
     else:
         array_namespace(embeddings, omega, names=("embeddings", "omega"))
         if omega.ndim < 2 or omega.shape[-1] != embed_dim:
