@@ -13,7 +13,7 @@ import xattn
 
 project = "xattn"
 author = "xattn developers"
-copyright = "2026, xattn developers"  # noqa: A001
+copyright = "2026, xattn developers"
 release = xattn.__version__
 version = ".".join(release.split(".")[:2])
 

@@ -1,0 +1,85 @@
+"""Run the docstring examples of every xattn module as doctests.
+
+Modules are discovered with :func:`pkgutil.iter_modules`, so modules added later are
+picked up automatically. The framework and command-line modules (``torch``, ``flax``,
+``cli``) are skipped only when an optional dependency they need is not installed.
+Each docstring with examples is one test, so a failure names the function.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import xattn
+
+OPTIONAL_MODULES = {"cli", "torch", "flax"}  # may need extras that are not installed
+OPTION_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+def _module_names() -> list[str]:
+    names = ["xattn"]
+    names += [f"xattn.{info.name}" for info in pkgutil.iter_modules(xattn.__path__)]
+    return sorted(names)
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        short_name = name.rpartition(".")[2]
+        if short_name in OPTIONAL_MODULES and name not in str(error):
+            return error  # an optional dependency of the module is missing
+        raise
+
+
+def _doctest_cases() -> list:
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    cases = []
+    for name in _module_names():
+        module = _import(name)
+        if isinstance(module, ImportError):
+            cases.append(pytest.param(name, None, id=name,
+                                      marks=pytest.mark.skip(reason=f"{module}")))
+            continue
+        for test in finder.find(module, name):
+            if test.examples:
+                cases.append(pytest.param(name, test.name, id=test.name))
+    return cases
+
+
+def test_every_module_is_discovered():
+    found = _module_names()
+    for expected in ("xattn.softmax", "xattn.random", "xattn.features"):
+        assert expected in found
+
+
+@pytest.mark.parametrize(("module_name", "test_name"), _doctest_cases())
+def test_docstring_examples(module_name, test_name):
+    module = importlib.import_module(module_name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    (test,) = [t for t in finder.find(module, module_name) if t.name == test_name]
+    output = []
+    runner = doctest.DocTestRunner(optionflags=OPTION_FLAGS)
+    result = runner.run(test, out=output.append)
+    assert result.failed == 0, "".join(output)
+
+
+def _public_callables():
+    for name in xattn.__all__:
+        obj = getattr(xattn, name)
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            yield pytest.param(obj, id=name)
+    yield pytest.param(xattn.random.default_rng, id="random.default_rng")
+
+
+@pytest.mark.parametrize("function", list(_public_callables()))
+def test_public_functions_have_examples(function):
+    """Every public function carries a numpydoc Examples section with runnable code."""
+    docstring = inspect.getdoc(function) or ""
+    assert "Examples\n--------" in docstring, f"{function.__qualname__} has no Examples"
+    assert ">>> " in docstring, f"{function.__qualname__} has no runnable example"
