@@ -1,0 +1,383 @@
+r"""Linear randomized attention (LARA): multiple-importance sampling with C proposals.
+
+LARA (Zheng et al., ICML 2022, §4 and Appendix G.3; DESIGN §3) estimates softmax
+attention with C Gaussian proposals :math:`q_c(\omega) = N(\omega; \mu_c, I)`, one sample
+:math:`\omega_c \sim q_c` each, combined per query by multiple-importance weights
+:math:`\alpha_{nc}` and self-normalized (eq. 10, 28):
+
+.. math::
+
+    y_n = \frac{\sum_c \alpha'_{nc}\, \xi(\hat q_n, \omega_c) A_c}
+               {\sum_c \alpha'_{nc}\, \xi(\hat q_n, \omega_c) b_c}, \qquad
+    \alpha'_{nc} = \alpha_{nc} \frac{N(\omega_c; 0, I)}{q_c(\omega_c)},
+
+with :math:`A_c = \sum_m \xi(\hat k_m, \omega_c) v_m`, :math:`b_c = \sum_m \xi(\hat k_m,
+\omega_c)` as in RFA. The key statistics are computed once per proposal and shared by all
+queries, so the cost is O((N + M) C D) in time and O((N + M) C) in memory.
+
+The proposals are built from C contiguous segments of the queries and of the keys
+(Appendix G.3.1), their means :math:`\tilde q_c`, :math:`\tilde k_c` ("landmarks"), and the
+weights from the balance heuristic plus a query-specific correction (Appendix G.3.2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from xattn._array import array_namespace, check_choice, check_positive_int, prepare_attention
+from xattn.features import positive_key_statistics, weighted_readout
+from xattn.random import as_generator
+
+__all__ = ["PROPOSALS", "WEIGHTINGS", "WEIGHT_FLOOR", "balance_heuristic", "lara",
+           "lara_weights"]
+
+Array = Any
+
+PROPOSALS = ("segment", "key_attention", "landmark_attention", "standard")
+WEIGHTINGS = ("balance", "decoupled", "coupled")
+
+#: Floor for the importance weights α_nc. The query-specific corrections of the
+#: "decoupled" and "coupled" weightings can make α_nc negative; like the authors' code,
+#: LARA clips α_nc to this tiny positive value (it then still sums to ~1 over c and keeps
+#: the self-normalized estimator a convex combination of the per-proposal estimates).
+WEIGHT_FLOOR = 1e-8
+
+
+def _segment_membership(xp: Any, mask: Array | None, length: int, num_segments: int,
+                        *, dtype: Any, device: Any) -> Array:
+    """Float (..., C, L) indicator: entry l is allowed and lies in segment c.
+
+    Segments are contiguous runs of the *allowed* entries (ranked in order), with sizes
+    differing by at most one (the first ``count % C`` segments get one more,
+    as :func:`xattn._array.index_sizes`). Masked entries belong to no segment, so padding
+    a sequence with masked entries leaves every segment unchanged. Built from integer
+    array arithmetic (a cumulative sum of the mask), with no Python control flow on values.
+    """
+    if mask is None:
+        allowed = xp.ones((length,), dtype=xp.int32, device=device)
+    else:
+        allowed = xp.astype(mask, xp.int32)
+    rank = xp.cumulative_sum(allowed, axis=-1) - allowed  # position among allowed entries
+    count = xp.sum(allowed, axis=-1, keepdims=True)
+    base = count // num_segments
+    extra = count % num_segments
+    in_long_segments = extra * (base + 1)  # the first `extra` segments have base + 1 entries
+    segment = xp.where(
+        rank < in_long_segments,
+        rank // (base + 1),
+        extra + (rank - in_long_segments) // xp.maximum(base, xp.ones_like(base)),
+    )
+    segment_ids = xp.arange(num_segments, device=device)
+    member = (segment[..., None, :] == xp.astype(segment_ids, segment.dtype)[:, None]) & (
+        allowed[..., None, :] > 0)
+    return xp.astype(member, dtype)
+
+
+def _segment_means(xp: Any, membership: Array, x: Array) -> tuple[Array, Array]:
+    """Segment means (..., C, D) of x over the members, and the segment sizes (..., C).
+
+    A segment without members (all its entries masked, or C > L) gets a zero mean.
+    """
+    sizes = xp.sum(membership, axis=-1)
+    safe_sizes = xp.where(sizes > 0, sizes, xp.ones_like(sizes))
+    return (membership @ x) / safe_sizes[..., None], sizes
+
+
+def _masked_softmax(xp: Any, logits: Array, allowed: Array | None, axis: int) -> Array:
+    """Softmax along ``axis`` over the allowed entries; all-masked slices give zeros."""
+    if allowed is not None:
+        logits = xp.where(allowed, logits, xp.full_like(logits, -xp.inf))
+    top = xp.max(logits, axis=axis, keepdims=True)
+    top = xp.where(top == -xp.inf, xp.zeros_like(top), top)
+    weights = xp.exp(logits - top)
+    total = xp.sum(weights, axis=axis, keepdims=True)
+    return weights / xp.where(total > 0, total, xp.ones_like(total))
+
+
+def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
+                    key_segment_sizes: Array, k_hat: Array, key_mask: Array | None) -> Array:
+    r""":math:`\mu_c` (..., C, D) for each proposal family (DESIGN §3, Appendix G.3.1)."""
+    if proposal == "standard":  # mu_c = 0: LARA reduces to RFA
+        return xp.zeros_like(query_landmarks)
+    if proposal == "segment":  # eq. 34
+        return query_landmarks + key_landmarks
+    if proposal == "key_attention":  # eq. 33: q~_c + sum_m softmax_m(q~_c . k_m) k_m, O(CM)
+        allowed = None if key_mask is None else key_mask[..., None, :]
+        attention = _masked_softmax(xp, query_landmarks @ xp.matrix_transpose(k_hat),
+                                    allowed, axis=-1)
+        return query_landmarks + attention @ k_hat
+    # "landmark_attention", eq. 35: q~_c + sum_c' softmax_c'(k~_c . k~_c') k~_c', O(C^2)
+    nonempty = (key_segment_sizes > 0)[..., None, :]  # empty key segments take no part
+    attention = _masked_softmax(xp, key_landmarks @ xp.matrix_transpose(key_landmarks),
+                                nonempty, axis=-1)
+    return query_landmarks + attention @ key_landmarks
+
+
+def balance_heuristic(points: Array, proposal_means: Array) -> Array:
+    r"""Balance-heuristic weights :math:`q_c(\omega)/\sum_{c'} q_{c'}(\omega)` at given points.
+
+    For unit-covariance Gaussian proposals :math:`q_c = N(\mu_c, I)`,
+    :math:`\log q_c(\omega) = \omega \cdot \mu_c - \lVert \mu_c \rVert^2/2 + \text{const}(\omega)`,
+    so each row is a softmax over proposals (eq. 36 of the LARA paper; Veach & Guibas 1995).
+
+    Parameters
+    ----------
+    points : array, shape (..., P, D)
+        Points :math:`\omega_p` at which the weights are evaluated.
+    proposal_means : array, shape (..., C, D)
+        Means :math:`\mu_c` of the proposals.
+
+    Returns
+    -------
+    array, shape (..., P, C)
+        Row p holds the weights of the C proposals at :math:`\omega_p`; each row sums
+        to 1. LARA uses entry (c, c), the weight of proposal c at its own sample.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.lara import balance_heuristic
+    >>> rng = np.random.default_rng(0)
+    >>> weights = balance_heuristic(rng.normal(size=(3, 4)), rng.normal(size=(5, 4)))
+    >>> weights.shape, np.allclose(weights.sum(axis=-1), 1.0)
+    ((3, 5), True)
+    """
+    xp = array_namespace(points, proposal_means, names=("points", "proposal_means"))
+    log_density = points @ xp.matrix_transpose(proposal_means) - 0.5 * xp.sum(
+        proposal_means * proposal_means, axis=-1)[..., None, :]
+    return _masked_softmax(xp, log_density, None, axis=-1)
+
+
+def lara_weights(proposal_weights: Array, query_affinity: Array, *,
+                 weighting: str = "decoupled", beta: float = 2.0) -> Array:
+    r"""Multiple-importance weights :math:`\alpha_{nc}` before the floor (Appendix G.3.2).
+
+    With balance-heuristic weights :math:`w_c` and query affinities :math:`r_{nc}`:
+
+    - ``"balance"`` (eq. 36): :math:`\alpha_{nc} = w_c`;
+    - ``"decoupled"`` (eq. 38, the default): :math:`\alpha_{nc} = w_c + \beta\,(r_{nc} -
+      \frac{1}{C}\sum_{c'} r_{nc'})`;
+    - ``"coupled"`` (eq. 37): :math:`\alpha_{nc} = w_c + w_c\,(r_{nc} - \sum_{c'} w_{c'}
+      r_{nc'})`.
+
+    The corrections sum to zero over c, so whenever :math:`\sum_c w_c = 1` (the balance
+    heuristic at one common point) every weighting sums to 1 over proposals, the
+    condition for an unbiased multiple-importance estimate. :func:`lara` then clips the
+    weights from below at :data:`WEIGHT_FLOOR`.
+
+    Parameters
+    ----------
+    proposal_weights : array, shape (..., C)
+        :math:`w_c` (for example a row of :func:`balance_heuristic`).
+    query_affinity : array, shape (..., N, C)
+        :math:`r_{nc}`; LARA uses the softmax over queries n of :math:`\hat q_n \cdot
+        \tilde q_c`.
+    weighting : {"balance", "decoupled", "coupled"}
+    beta : float
+        Strength :math:`\beta` of the decoupled correction (2 in the paper's ViT runs).
+
+    Returns
+    -------
+    array, shape (..., N, C)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.lara import lara_weights
+    >>> w = np.array([0.5, 0.3, 0.2])
+    >>> r = np.array([[0.6, 0.1, 0.3], [0.0, 0.5, 0.5]])
+    >>> alpha = lara_weights(w, r, weighting="decoupled", beta=2.0)
+    >>> np.round(alpha.sum(axis=-1), 12)
+    array([1., 1.])
+    """
+    check_choice(weighting, "weighting", WEIGHTINGS)
+    xp = array_namespace(proposal_weights, query_affinity,
+                         names=("proposal_weights", "query_affinity"))
+    weights = proposal_weights[..., None, :]
+    if weighting == "balance":
+        return weights + xp.zeros_like(query_affinity)
+    if weighting == "decoupled":
+        return weights + beta * (query_affinity - xp.mean(query_affinity, axis=-1, keepdims=True))
+    weighted_mean = xp.sum(weights * query_affinity, axis=-1, keepdims=True)
+    return weights + weights * (query_affinity - weighted_mean)
+
+
+def _check_beta(beta: Any) -> float:
+    if isinstance(beta, bool) or not isinstance(beta, int | float):
+        raise TypeError(f"beta must be a real number, got {type(beta).__name__} {beta!r}")
+    if not math.isfinite(beta):
+        raise ValueError(f"beta must be finite, got {beta}")
+    return float(beta)
+
+
+def lara(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    num_samples: int,
+    proposal: str = "segment",
+    weighting: str = "decoupled",
+    beta: float = 2.0,
+    deterministic: bool = False,
+    scale: float | None = None,
+    key_mask: Array | None = None,
+    query_mask: Array | None = None,
+    rng: Any = None,
+) -> Array:
+    r"""Linear randomized attention (LARA), O((N + M) C) in time and memory.
+
+    Splits the allowed queries and the allowed keys into C contiguous segments each
+    (sizes differ by at most one), takes their means :math:`\tilde q_c, \tilde k_c` of
+    the scaled inputs :math:`\hat q = \sqrt{s}\,q`, :math:`\hat k = \sqrt{s}\,k`, builds
+    one proposal :math:`N(\mu_c, I)` per segment, draws :math:`\omega_c = \mu_c +
+    \epsilon_c` and evaluates, in the stabilized form of DESIGN §3,
+
+    .. math::
+
+        e_{nc} = \omega_c \cdot \hat q_n + K_c - \tfrac12\lVert\omega_c\rVert^2
+                 + \tfrac12\lVert\omega_c - \mu_c\rVert^2, \quad
+        u_{nc} = \alpha_{nc}\, e^{e_{nc} - \max_{c'} e_{nc'}}, \quad
+        y_n = \frac{\sum_c u_{nc} A'_c}{\sum_c u_{nc} b'_c},
+
+    where :math:`K_c, A'_c, b'_c` are RFA's stabilized key statistics with the samples
+    :math:`\omega_c`. The proposal means are
+
+    - ``"segment"`` (eq. 34, default): :math:`\mu_c = \tilde q_c + \tilde k_c`;
+    - ``"key_attention"`` (eq. 33): :math:`\mu_c = \tilde q_c + \sum_m
+      \mathrm{softmax}_m(\tilde q_c \cdot \hat k_m)\, \hat k_m` (O(CM));
+    - ``"landmark_attention"`` (eq. 35): :math:`\mu_c = \tilde q_c + \sum_{c'}
+      \mathrm{softmax}_{c'}(\tilde k_c \cdot \tilde k_{c'})\, \tilde k_{c'}`;
+    - ``"standard"``: :math:`\mu_c = 0` (with ``weighting="balance"`` this is exactly
+      RFA with the positive map and the samples :math:`\omega_c`).
+
+    The weights :math:`\alpha_{nc}` are :func:`lara_weights` with the balance heuristic
+    :math:`w_c = q_c(\omega_c) / \sum_{c'} q_{c'}(\omega_c)` and the query affinities
+    :math:`r_{nc} = \mathrm{softmax}_n(\hat q_n \cdot \tilde q_c)` (softmax over the
+    allowed queries), clipped from below at :data:`WEIGHT_FLOOR` (the corrections can
+    make them negative; the authors' code clips the same way).
+
+    Parameters
+    ----------
+    q : array, shape (..., N, D)
+    k : array, shape (..., M, D)
+    v : array, shape (..., M, Dv)
+        Queries, keys, values; leading dims broadcast. Half precision is computed in
+        float32 and returned in the input dtype.
+    num_samples : int
+        C, the number of proposals (one sample each), 1 <= C <= N. C may exceed M:
+        key segments without keys then have a zero mean.
+    proposal : {"segment", "key_attention", "landmark_attention", "standard"}
+    weighting : {"decoupled", "balance", "coupled"}
+    beta : float
+        Strength of the query-specific correction of ``weighting="decoupled"``.
+    deterministic : bool
+        Use the proposal means as samples, :math:`\omega_c = \mu_c` (the paper's
+        evaluation mode); ``rng`` is then not used.
+    scale : float, optional
+        Score scale, ``1/sqrt(D)`` by default.
+    key_mask : bool array, shape (..., M), optional
+        True where a key takes part. Masked keys are left out of the key segments (their
+        segment means and sizes), of the key statistics and of ``"key_attention"``.
+        A query without allowed keys gets a zero row.
+    query_mask : bool array, shape (..., N), optional
+        True where a query takes part. Masked queries are left out of the query segments
+        and of the softmax over queries in :math:`r_{nc}`; their output rows are zeros.
+        Segments are formed over the allowed entries only, so padding queries or keys with
+        masked entries changes nothing. A segment with no allowed entry (possible when
+        fewer than C entries are allowed) has a zero mean; it still yields a proposal,
+        never NaN.
+    rng : None, int, xattn.random.Generator or native generator
+        Source of the noise :math:`\epsilon_c \sim N(0, I)`, drawn with shape
+        ``(*batch_shape, C, D)`` (an int seed gives the same draws on every backend;
+        pass a JAX key under :func:`jax.jit`).
+
+    Returns
+    -------
+    array, shape (..., N, Dv)
+        In the namespace, device and dtype of the inputs.
+
+    Raises
+    ------
+    ValueError
+        If ``num_samples < 1`` or ``num_samples > N``, or ``proposal`` / ``weighting``
+        is not one of the names above.
+
+    References
+    ----------
+    L. Zheng, C. Wang, L. Kong, "Linear Complexity Randomized Self-attention
+    Mechanism", ICML 2022, §4 and Appendix G.3.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import xattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(2, 64, 8)), rng.normal(size=(2, 48, 8)), rng.normal(
+    ...     size=(2, 48, 4))
+    >>> out = xattn.lara(q, k, v, num_samples=8, rng=0)
+    >>> out.shape
+    (2, 64, 4)
+    >>> exact = xattn.softmax_attention(q, k, v)
+    >>> evaluation = xattn.lara(q, k, v, num_samples=8, deterministic=True)
+    >>> bool(np.mean((evaluation - exact) ** 2) < np.mean(exact ** 2))
+    True
+    """
+    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask)
+    xp = inputs.xp
+    num_samples = check_positive_int(num_samples, "num_samples")
+    if num_samples > inputs.num_queries:
+        raise ValueError(f"num_samples (C = {num_samples}) must be <= the number of queries "
+                         f"N = {inputs.num_queries} of q with shape {tuple(inputs.q.shape)}")
+    check_choice(proposal, "proposal", PROPOSALS)
+    check_choice(weighting, "weighting", WEIGHTINGS)
+    beta = _check_beta(beta)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+
+    dtype, device = inputs.compute_dtype, inputs.device
+    root_scale = math.sqrt(inputs.scale)
+    q_hat, k_hat, v = root_scale * inputs.q, root_scale * inputs.k, inputs.v
+    key_mask, query_mask = inputs.key_mask, inputs.query_mask
+
+    # Landmarks: means of C contiguous segments of the allowed queries and keys (G.3.1).
+    query_membership = _segment_membership(xp, query_mask, inputs.num_queries, num_samples,
+                                           dtype=dtype, device=device)
+    key_membership = _segment_membership(xp, key_mask, inputs.num_keys, num_samples,
+                                         dtype=dtype, device=device)
+    query_landmarks, _ = _segment_means(xp, query_membership, q_hat)  # q~_c
+    key_landmarks, key_segment_sizes = _segment_means(xp, key_membership, k_hat)  # k~_c
+    proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
+                                     key_segment_sizes, k_hat, key_mask)  # mu_c
+
+    # One sample per proposal: omega_c = mu_c + eps_c (deterministic: omega_c = mu_c).
+    sample_shape = (*inputs.batch_shape, num_samples, inputs.q.shape[-1])
+    if deterministic:
+        omega = proposal_means
+    else:
+        noise = as_generator(rng).normal(xp, sample_shape, dtype=dtype, device=device)
+        omega = proposal_means + noise
+    omega = xp.broadcast_to(omega, sample_shape)
+
+    # Weights alpha_nc: balance heuristic at each proposal's own sample, plus the
+    # query-specific correction with r_nc = softmax over queries of q^_n . q~_c (G.3.2).
+    balance = balance_heuristic(omega, proposal_means)  # (..., C samples, C proposals)
+    own_weight = xp.sum(balance * xp.eye(num_samples, dtype=dtype, device=device), axis=-1)
+    allowed_queries = None if query_mask is None else query_mask[..., :, None]
+    query_affinity = _masked_softmax(xp, q_hat @ xp.matrix_transpose(query_landmarks),
+                                     allowed_queries, axis=-2)  # r_nc, (..., N, C)
+    weights = lara_weights(own_weight, query_affinity, weighting=weighting, beta=beta)
+    weights = xp.maximum(weights, xp.full_like(weights, WEIGHT_FLOOR))
+
+    # Stabilized estimator (eq. 28, DESIGN §3): key side exactly as RFA ...
+    key_max, numerator, denominator = positive_key_statistics(xp, k_hat, v, omega, key_mask)
+    # ... and e_nc = omega_c . q^_n + K_c - |omega_c|^2/2 + |omega_c - mu_c|^2/2, where the
+    # last two terms are log N(omega_c; 0, I) - log q_c(omega_c).
+    offset = omega - proposal_means
+    log_density_ratio = 0.5 * (xp.sum(offset * offset, axis=-1) - xp.sum(omega * omega, axis=-1))
+    logits = q_hat @ xp.matrix_transpose(omega) + (key_max + log_density_ratio)[..., None, :]
+    out = weighted_readout(xp, logits, numerator, denominator, coefficients=weights)
+    if query_mask is not None:
+        out = xp.where(query_mask[..., :, None], out, xp.zeros_like(out))
+    return inputs.finish(out)
