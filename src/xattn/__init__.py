@@ -5,13 +5,14 @@ Public names:
 - :func:`softmax_attention`: exact softmax attention (the reference);
 - :func:`ra`: randomized attention (unbiased, biased and deterministic forms);
 - :func:`lara`: linear randomized attention (multiple-importance sampling, linear cost);
+- :mod:`xattn.mrf`: linear-chain MRF log-partition functions, exact and random-feature;
 - :mod:`xattn.random`: the random-number adapter (:func:`xattn.random.default_rng`).
 """
 
-from xattn import random
+from xattn import mrf, random
 from xattn.lara import lara
 from xattn.ra import ra
 from xattn.softmax import softmax_attention
 
-__all__ = ["lara", "ra", "random", "softmax_attention"]
+__all__ = ["lara", "mrf", "ra", "random", "softmax_attention"]
 __version__ = "0.1.0.dev0"
