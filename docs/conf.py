@@ -31,6 +31,11 @@ root_doc = "index"
 # ``examples`` holds the gallery sources; sphinx-gallery renders them into auto_examples.
 exclude_patterns = ["_build", "examples", "Thumbs.db", ".DS_Store"]
 
+# ``|X|`` (the number of MRF states) appears in docstrings' shape specs; make it literal.
+rst_epilog = r"""
+.. |X| replace:: \|X\|
+"""
+
 # -- autodoc / autosummary / numpydoc ----------------------------------------------------
 autosummary_generate = True
 autodoc_typehints = "none"  # numpydoc's Parameters sections carry the types

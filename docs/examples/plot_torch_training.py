@@ -21,8 +21,8 @@ import torch
 import xattn
 
 torch.manual_seed(0)
-batch, num_tokens, model_dim, head_dim, num_features = 16, 32, 16, 16, 64
-steps, redraw_every = 120, 10
+batch, num_tokens, model_dim, head_dim, num_features = 8, 32, 16, 16, 64
+steps, redraw_every = 100, 10
 
 
 class Attention(torch.nn.Module):
