@@ -44,5 +44,6 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the Sphinx documentation with warnings as errors."""
-    session.install(*CONSTRAINTS, "-e", ".[docs,cli]")
+    # the gallery runs examples on torch, JAX and Dask: install the backends too
+    session.install(*CONSTRAINTS, "-e", ".[docs,cli,torch,jax,dask]")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
