@@ -212,3 +212,19 @@ def test_bad_rf_arguments(xp, rng, kwargs, error, message):
 def test_public_name():
     assert xattn.mrf.log_partition is log_partition
     assert "mrf" in xattn.__all__
+
+
+def test_jax_jit_with_key(rng):
+    """No Python control flow on array values: both functions trace under jax.jit, drawing
+    omega from a JAX key inside the compiled function."""
+    jax = pytest.importorskip("jax")
+    embeddings = make_embeddings(rng, batch=(), num_steps=5)
+    compiled = jax.jit(lambda e, key: (
+        log_partition(e),
+        log_partition_rf(e, num_features=32, rng=key),
+        log_partition_rf(e, num_features=32, rng=key, method="parallel"),
+    ))
+    exact, sequential, parallel = compiled(jax.numpy.asarray(embeddings, dtype="float32"),
+                                           jax.random.key(0))
+    np.testing.assert_allclose(float(exact), brute_force_log_partition(embeddings), rtol=2e-5)
+    np.testing.assert_allclose(float(parallel), float(sequential), rtol=2e-5)
