@@ -1,0 +1,345 @@
+"""RFA / Performer FAVOR+ (xattn.rfa) against the explicit float64 formula, on every backend."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import xattn
+from xattn.features import sample_omega
+from xattn.rfa import TrigonometricDenominatorWarning
+
+MAPS = ("positive", "hyperbolic", "trigonometric")
+
+
+def explicit_rfa(q, k, v, omega, feature_map, *, scale=None, key_mask=None, causal=False):
+    """phi(Q) (phi(K)^T V) / phi(Q) (phi(K)^T 1) written out in float64 NumPy, with the
+    kernel matrix phi(q_n).phi(k_m) restricted to the allowed keys (mask, causal m <= n).
+    A query without allowed keys gets a zero row."""
+    q, k, v, omega = (np.asarray(a, dtype=np.float64) for a in (q, k, v, omega))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    q_hat, k_hat = np.sqrt(scale) * q, np.sqrt(scale) * k
+
+    def features(x):
+        projections = x @ omega.T
+        half_sq_norm = 0.5 * np.sum(x * x, axis=-1, keepdims=True)
+        if feature_map == "positive":
+            return np.exp(projections - half_sq_norm)
+        if feature_map == "hyperbolic":
+            return np.concatenate([np.exp(projections - half_sq_norm),
+                                   np.exp(-projections - half_sq_norm)], axis=-1) / np.sqrt(2)
+        return np.exp(half_sq_norm) * np.concatenate([np.sin(projections),
+                                                      np.cos(projections)], axis=-1)
+
+    kernel = features(q_hat) @ np.swapaxes(features(k_hat), -1, -2) / omega.shape[0]
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    allowed = np.ones((num_queries, num_keys), dtype=bool)
+    if causal:
+        allowed &= np.arange(num_queries)[:, None] >= np.arange(num_keys)[None, :]
+    if key_mask is not None:
+        allowed = allowed & np.asarray(key_mask)[..., None, :]
+    kernel = np.where(allowed, kernel, 0.0)
+    denominator = kernel.sum(-1, keepdims=True)
+    return (kernel @ v) / np.where(allowed.any(-1, keepdims=True), denominator, 1.0)
+
+
+def make_qkv(rng, batch=(2, 3), num_queries=9, num_keys=11, head_dim=8, value_dim=5,
+             spread=1.0):
+    q = spread * rng.normal(size=(*batch, num_queries, head_dim))
+    k = spread * rng.normal(size=(*batch, num_keys, head_dim))
+    v = rng.normal(size=(*batch, num_keys, value_dim))
+    return q, k, v
+
+
+def omega_for(rng, num_features=16, head_dim=8):
+    return sample_omega(int(rng.integers(2**31)), num_features, head_dim, xp=np,
+                        dtype=np.float64)
+
+
+def spread_for(feature_map):
+    # trigonometric: small scores keep the estimated normalizer well away from zero
+    return 0.3 if feature_map == "trigonometric" else 1.0
+
+
+# 1 and 5: the explicit formula, with and without masks, causal and not -------------------
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_matches_explicit_formula(xp, rng, feature_map, causal, masked):
+    q, k, v = make_qkv(rng, num_queries=10, num_keys=10, spread=spread_for(feature_map))
+    omega = omega_for(rng)
+    key_mask = None
+    if masked:
+        key_mask = rng.random((2, 1, 10)) < 0.6
+        key_mask[:, :, 0] = True
+        key_mask[1, 0, :] = False  # a whole batch row without keys: zero outputs
+    out = xattn.rfa(*map(xp.asarray, (q, k, v)), omega=xp.asarray(omega),
+                    feature_map=feature_map, causal=causal, block_size=3,
+                    key_mask=None if key_mask is None else xp.asarray(key_mask))
+    expected = explicit_rfa(q, k, v, omega, feature_map, key_mask=key_mask, causal=causal)
+    if masked:
+        assert np.all(expected[1, 0] == 0.0)
+    xp.check(out, expected, dtype=xp.float64)
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("num_queries,num_keys", [(6, 11), (11, 6)])
+def test_cross_attention_causal_and_not(xp, rng, feature_map, num_queries, num_keys):
+    q, k, v = make_qkv(rng, num_queries=num_queries, num_keys=num_keys,
+                       spread=spread_for(feature_map))
+    omega = omega_for(rng)
+    for causal in (False, True):
+        out = xattn.rfa(*map(xp.asarray, (q, k, v)), omega=xp.asarray(omega),
+                        feature_map=feature_map, causal=causal, block_size=4, scale=0.5)
+        expected = explicit_rfa(q, k, v, omega, feature_map, causal=causal, scale=0.5)
+        xp.check(out, expected, dtype=xp.float64)
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+def test_float32_and_broadcast_leading_dims(xp, rng, feature_map):
+    spread = spread_for(feature_map)
+    q = spread * rng.normal(size=(2, 1, 6, 4))
+    k = spread * rng.normal(size=(1, 3, 7, 4))
+    v = rng.normal(size=(7, 2))
+    omega = omega_for(rng, num_features=8, head_dim=4)
+    for causal in (False, True):
+        out = xattn.rfa(*(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)),
+                        omega=xp.asarray(omega, dtype=xp.float32), feature_map=feature_map,
+                        causal=causal, block_size=4)
+        assert tuple(out.shape) == (2, 3, 6, 2)
+        xp.check(out, explicit_rfa(q, k, v, omega, feature_map, causal=causal),
+                 dtype=xp.float32, rtol=1e-4)
+
+
+def test_half_precision_returns_input_dtype(xp, rng):
+    if xp.name in ("array_api_strict", "dask") or xp.name.startswith("cupy"):
+        pytest.skip(f"{xp.name}: half precision matmul is not offered")
+    q, k, v = make_qkv(rng, batch=(2,), head_dim=4)
+    omega = omega_for(rng, num_features=8, head_dim=4)
+    for dtype in (xp.float16, getattr(xp.ns, "bfloat16", None)):
+        if dtype is None:
+            continue
+        arrays = [xp.asarray(a, dtype=dtype) for a in (q, k, v)]
+        out = xattn.rfa(*arrays, omega=xp.asarray(omega))
+        rounded = [xp.to_numpy(a) for a in arrays]  # the inputs as the estimator sees them
+        xp.check(out, explicit_rfa(*rounded, omega, "positive"), dtype=dtype, rtol=2e-2)
+
+
+# 4: large scores stay finite in float32 -------------------------------------------------
+
+@pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_scores_of_80_stay_finite_in_float32(xp, rng, feature_map, causal):
+    head_dim = 8
+    direction = rng.normal(size=head_dim)
+    direction /= np.linalg.norm(direction)
+    q = np.sqrt(80.0) * (direction + 0.05 * rng.normal(size=(2, 9, head_dim)))
+    k = np.sqrt(80.0) * (direction + 0.05 * rng.normal(size=(2, 9, head_dim)))
+    v = rng.normal(size=(2, 9, 3))
+    q_dot_k = q @ np.swapaxes(k, -1, -2)
+    assert q_dot_k.max() > 80.0  # scale=1: q_hat.k_hat reaches 80
+    omega = omega_for(rng, num_features=32, head_dim=head_dim)
+    out = xattn.rfa(*(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)),
+                    omega=xp.asarray(omega, dtype=xp.float32), feature_map=feature_map,
+                    scale=1.0, causal=causal, block_size=4)
+    result = xp.to_numpy(out)
+    assert np.all(np.isfinite(result))
+    # the unstabilized formula overflows here (e^{|w||q|} ~ e^{100}); the float64 reference
+    # of the same estimator is still finite, and float32 agrees with it
+    expected = xp.to_numpy(xattn.rfa(*map(xp.asarray, (q, k, v)), omega=xp.asarray(omega),
+                                     feature_map=feature_map, scale=1.0, causal=causal,
+                                     block_size=4))
+    np.testing.assert_allclose(result, expected, rtol=1e-3, atol=1e-3 * np.abs(v).max())
+
+
+# 5: no look-ahead -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("feature_map", MAPS)
+def test_causal_no_look_ahead(xp, rng, feature_map):
+    spread = spread_for(feature_map)
+    num_tokens, cut = 12, 6  # positions 0..5 kept; block_size 4 splits block 4..7
+    q, k, v = make_qkv(rng, batch=(2,), num_queries=num_tokens, num_keys=num_tokens,
+                       spread=spread)
+    omega = xp.asarray(omega_for(rng))
+
+    def run(q, k, v):
+        return xp.to_numpy(xattn.rfa(*map(xp.asarray, (q, k, v)), omega=omega,
+                                     feature_map=feature_map, causal=True, block_size=4))
+
+    base = run(q, k, v)[..., : cut + 1, :]
+    changed_q, changed_k, changed_v = q.copy(), k.copy(), v.copy()
+    changed_q[..., cut + 1:, :] = 5.0 * rng.normal(size=changed_q[..., cut + 1:, :].shape)
+    changed_k[..., cut + 1:, :] = 5.0 * rng.normal(size=changed_k[..., cut + 1:, :].shape)
+    changed_k[..., cut + 1, :] = 30.0 * spread  # an outlier key right after n, same block
+    changed_v[..., cut + 1:, :] = 1e3
+    appended = [np.concatenate([a, 4.0 * rng.normal(size=(2, 9, a.shape[-1]))], axis=-2)
+                for a in (q, k, v)]
+    for variant in ((changed_q, changed_k, changed_v), appended):
+        with warnings.catch_warnings():
+            # the wild tokens after n may drive a trigonometric normalizer after n below
+            # zero (a clamped row, warned about); rows <= n are what is checked here
+            warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
+            out = run(*variant)[..., : cut + 1, :]
+        np.testing.assert_allclose(out, base, rtol=1e-9, atol=1e-9 * np.abs(base).max())
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 5, 64])
+def test_causal_block_size_does_not_change_result(xp, rng, block_size):
+    q, k, v = make_qkv(rng)
+    omega = omega_for(rng)
+    out = xattn.rfa(*map(xp.asarray, (q, k, v)), omega=xp.asarray(omega), causal=True,
+                    block_size=block_size)
+    xp.check(out, explicit_rfa(q, k, v, omega, "positive", causal=True), dtype=xp.float64)
+
+
+# 6: seeds, gradients, jit ------------------------------------------------------------------
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("orthogonal", [True, False])
+def test_int_seed_same_output_on_every_backend(xp, rng, feature_map, orthogonal):
+    q, k, v = make_qkv(rng, spread=spread_for(feature_map))
+    kwargs = dict(num_features=12, feature_map=feature_map, orthogonal=orthogonal, rng=123)
+    expected = xattn.rfa(q, k, v, **kwargs)  # NumPy
+    out = xattn.rfa(*map(xp.asarray, (q, k, v)), **kwargs)
+    xp.check(out, expected, dtype=xp.float64, rtol=1e-9)
+    omega = sample_omega(123, 12, 8, xp=np, dtype=np.float64, orthogonal=orthogonal)
+    np.testing.assert_allclose(expected, explicit_rfa(q, k, v, omega, feature_map), rtol=1e-10)
+
+
+def test_native_generator_and_default_features(xp, rng):
+    q, k, v = make_qkv(rng, batch=(2,))
+    arrays = tuple(map(xp.asarray, (q, k, v)))
+    generator = xattn.random.default_rng(0, like=arrays[0])
+    out = xattn.rfa(*arrays, rng=generator)
+    assert tuple(out.shape) == (2, 9, 5)
+    assert np.all(np.isfinite(xp.to_numpy(out)))
+    fresh = xattn.rfa(*arrays)  # rng=None: fresh entropy, default S = max(D, D ln D)
+    assert np.all(np.isfinite(xp.to_numpy(fresh)))
+
+
+@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_gradients(rng, feature_map, causal):
+    torch = pytest.importorskip("torch")
+    q, k, v = make_qkv(rng, batch=(2,), num_queries=5, num_keys=5, head_dim=3, value_dim=2,
+                       spread=spread_for(feature_map))
+    omega = torch.as_tensor(omega_for(rng, num_features=4, head_dim=3))
+    tensors = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+
+    def function(q, k, v):
+        return xattn.rfa(q, k, v, omega=omega, feature_map=feature_map, causal=causal,
+                         block_size=2)
+
+    assert torch.autograd.gradcheck(function, tensors)
+
+
+@pytest.mark.parametrize("feature_map,causal", [("positive", False), ("positive", True),
+                                                ("hyperbolic", True), ("trigonometric", True)])
+def test_jax_gradients_match_torch(rng, feature_map, causal):
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    q, k, v = make_qkv(rng, batch=(2,), num_queries=5, num_keys=5, head_dim=3, value_dim=2,
+                       spread=spread_for(feature_map))
+    omega = omega_for(rng, num_features=4, head_dim=3)
+    weights = rng.normal(size=(2, 5, 2))
+
+    def jax_loss(q, k, v):
+        out = xattn.rfa(q, k, v, omega=jax.numpy.asarray(omega), feature_map=feature_map,
+                        causal=causal, block_size=2)
+        return jax.numpy.sum(out * weights)
+
+    jax_grads = jax.grad(jax_loss, argnums=(0, 1, 2))(*map(jax.numpy.asarray, (q, k, v)))
+    tensors = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    out = xattn.rfa(*tensors, omega=torch.as_tensor(omega), feature_map=feature_map,
+                    causal=causal, block_size=2)
+    (out * torch.as_tensor(weights)).sum().backward()
+    for jax_grad, tensor in zip(jax_grads, tensors, strict=True):
+        assert np.all(np.isfinite(np.asarray(jax_grad)))
+        np.testing.assert_allclose(np.asarray(jax_grad), tensor.grad.numpy(), rtol=1e-9,
+                                   atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_jit_with_key(rng, causal):
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    q, k, v = map(jax.numpy.asarray, make_qkv(rng, batch=(2,)))
+
+    @jax.jit
+    def attend(q, k, v, key):
+        return xattn.rfa(q, k, v, num_features=16, rng=key, causal=causal, block_size=4)
+
+    key = jax.random.key(0)
+    jitted = attend(q, k, v, key)
+    eager = xattn.rfa(q, k, v, num_features=16, rng=key, causal=causal, block_size=4)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-9)
+    other = attend(q, k, v, jax.random.key(1))
+    assert not np.allclose(np.asarray(other), np.asarray(jitted))
+
+
+# trigonometric guard -------------------------------------------------------------------------
+
+def negative_denominator_case():
+    # one sample w = pi, one key at distance 1 from the query: cos(w (q - k)) = -1 < 0
+    q = np.zeros((1, 2, 1))
+    k = np.array([[[1.0], [1.0]]])
+    v = np.array([[[1.0], [2.0]]])
+    return q, k, v, np.array([[np.pi]])
+
+
+def test_trigonometric_negative_denominator_warns_and_stays_finite(xp):
+    q, k, v, omega = negative_denominator_case()
+    for causal in (False, True):
+        with pytest.warns(TrigonometricDenominatorWarning, match="not positive"):
+            out = xattn.rfa(*map(xp.asarray, (q, k, v)), omega=xp.asarray(omega),
+                            feature_map="trigonometric", scale=1.0, causal=causal)
+        if xp.name == "dask":  # lazy: no warning can be raised without computing twice
+            continue
+        assert np.all(np.isfinite(xp.to_numpy(out)))
+
+
+def test_trigonometric_guard_under_jit_is_finite():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    q, k, v, omega = map(jax.numpy.asarray, negative_denominator_case())
+    attend = jax.jit(lambda q, k, v: xattn.rfa(q, k, v, omega=omega, scale=1.0,
+                                               feature_map="trigonometric"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = attend(q, k, v)  # traced: values cannot be read, only the clamp applies
+    assert np.all(np.isfinite(np.asarray(out)))
+
+
+# 7: bad input -------------------------------------------------------------------------------
+
+def test_bad_input(rng):
+    q, k, v = make_qkv(rng, batch=(2,))
+    with pytest.raises(ValueError, match="num_features"):
+        xattn.rfa(q, k, v, num_features=0)
+    with pytest.raises(TypeError, match="num_features"):
+        xattn.rfa(q, k, v, num_features=2.5)
+    with pytest.raises(ValueError, match=r"omega must have shape \(S, D\) = \(S, 8\)"):
+        xattn.rfa(q, k, v, omega=np.ones((4, 7)))
+    with pytest.raises(ValueError, match=r"omega must have shape \(S, D\) = \(5, 8\)"):
+        xattn.rfa(q, k, v, omega=np.ones((4, 8)), num_features=5)
+    with pytest.raises(ValueError, match=r"omega must have shape \(S, D\)"):
+        xattn.rfa(q, k, v, omega=np.ones((2, 4, 8)))
+    with pytest.raises(ValueError, match="feature_map"):
+        xattn.rfa(q, k, v, feature_map="cosine")
+    with pytest.raises(ValueError, match="block_size"):
+        xattn.rfa(q, k, v, causal=True, block_size=0)
+    with pytest.raises(TypeError, match="causal"):
+        xattn.rfa(q, k, v, causal="yes")
+    with pytest.raises(ValueError, match="sample_norm"):
+        xattn.rfa(q, k, v, sample_norm="unit")
+
+
+def test_omega_from_another_library(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = make_qkv(rng, batch=(2,))
+    with pytest.raises(TypeError, match="omega"):
+        xattn.rfa(q, k, v, omega=torch.ones(4, 8, dtype=torch.float64))
