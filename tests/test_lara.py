@@ -1,0 +1,425 @@
+"""LARA against a float64 NumPy reference of eq. 28, on every backend; its identities,
+weights, masks, stability, errors, and the approximation-quality claims of its paper."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import xattn
+from xattn.lara import PROPOSALS, WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara_weights
+
+import reference
+
+# ---------------------------------------------------------------------------------------
+# float64 NumPy reference: the unstabilized formula (paper eq. 28, DESIGN §3), with loops
+
+
+def _segments(allowed, num_segments):
+    """Index arrays of C contiguous segments of the allowed positions (sizes differ by <= 1)."""
+    positions = np.flatnonzero(allowed)
+    base, extra = divmod(len(positions), num_segments)
+    sizes = [base + 1] * extra + [base] * (num_segments - extra)
+    return np.split(positions, np.cumsum(sizes)[:-1])
+
+
+def _gaussian(x, mean):
+    return np.exp(-0.5 * np.sum((x - mean) ** 2, axis=-1)) / (2 * np.pi) ** (x.shape[-1] / 2)
+
+
+def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting, beta):
+    num_samples, dim = noise.shape
+    q_segments = [q[s].mean(0) if len(s) else np.zeros(dim)
+                  for s in _segments(query_allowed, num_samples)]
+    k_segment_idx = _segments(key_allowed, num_samples)
+    k_segments = [k[s].mean(0) if len(s) else np.zeros(dim) for s in k_segment_idx]
+    q_tilde, k_tilde = np.array(q_segments), np.array(k_segments)
+    if proposal == "standard":
+        mu = np.zeros((num_samples, dim))
+    elif proposal == "segment":
+        mu = q_tilde + k_tilde
+    elif proposal == "key_attention":
+        keys = k[key_allowed]
+        mu = q_tilde.copy()
+        for c in range(num_samples):
+            if len(keys):
+                p = np.exp(keys @ q_tilde[c] - np.max(keys @ q_tilde[c]))
+                mu[c] += (p / p.sum()) @ keys
+    else:  # landmark_attention
+        nonempty = np.array([len(s) > 0 for s in k_segment_idx])
+        mu = q_tilde.copy()
+        for c in range(num_samples):
+            logits = k_tilde[nonempty] @ k_tilde[c]
+            if nonempty.any():
+                p = np.exp(logits - logits.max())
+                mu[c] += (p / p.sum()) @ k_tilde[nonempty]
+    omega = mu + noise
+    density = np.array([[_gaussian(omega[c], mu[d]) for d in range(num_samples)]
+                        for c in range(num_samples)])  # q_d(omega_c)
+    balance = np.diag(density) / density.sum(axis=1)
+    similarity = np.where(query_allowed[:, None], np.exp(q @ q_tilde.T), 0.0)
+    affinity = similarity / similarity.sum(axis=0, keepdims=True)  # r_nc: softmax over n
+    if weighting == "balance":
+        alpha = np.broadcast_to(balance, affinity.shape)
+    elif weighting == "decoupled":
+        alpha = balance + beta * (affinity - affinity.mean(axis=1, keepdims=True))
+    else:
+        alpha = balance + balance * (affinity - (balance * affinity).sum(axis=1, keepdims=True))
+    alpha = np.maximum(alpha, WEIGHT_FLOOR)
+    alpha_prime = alpha * _gaussian(omega, 0.0) / _gaussian(omega, mu)
+
+    def xi(x):
+        return np.exp(x @ omega.T - 0.5 * np.sum(x * x, axis=-1, keepdims=True))
+
+    key_features = np.where(key_allowed[:, None], xi(k), 0.0)
+    numerator_c, denominator_c = key_features.T @ v, key_features.sum(0)
+    query_weights = alpha_prime * xi(q)
+    numerator, denominator = query_weights @ numerator_c, query_weights @ denominator_c
+    out = numerator / np.where(denominator > 0, denominator, 1.0)[:, None]
+    return np.where((query_allowed & (denominator > 0))[:, None], out, 0.0)
+
+
+def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decoupled",
+                   beta=2.0, scale=None, key_mask=None, query_mask=None, seed=None):
+    """LARA in float64 with explicit densities; ``seed=None`` is the deterministic mode.
+    The noise is what an int seed draws: ``default_rng(seed).standard_normal((*batch, C, D))``."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    num_queries, num_keys, dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    key_mask = np.ones(num_keys, bool) if key_mask is None else np.asarray(key_mask)
+    query_mask = np.ones(num_queries, bool) if query_mask is None else np.asarray(query_mask)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], key_mask.shape[:-1],
+                                query_mask.shape[:-1])
+    q = np.broadcast_to(math.sqrt(scale) * q, (*batch, num_queries, dim))
+    k = np.broadcast_to(math.sqrt(scale) * k, (*batch, num_keys, dim))
+    v = np.broadcast_to(v, (*batch, *v.shape[-2:]))
+    key_mask = np.broadcast_to(key_mask, (*batch, num_keys))
+    query_mask = np.broadcast_to(query_mask, (*batch, num_queries))
+    shape = (*batch, num_samples, dim)
+    noise = (np.zeros(shape) if seed is None
+             else np.random.default_rng(seed).standard_normal(shape))
+    out = np.zeros((*batch, num_queries, v.shape[-1]))
+    for index in np.ndindex(*batch):
+        out[index] = _lara_single(q[index], k[index], v[index], key_mask[index],
+                                  query_mask[index], noise[index], proposal, weighting, beta)
+    return out
+
+
+def rfa_positive(q, k, v, omega, scale=None):
+    """RFA with the positive map and explicit samples, phi(Q)(phi(K)^T V) / phi(Q)(phi(K)^T 1)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q_hat, k_hat = math.sqrt(scale) * q, math.sqrt(scale) * k
+
+    def phi(x):
+        return np.exp(x @ omega.T - 0.5 * np.sum(x * x, -1, keepdims=True)) / math.sqrt(
+            len(omega))
+
+    return (phi(q_hat) @ (phi(k_hat).T @ v)) / (phi(q_hat) @ phi(k_hat).sum(0))[:, None]
+
+
+def make_qkv(rng, batch=(2,), num_queries=12, num_keys=10, head_dim=6, value_dim=3):
+    q = rng.normal(size=(*batch, num_queries, head_dim))
+    k = rng.normal(size=(*batch, num_keys, head_dim))
+    v = rng.normal(size=(*batch, num_keys, value_dim))
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------
+# the estimator against the reference
+
+
+@pytest.mark.parametrize("proposal", PROPOSALS)
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_matches_reference(xp, rng, proposal, weighting):
+    q, k, v = make_qkv(rng)  # cross-attention: N = 12 queries, M = 10 keys, C = 4
+    out = xattn.lara(*map(xp.asarray, (q, k, v)), num_samples=4, proposal=proposal,
+                     weighting=weighting, beta=1.5, rng=7)
+    expected = reference_lara(q, k, v, num_samples=4, proposal=proposal, weighting=weighting,
+                              beta=1.5, seed=7)
+    xp.check(out, expected, dtype=xp.float64)
+
+
+@pytest.mark.parametrize("num_samples", [1, 5, 12])
+def test_uneven_segments_float32_and_deterministic(xp, rng, num_samples):
+    # C does not divide N = 12 or M = 10, and C = 12 > M gives empty key segments
+    q, k, v = make_qkv(rng)
+    out = xattn.lara(*(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)),
+                     num_samples=num_samples, deterministic=True, scale=0.5)
+    expected = reference_lara(q, k, v, num_samples=num_samples, scale=0.5)
+    xp.check(out, expected, dtype=xp.float32, rtol=1e-4)
+
+
+def test_leading_dims_broadcast_and_masks(xp, rng):
+    q = rng.normal(size=(2, 1, 9, 4))
+    k = rng.normal(size=(1, 3, 7, 4))
+    v = rng.normal(size=(7, 2))
+    key_mask = rng.random((3, 7)) < 0.7
+    query_mask = rng.random((2, 1, 9)) < 0.8
+    out = xattn.lara(*map(xp.asarray, (q, k, v)), num_samples=3, key_mask=xp.asarray(key_mask),
+                     query_mask=xp.asarray(query_mask), proposal="key_attention", rng=3)
+    assert tuple(out.shape) == (2, 3, 9, 2)
+    expected = reference_lara(q, k, v, num_samples=3, key_mask=key_mask,
+                              query_mask=query_mask, proposal="key_attention", seed=3)
+    xp.check(out, expected, dtype=xp.float64)
+
+
+def test_deterministic_needs_no_rng(xp, rng):
+    arrays = tuple(map(xp.asarray, make_qkv(rng)))
+    first = xattn.lara(*arrays, num_samples=3, deterministic=True)
+    second = xattn.lara(*arrays, num_samples=3, deterministic=True, rng=123)
+    xp.check(first, xp.to_numpy(second), dtype=xp.float64, rtol=0.0, atol=0.0)
+
+
+def test_half_precision_returns_input_dtype(xp, rng):
+    if xp.name.startswith(("numpy", "array_api_strict", "dask", "cupy")):
+        half = getattr(xp.ns, "float16", None)
+    else:
+        half = xp.ns.bfloat16 if hasattr(xp.ns, "bfloat16") else xp.ns.float16
+    if half is None:
+        pytest.skip(f"{xp.name} has no half-precision dtype")
+    q, k, v = make_qkv(rng)
+    # the reference gets the inputs rounded to half precision, as the estimator sees them
+    rounded = [xp.to_numpy(xp.asarray(a, dtype=half)) for a in (q, k, v)]
+    out = xattn.lara(*(xp.asarray(a, dtype=half) for a in (q, k, v)), num_samples=4, rng=1)
+    xp.check(out, reference_lara(*rounded, num_samples=4, seed=1), dtype=half, rtol=3e-2)
+
+
+# ---------------------------------------------------------------------------------------
+# test 1: standard proposal + balance heuristic is RFA with the same samples
+
+
+def test_standard_balance_equals_rfa(xp, rng):
+    q, k, v = make_qkv(rng, batch=(), num_queries=11, num_keys=13)
+    num_samples, seed = 5, 11
+    out = xattn.lara(*map(xp.asarray, (q, k, v)), num_samples=num_samples, proposal="standard",
+                     weighting="balance", rng=seed)
+    # an int seed draws default_rng(seed).standard_normal((C, D)): omega_c = 0 + eps_c
+    omega = np.random.default_rng(seed).standard_normal((num_samples, q.shape[-1]))
+    xp.check(out, rfa_positive(q, k, v, omega), dtype=xp.float64, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------
+# test 2: the weights sum to one over proposals, before the floor
+
+
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_weights_sum_to_one(xp, rng, weighting):
+    points = rng.normal(size=(2, 6, 5))  # P = 6 points omega_p
+    means = 1.5 * rng.normal(size=(2, 4, 5))  # C = 4 proposals
+    scores = 3.0 * rng.normal(size=(2, 9, 4))  # N = 9 queries
+    affinity = np.exp(scores) / np.exp(scores).sum(axis=-2, keepdims=True)  # r_nc
+    balance = balance_heuristic(xp.asarray(points), xp.asarray(means))
+    xp.check(xp.sum(balance, axis=-1), np.ones((2, 6)), dtype=xp.float64)
+    for point in range(6):  # the weight functions at one common point omega_p
+        alpha = lara_weights(balance[:, point, :], xp.asarray(affinity), weighting=weighting,
+                             beta=2.0)
+        assert tuple(alpha.shape) == (2, 9, 4)
+        xp.check(xp.sum(alpha, axis=-1), np.ones((2, 9)), dtype=xp.float64)
+    if weighting != "balance":  # the corrections do change the weights (and can go negative)
+        assert np.ptp(xp.to_numpy(alpha), axis=-2).max() > 0.1
+
+
+# ---------------------------------------------------------------------------------------
+# test 3: approximation quality on structured attention (the paper's Figure 1 claims)
+
+
+def clustered_attention(seed, layout, num_tokens=256, head_dim=16, num_clusters=8):
+    """Queries and keys near a few cluster centres (|centre| = 2.5, spread 0.3), values per
+    cluster; with scale = 1 a query's scores to its own cluster exceed the others by ~5,
+    so attention is sharp. Members of a cluster sit at contiguous or scattered positions."""
+    gen = np.random.default_rng(seed)
+    centres = gen.normal(size=(num_clusters, head_dim))
+    centres *= 2.5 / np.linalg.norm(centres, axis=-1, keepdims=True)
+    cluster_values = gen.normal(size=(num_clusters, 8))
+    label = np.repeat(np.arange(num_clusters), num_tokens // num_clusters)
+    if layout == "scattered":
+        label = gen.permutation(label)
+    q = centres[label] + 0.3 * gen.normal(size=(num_tokens, head_dim))
+    k = centres[label] + 0.3 * gen.normal(size=(num_tokens, head_dim))
+    v = cluster_values[label] + 0.1 * gen.normal(size=(num_tokens, 8))
+    return q, k, v
+
+
+def median_mses(layout, seeds=range(20)):
+    """Per estimator: the MSE against exact attention for each of 20 fixed seeds (NumPy;
+    an int seed draws the same numbers on every backend, so this is backend-independent)."""
+    mses: dict[str, list[float]] = {}
+    for seed in seeds:
+        q, k, v = clustered_attention(seed, layout)
+        exact = reference.softmax_attention(q, k, v, scale=1.0)
+        estimates = {
+            "lara16": xattn.lara(q, k, v, num_samples=16, scale=1.0, rng=seed),
+            "lara64": xattn.lara(q, k, v, num_samples=64, scale=1.0, rng=seed),
+            "ra1": xattn.ra(q, k, v, num_samples=1, scale=1.0, rng=seed),
+        }
+        omega_rng = np.random.default_rng(10_000 + seed)
+        for num_features in (16, 64):
+            omega = omega_rng.standard_normal((num_features, q.shape[-1]))
+            estimates[f"rfa{num_features}"] = rfa_positive(q, k, v, omega, scale=1.0)
+        for name, estimate in estimates.items():
+            mses.setdefault(name, []).append(float(np.mean((estimate - exact) ** 2)))
+    return {name: np.asarray(values) for name, values in mses.items()}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "scattered"])
+def test_approximation_quality_figure1(layout):
+    # Measured (default proposal="segment", weighting="decoupled", beta=2), median [worst]:
+    #   contiguous: LARA16 7.4e-2 [1.2e-1], LARA64 9.3e-3 [4.3e-2], RFA16 5.1e-1 [8.3e-1],
+    #               RFA64 3.6e-1 [6.5e-1], RA1 4.4e-2 [1.3e-1]
+    #   scattered:  LARA16 1.9e-1 [8.6e-1], LARA64 1.0e-1 [2.9e-1], RFA16 5.7e-1 [8.0e-1],
+    #               RFA64 3.7e-1 [6.5e-1], RA1 5.2e-2 [9.3e-2]
+    # Self-normalized weights are heavy-tailed, so the claims are on medians over 20 seeds
+    # (each a fixed, reproducible draw). Beyond the medians, a paired sign test guards each
+    # claim against a lucky median: the better estimator must win on >= 14 of the 20 seeds
+    # (P(>= 14 | fair coin) = 0.058).
+    mses = median_mses(layout)
+    median = {name: float(np.median(values)) for name, values in mses.items()}
+    for num_samples in (16, 64):
+        lara_mse, rfa_mse = mses[f"lara{num_samples}"], mses[f"rfa{num_samples}"]
+        assert median[f"lara{num_samples}"] < median[f"rfa{num_samples}"], median
+        assert np.sum(lara_mse < rfa_mse) >= 14, (lara_mse, rfa_mse)
+    assert median["lara64"] < median["lara16"], median
+    assert np.sum(mses["lara64"] < mses["lara16"]) >= 14, mses
+    if layout == "scattered":
+        assert median["ra1"] < median["lara64"], median
+        assert np.sum(mses["ra1"] < mses["lara64"]) >= 14, mses
+
+
+# ---------------------------------------------------------------------------------------
+# test 4: masks — padding with masked entries changes nothing
+
+
+def _insert_padding(x, positions, gen):
+    """Insert garbage rows at ``positions`` along axis -2; return array and kept mask."""
+    length = x.shape[-2] + len(positions)
+    kept = np.ones(length, dtype=bool)
+    kept[positions] = False
+    padded = 50.0 * gen.normal(size=(*x.shape[:-2], length, x.shape[-1]))
+    padded[..., kept, :] = x
+    return padded, kept
+
+
+@pytest.mark.parametrize("proposal", ["segment", "key_attention", "landmark_attention"])
+def test_padding_with_masked_entries_changes_nothing(xp, rng, proposal):
+    q, k, v = make_qkv(rng, num_queries=10, num_keys=9)
+    plain = xattn.lara(*map(xp.asarray, (q, k, v)), num_samples=3, proposal=proposal, rng=5)
+    q_padded, query_kept = _insert_padding(q, [0, 4, 5, 13, 14], rng)
+    k_padded, key_kept = _insert_padding(k, [2, 9, 10, 11], rng)
+    v_padded, _ = _insert_padding(v, [2, 9, 10, 11], rng)
+    padded = xattn.lara(*map(xp.asarray, (q_padded, k_padded, v_padded)), num_samples=3,
+                        proposal=proposal, key_mask=xp.asarray(key_kept),
+                        query_mask=xp.asarray(query_kept), rng=5)
+    expected = np.zeros((2, 15, 3))
+    expected[:, query_kept] = xp.to_numpy(plain)  # masked queries: zero rows
+    xp.check(padded, expected, dtype=xp.float64)
+
+
+def test_per_batch_masks_and_degenerate_masks(xp, rng):
+    q, k, v = make_qkv(rng, batch=(3,), num_queries=8, num_keys=8)
+    key_mask = np.ones((3, 8), dtype=bool)
+    key_mask[0, 5:] = False  # batch 0: 5 keys
+    key_mask[1, :] = False  # batch 1: no key -> zero rows, not NaN
+    query_mask = np.ones((3, 8), dtype=bool)
+    query_mask[2, [1, 2, 3, 4, 6, 7]] = False  # batch 2: 2 queries < C = 4: empty segments
+    out = xattn.lara(*map(xp.asarray, (q, k, v)), num_samples=4, deterministic=True,
+                     key_mask=xp.asarray(key_mask), query_mask=xp.asarray(query_mask))
+    expected = reference_lara(q, k, v, num_samples=4, key_mask=key_mask, query_mask=query_mask)
+    assert np.all(expected[1] == 0.0)
+    xp.check(out, expected, dtype=xp.float64)
+    # batch 0 equals its unpadded problem (8 queries, its 5 allowed keys)
+    alone = xattn.lara(xp.asarray(q[0]), xp.asarray(k[0, :5]), xp.asarray(v[0, :5]),
+                       num_samples=4, deterministic=True)
+    xp.check(out[0, ...], xp.to_numpy(alone), dtype=xp.float64)
+
+
+# ---------------------------------------------------------------------------------------
+# test 5: large scores stay finite in float32
+
+
+@pytest.mark.parametrize("proposal", PROPOSALS)
+def test_large_scores_stay_finite_float32(xp, rng, proposal):
+    q, k, v = make_qkv(rng, batch=(), num_queries=16, num_keys=16, head_dim=8)
+    directions = rng.normal(size=(2, 8))
+    directions /= np.linalg.norm(directions, axis=-1, keepdims=True)
+    q = math.sqrt(80.0) * directions[np.arange(16) % 2] + 0.1 * q  # q^.k^ reaches ~80
+    k = math.sqrt(80.0) * directions[np.arange(16) // 8] + 0.1 * k
+    assert np.max(q @ k.T) > 79.0
+    out = xattn.lara(*(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)), num_samples=4,
+                     proposal=proposal, scale=1.0, rng=2)
+    result = xp.to_numpy(out)
+    assert np.all(np.isfinite(result))
+    expected = reference_lara(q, k, v, num_samples=4, proposal=proposal, scale=1.0, seed=2)
+    assert np.all(np.isfinite(expected))
+    xp.check(out, expected, dtype=xp.float32, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------
+# test 6: bad input
+
+
+def test_bad_input(rng):
+    q, k, v = make_qkv(rng, num_queries=6)
+    with pytest.raises(ValueError, match="num_samples must be >= 1"):
+        xattn.lara(q, k, v, num_samples=0)
+    with pytest.raises(TypeError, match="num_samples must be an int"):
+        xattn.lara(q, k, v, num_samples=2.0)
+    with pytest.raises(ValueError, match=r"num_samples \(C = 7\) must be <= the number of "
+                                         r"queries N = 6"):
+        xattn.lara(q, k, v, num_samples=7)
+    with pytest.raises(ValueError, match="proposal must be one of"):
+        xattn.lara(q, k, v, num_samples=2, proposal="segments")
+    with pytest.raises(ValueError, match="weighting must be one of"):
+        xattn.lara(q, k, v, num_samples=2, weighting="optimal")
+    with pytest.raises(ValueError, match="weighting must be one of"):
+        lara_weights(np.ones(2) / 2, np.ones((3, 2)), weighting="mis")
+    with pytest.raises(ValueError, match="beta must be finite"):
+        xattn.lara(q, k, v, num_samples=2, beta=float("nan"))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        xattn.lara(q, k, v, num_samples=2, deterministic=1)
+    with pytest.raises(ValueError, match="k and v must have the same number of keys"):
+        xattn.lara(q, k, v[..., :4, :], num_samples=2)
+
+
+# ---------------------------------------------------------------------------------------
+# gradients and jit
+
+
+def test_gradients_torch_match_finite_differences(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.tensor(a, requires_grad=True)
+               for a in make_qkv(rng, batch=(), num_queries=5, num_keys=4, head_dim=3))
+    key_mask = torch.tensor([True, False, True, True])
+
+    def loss(q, k, v):
+        return xattn.lara(q, k, v, num_samples=2, key_mask=key_mask, rng=4).square().sum()
+
+    assert torch.autograd.gradcheck(loss, (q, k, v))
+
+
+def test_gradients_jax_and_jit_with_key(rng):
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    from jax.test_util import check_grads
+
+    q, k, v = (jax.numpy.asarray(a)
+               for a in make_qkv(rng, batch=(), num_queries=5, num_keys=4, head_dim=3))
+    key = jax.random.key(0)
+
+    def estimate(q, k, v, key):
+        # check_grads evaluates finite differences with NumPy arrays: bring them into JAX
+        q, k, v = (jax.numpy.asarray(a) for a in (q, k, v))
+        return xattn.lara(q, k, v, num_samples=2, proposal="landmark_attention", rng=key)
+
+    check_grads(jax.jit(lambda q, k, v: estimate(q, k, v, key)), (q, k, v), order=1,
+                modes=["rev"])
+    compiled = jax.jit(estimate)
+    first, again, other = (np.asarray(compiled(q, k, v, key_)) for key_ in
+                           (key, key, jax.random.key(1)))
+    assert np.all(np.isfinite(first)) and np.array_equal(first, again)
+    assert not np.allclose(first, other)  # the key is a traced input, not a constant
+    deterministic = jax.jit(lambda q, k, v: xattn.lara(q, k, v, num_samples=2,
+                                                       deterministic=True))
+    np.testing.assert_allclose(np.asarray(deterministic(q, k, v)),
+                               reference_lara(q, k, v, num_samples=2), rtol=1e-10)
