@@ -28,6 +28,12 @@ def make_qkv(rng, batch=(), num_queries=6, num_keys=8, head_dim=4, value_dim=3):
     return q, k, v
 
 
+# The backend tests share one case (and chunk size), so eager JAX compiles each
+# primitive for few distinct shapes: (2,) batch, N = 7 queries in chunks of 3, M = 6 keys.
+BACKEND_CASE = {"batch": (2,), "num_queries": 7, "num_keys": 6, "head_dim": 4, "value_dim": 3}
+CHUNK = 3
+
+
 def host_draws(seed, batch, num_queries, num_samples, head_dim, *, biased=False):
     """The draws ``ra`` makes from an int seed: uniforms (unbiased only), then normals."""
     generator = np.random.default_rng(seed)
@@ -100,17 +106,18 @@ def test_num_samples_averages_unbiased_draws():
 # ---------------------------------------------------------------- 2. deterministic, variance
 
 
-@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
-@pytest.mark.parametrize("mask_kind", ["none", "key_mask", "causal"])
+@pytest.mark.parametrize("mask_kind,dtype_name", [("none", "float64"), ("key_mask", "float32"),
+                                                  ("causal", "float64"),
+                                                  ("causal_and_key_mask", "float32")])
 def test_deterministic_equals_closed_form(xp, rng, dtype_name, mask_kind):
     """omega_n = q_n + sum_m pi_nm k_m, y_n = sum_m softmax_m(omega_n.k_m - |k_m|^2/2) v_m."""
-    q, k, v = make_qkv(rng, batch=(2,), num_queries=7, num_keys=5)
-    key_mask = rng.random((2, 5)) < 0.7 if mask_kind == "key_mask" else None
-    causal = mask_kind == "causal"
+    q, k, v = make_qkv(rng, **BACKEND_CASE)
+    key_mask = rng.random((2, 6)) < 0.7 if mask_kind.endswith("key_mask") else None
+    causal = mask_kind.startswith("causal")
     dtype = getattr(xp, dtype_name)
     out = xattn.ra(*(xp.asarray(a, dtype=dtype) for a in (q, k, v)), biased=True,
                    deterministic=True, num_samples=3, key_mask=None if key_mask is None
-                   else xp.asarray(key_mask), causal=causal, chunk_size=3)
+                   else xp.asarray(key_mask), causal=causal, chunk_size=CHUNK)
     expected = reference.randomized_attention(q, k, v, biased=True, key_mask=key_mask,
                                               causal=causal)
     xp.check(out, expected, dtype=dtype)
@@ -161,12 +168,12 @@ def test_masks_and_causal_unbiased_in_expectation(case):
 
 
 def test_all_masked_rows_are_zero_not_nan(xp, rng):
-    q, k, v = make_qkv(rng, batch=(2,))
-    key_mask = np.ones((2, 8), dtype=bool)
+    q, k, v = make_qkv(rng, **BACKEND_CASE)
+    key_mask = np.ones((2, 6), dtype=bool)
     key_mask[1] = False
     for kwargs in ({}, {"biased": True}, {"biased": True, "deterministic": True}):
         out = xp.to_numpy(xattn.ra(*map(xp.asarray, (q, k, v)), key_mask=xp.asarray(key_mask),
-                                   rng=3, **kwargs))
+                                   num_samples=2, chunk_size=CHUNK, rng=3, **kwargs))
         assert np.all(np.isfinite(out)) and np.all(out[1] == 0.0)
 
 
@@ -177,24 +184,21 @@ def test_all_masked_rows_are_zero_not_nan(xp, rng):
 def test_same_int_seed_same_output_on_every_backend(xp, rng, biased):
     """An int seed draws on the host: every backend equals the float64 NumPy formula
     evaluated with those very draws (uniforms then normals)."""
-    batch, num_queries, num_samples, head_dim = (2,), 7, 3, 4
-    q, k, v = make_qkv(rng, batch=batch, num_queries=num_queries, num_keys=6,
-                       head_dim=head_dim)
+    q, k, v = make_qkv(rng, **BACKEND_CASE)
     key_mask = np.array([True, True, False, True, True, True])
-    out = xattn.ra(*map(xp.asarray, (q, k, v)), num_samples=num_samples, biased=biased,
-                   key_mask=xp.asarray(key_mask), causal=True, chunk_size=3, rng=SEED)
-    uniforms, noise = host_draws(SEED, batch, num_queries, num_samples, head_dim,
-                                 biased=biased)
+    out = xattn.ra(*map(xp.asarray, (q, k, v)), num_samples=2, biased=biased,
+                   key_mask=xp.asarray(key_mask), causal=True, chunk_size=CHUNK, rng=SEED)
+    uniforms, noise = host_draws(SEED, (2,), 7, 2, 4, biased=biased)
     expected = reference.randomized_attention(q, k, v, uniforms, noise, biased=biased,
                                               key_mask=key_mask, causal=True)
     xp.check(out, expected, dtype=xp.float64)
 
 
 def test_float32_and_chunking(xp, rng):
-    q, k, v = make_qkv(rng, batch=(2,), num_queries=7)
+    q, k, v = make_qkv(rng, **BACKEND_CASE)
     uniforms, noise = host_draws(SEED, (2,), 7, 2, 4)
     expected = reference.randomized_attention(q, k, v, uniforms, noise)
-    for chunk_size in (1, 4, 100):
+    for chunk_size in (CHUNK, 100):  # 7 queries: chunks of 3, 3, 1; and one chunk
         out = xattn.ra(*(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)), num_samples=2,
                        chunk_size=chunk_size, rng=SEED)
         xp.check(out, expected, dtype=xp.float32, rtol=1e-4)
@@ -217,9 +221,9 @@ def test_half_precision_returns_input_dtype(xp, rng):
         half = xp.ns.bfloat16 if hasattr(xp.ns, "bfloat16") else xp.ns.float16
     if half is None:
         pytest.skip(f"{xp.name} has no half-precision dtype")
-    q, k, v = make_qkv(rng)
+    q, k, v = make_qkv(rng, **BACKEND_CASE)
     out = xattn.ra(*(xp.asarray(a, dtype=half) for a in (q, k, v)), biased=True,
-                   deterministic=True)
+                   deterministic=True, chunk_size=CHUNK)
     xp.check(out, reference.randomized_attention(q, k, v, biased=True), dtype=half, rtol=3e-2)
 
 
@@ -249,8 +253,8 @@ def test_gradients_jax_match_finite_differences(rng):
     q, k, v = (jax.numpy.asarray(a) for a in make_qkv(rng, num_queries=3, num_keys=4,
                                                       head_dim=3, value_dim=2))
 
+    @jax.jit  # an int seed draws on the host while tracing: the draws are constants
     def loss(q, k, v):
-        q, k, v = (jax.numpy.asarray(a) for a in (q, k, v))
         return (xattn.ra(q, k, v, num_samples=2, causal=True, rng=SEED) ** 2).sum()
 
     check_grads(loss, (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
