@@ -18,8 +18,8 @@ is the point (one realization of random Gaussian inputs, 8 draws per point). Suc
 have no structure for LARA's segment proposals to exploit, and with :math:`D = 16` the
 kernel variance :math:`e^{2x\\cdot y}(e^{\\lVert x+y \\rVert^2} - 1)` is large, so RFA and
 LARA improve slowly at these :math:`S`. The LARA paper reports its advantage on inputs
-of trained vision and language models, which have such structure. Run this script with your own ``q, k, v`` to measure
-the estimators on your data.
+of trained vision and language models, which have such structure. Run this script with
+your own ``q, k, v`` to measure the estimators on your data.
 """
 
 # %%
