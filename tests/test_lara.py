@@ -107,18 +107,6 @@ def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decou
     return out
 
 
-def rfa_positive(q, k, v, omega, scale=None):
-    """RFA with the positive map and explicit samples, phi(Q)(phi(K)^T V) / phi(Q)(phi(K)^T 1)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q_hat, k_hat = math.sqrt(scale) * q, math.sqrt(scale) * k
-
-    def phi(x):
-        return np.exp(x @ omega.T - 0.5 * np.sum(x * x, -1, keepdims=True)) / math.sqrt(
-            len(omega))
-
-    return (phi(q_hat) @ (phi(k_hat).T @ v)) / (phi(q_hat) @ phi(k_hat).sum(0))[:, None]
-
-
 def make_qkv(rng, batch=(2,), num_queries=12, num_keys=10, head_dim=6, value_dim=3):
     q = rng.normal(size=(*batch, num_queries, head_dim))
     k = rng.normal(size=(*batch, num_keys, head_dim))
@@ -197,7 +185,8 @@ def test_standard_balance_equals_rfa(xp, rng):
                      weighting="balance", rng=seed)
     # an int seed draws default_rng(seed).standard_normal((C, D)): omega_c = 0 + eps_c
     omega = np.random.default_rng(seed).standard_normal((num_samples, q.shape[-1]))
-    xp.check(out, rfa_positive(q, k, v, omega), dtype=xp.float64, rtol=1e-10)
+    expected = xattn.rfa(q, k, v, feature_map="positive", omega=omega)
+    xp.check(out, expected, dtype=xp.float64, rtol=1e-10)
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,10 +243,9 @@ def median_mses(layout, seeds=range(20)):
             "lara64": xattn.lara(q, k, v, num_samples=64, scale=1.0, rng=seed),
             "ra1": xattn.ra(q, k, v, num_samples=1, scale=1.0, rng=seed),
         }
-        omega_rng = np.random.default_rng(10_000 + seed)
-        for num_features in (16, 64):
-            omega = omega_rng.standard_normal((num_features, q.shape[-1]))
-            estimates[f"rfa{num_features}"] = rfa_positive(q, k, v, omega, scale=1.0)
+        for num_features in (16, 64):  # default RFA: positive map, orthogonal samples
+            estimates[f"rfa{num_features}"] = xattn.rfa(q, k, v, num_features=num_features,
+                                                        scale=1.0, rng=10_000 + seed)
         for name, estimate in estimates.items():
             mses.setdefault(name, []).append(float(np.mean((estimate - exact) ** 2)))
     return {name: np.asarray(values) for name, values in mses.items()}

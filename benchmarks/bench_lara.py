@@ -1,0 +1,215 @@
+"""LARA against RFA at equal sample counts (C = S): time and peak memory over N.
+
+For each backend (NumPy, torch CPU), each sample count C = S and each sequence length
+N = M, times ``xattn.lara`` (defaults: segment proposals, decoupled weights) and
+``xattn.rfa`` (defaults: positive map, orthogonal samples) on float32 inputs of one head
+(D = Dv = 64), best of ``--repeats`` calls after a warm-up, and measures the peak memory a
+call adds: the process's resident high-water mark (``VmHWM``, reset through
+``/proc/self/clear_refs`` before each call, Linux), or NumPy's traced allocations where
+that is unavailable. Writes JSON and a plot (time and time ratio against N)::
+
+    python benchmarks/bench_lara.py                       # N = 1k .. 64k, C = 64, 256
+    python benchmarks/bench_lara.py --quick               # N = 1k, 4k; one repeat
+    python benchmarks/bench_lara.py --lengths 1024,8192 --samples 64 --backends numpy
+
+The machine's load matters: on a shared machine, read ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+import xattn
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _read_high_water_kib() -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_high_water() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _current_rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def peak_memory_mib(call) -> tuple[float, str]:
+    """Memory a call adds at its peak, in MiB, and how it was measured."""
+    gc.collect()
+    if _reset_high_water() and _read_high_water_kib() is not None:
+        before = _current_rss_kib()
+        _reset_high_water()
+        call()
+        return (_read_high_water_kib() - before) / 1024, "rss-high-water"
+    tracemalloc.start()
+    call()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return peak / 2**20, "tracemalloc"
+
+
+def make_inputs(backend: str, length: int, head_dim: int, seed: int = 0):
+    gen = np.random.default_rng(seed)
+    arrays = [gen.standard_normal((length, head_dim), dtype=np.float32) for _ in range(3)]
+    if backend == "torch":
+        import torch
+
+        return [torch.from_numpy(a) for a in arrays]
+    return arrays
+
+
+def estimators(num_samples: int):
+    return {
+        "lara": lambda q, k, v: xattn.lara(q, k, v, num_samples=num_samples, rng=1),
+        "rfa": lambda q, k, v: xattn.rfa(q, k, v, num_features=num_samples, rng=1),
+    }
+
+
+def best_time(call, repeats: int) -> float:
+    call()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def slope(lengths, times) -> float:
+    """Least-squares slope of log(time) against log(N): 1 means linear."""
+    return float(np.polyfit(np.log(lengths), np.log(times), 1)[0])
+
+
+def run(backends, samples, lengths, head_dim, repeats):
+    rows = []
+    for backend in backends:
+        for num_samples in samples:
+            for length in lengths:
+                if num_samples > length:
+                    continue
+                inputs = make_inputs(backend, length, head_dim)
+                for name, estimate in estimators(num_samples).items():
+                    def call(estimate=estimate, inputs=inputs):
+                        return estimate(*inputs)
+
+                    seconds = best_time(call, repeats)
+                    memory, method = peak_memory_mib(call)
+                    rows.append(dict(backend=backend, estimator=name, num_samples=num_samples,
+                                     length=length, seconds=seconds, peak_mib=memory,
+                                     memory_method=method))
+                    print(f"{backend:6s} {name:5s} C=S={num_samples:4d} N={length:6d} "
+                          f"{seconds * 1e3:9.2f} ms  peak {memory:8.1f} MiB", flush=True)
+                del inputs
+    return rows
+
+
+def summarize(rows):
+    summary = []
+    keys = sorted({(r["backend"], r["num_samples"]) for r in rows})
+    for backend, num_samples in keys:
+        def select(name, backend=backend, num_samples=num_samples):
+            chosen = [r for r in rows if (r["backend"], r["num_samples"], r["estimator"])
+                      == (backend, num_samples, name)]
+            return sorted(chosen, key=lambda r: r["length"])
+        lara_rows, rfa_rows = select("lara"), select("rfa")
+        lengths = [r["length"] for r in lara_rows]
+        ratios = [a["seconds"] / b["seconds"] for a, b in zip(lara_rows, rfa_rows, strict=True)]
+        entry = dict(backend=backend, num_samples=num_samples, lengths=lengths,
+                     time_ratio_lara_over_rfa=ratios,
+                     memory_ratio_lara_over_rfa=[
+                         a["peak_mib"] / b["peak_mib"] if b["peak_mib"] > 0 else math.nan
+                         for a, b in zip(lara_rows, rfa_rows, strict=True)])
+        if len(lengths) >= 2:
+            entry["log_log_slope_lara"] = slope(lengths, [r["seconds"] for r in lara_rows])
+            entry["log_log_slope_rfa"] = slope(lengths, [r["seconds"] for r in rfa_rows])
+        summary.append(entry)
+    return summary
+
+
+def plot(rows, summary, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (time_axis, ratio_axis, memory_axis) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for entry in summary:
+        backend, num_samples = entry["backend"], entry["num_samples"]
+        for name, style in (("lara", "-"), ("rfa", "--")):
+            chosen = sorted((r for r in rows if (r["backend"], r["num_samples"], r["estimator"])
+                             == (backend, num_samples, name)), key=lambda r: r["length"])
+            label = f"{name} {backend} C=S={num_samples}"
+            time_axis.loglog([r["length"] for r in chosen], [r["seconds"] for r in chosen],
+                             style, marker="o", label=label)
+            memory_axis.loglog([r["length"] for r in chosen], [r["peak_mib"] for r in chosen],
+                               style, marker="o", label=label)
+        ratio_axis.semilogx(entry["lengths"], entry["time_ratio_lara_over_rfa"], marker="o",
+                            label=f"{backend} C=S={num_samples}")
+    ratio_axis.axhline(1.2, color="gray", linestyle=":", label="target 1.2")
+    time_axis.set(xlabel="N = M", ylabel="seconds (best)", title="time")
+    ratio_axis.set(xlabel="N = M", ylabel="LARA time / RFA time", title="time ratio")
+    memory_axis.set(xlabel="N = M", ylabel="MiB", title="peak memory added by a call")
+    for axis in (time_axis, ratio_axis, memory_axis):
+        axis.legend(fontsize=7)
+        axis.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default="numpy,torch")
+    parser.add_argument("--samples", default="64,256", help="C = S values, comma-separated")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768,65536")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="N = 1k, 4k and one repeat")
+    parser.add_argument("--output", type=Path, default=RESULTS / "bench_lara")
+    args = parser.parse_args(argv)
+    lengths = [1024, 4096] if args.quick else [int(n) for n in args.lengths.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    rows = run(args.backends.split(","), [int(c) for c in args.samples.split(",")], lengths,
+               args.head_dim, repeats)
+    summary = summarize(rows)
+    for entry in summary:
+        print(json.dumps(entry))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(machine=platform.machine(), cpus=os.cpu_count(), numpy=np.__version__,
+                head_dim=args.head_dim, repeats=repeats, dtype="float32")
+    with open(args.output.with_suffix(".json"), "w") as out:
+        json.dump(dict(meta=meta, rows=rows, summary=summary), out, indent=1)
+    plot(rows, summary, args.output.with_suffix(".png"))
+    print(f"wrote {args.output.with_suffix('.json')} and {args.output.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
