@@ -1,16 +1,16 @@
 r"""Randomized attention (RA): an unbiased Monte Carlo estimator of softmax attention.
 
 Paper: Zheng et al., *Linear Complexity Randomized Self-attention Mechanism*, ICML 2022
-(``seeds/002``), §3.2 and Proposition 3.2. With the positive randomized mapping
-:math:`\xi(x, \omega) = \exp(\omega \cdot x - \lVert x \rVert^2 / 2)`, softmax attention
-is an expectation over the Gaussian mixture
+(``seeds/002``), §3.2, Proposition 3.2 and Appendix G.2 (Algorithm 1). With the
+positive randomized mapping :math:`\xi(x, \omega) = \exp(\omega \cdot x - \lVert x
+\rVert^2 / 2)`, softmax attention is an expectation over the Gaussian mixture (eqs. 5, 29)
 
 .. math::
 
     p_n(\omega) = \sum_m \pi_{nm}\, N(\omega; \hat q_n + \hat k_m, I), \qquad
     \pi_{nm} = \operatorname{softmax}_m(\hat q_n \cdot \hat k_m),
 
-of the function (eq. 12; :math:`\xi(\hat q_n, \omega)` cancels between the numerator and
+of the function (eq. 6; :math:`\xi(\hat q_n, \omega)` cancels between the numerator and
 the denominator)
 
 .. math::
@@ -21,9 +21,9 @@ the denominator)
 
 Sampling :math:`\omega \sim p_n` is two steps: a component :math:`z \sim
 \operatorname{Categorical}(\pi_n)` and :math:`\omega = \hat q_n + \hat k_z + \varepsilon`,
-:math:`\varepsilon \sim N(0, I)`. The *biased* variant (the paper's practical form)
+:math:`\varepsilon \sim N(0, I)` (eq. 30). The *biased* variant (the paper's practical form)
 replaces the mixture by one Gaussian at its mean, :math:`\omega = \hat q_n + \sum_m
-\pi_{nm} \hat k_m + \varepsilon`; its deterministic form (:math:`\varepsilon = 0`) is the
+\pi_{nm} \hat k_m + \varepsilon` (eq. 31); its deterministic form (:math:`\varepsilon = 0`) is the
 paper's evaluation mode.
 """
 
@@ -88,7 +88,7 @@ def ra(
     r"""Randomized attention (RA): unbiased (or biased) Monte Carlo softmax attention.
 
     For every query :math:`n` and each of its ``num_samples`` samples :math:`s`
-    (paper eq. 12 and Prop. 3.2, DESIGN §3 RA):
+    (paper Algorithm 1, eqs. 29-30, Prop. 3.2 / eq. 7; DESIGN §3 RA):
 
     .. math::
 
@@ -150,7 +150,7 @@ def ra(
         Randomness (see :func:`xattn.random.as_generator`). An int seed gives the same
         output on every backend; a JAX key works under :func:`jax.jit`. Draw order:
         uniforms of shape ``(*batch, N, S)`` (unbiased form only), then standard normals
-        of shape ``(*batch, N, S, D)`` (unless deterministic).
+        of shape ``(*batch, N, S, D)``. Unused (nothing is drawn) when deterministic.
     chunk_size : int
         Number of queries processed at a time.
 
@@ -226,7 +226,7 @@ def ra(
         # mixture weights pi_nm = softmax_m(q_n . k_m) over the allowed keys, (..., B, M)
         mixture_weights = _masked_softmax(xp, q_chunk @ k_hat_t, allowed)
 
-        if biased:  # one Gaussian at the mixture mean: q_n + sum_m pi_nm k_m
+        if biased:  # one Gaussian at the mixture mean: q_n + sum_m pi_nm k_m   (eq. 31)
             proposal_means = (q_chunk + mixture_weights @ k_hat)[..., None, :]  # (..., B, 1, D)
         else:
             # z ~ Categorical(pi_n) by inverse CDF: count the cumulative weights below u
@@ -241,10 +241,10 @@ def ra(
                 component = xp.minimum(component, last_allowed[..., None])
             # k_z gathered by a one-hot matmul (Array API, differentiable in k)
             one_hot = xp.astype(component[..., None] == key_index, work)  # (*batch, B, S, M)
-            proposal_means = q_chunk[..., None, :] + one_hot @ k_hat[..., None, :, :]
+            proposal_means = q_chunk[..., None, :] + one_hot @ k_hat[..., None, :, :]  # eq. 30
 
         omega = proposal_means if noise is None else proposal_means + noise[..., start:stop, :, :]
-        # f_n(omega) = sum_m softmax_m(omega . k_m - |k_m|^2 / 2) v_m   (eq. 12)
+        # f_n(omega) = sum_m softmax_m(omega . k_m - |k_m|^2 / 2) v_m   (eq. 6)
         logits = omega @ k_hat_t[..., None, :, :] - key_half_sq_norm[..., None, None, :]
         key_weights = _masked_softmax(xp, logits,
                                       None if allowed is None else allowed[..., None, :])
