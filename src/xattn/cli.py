@@ -70,12 +70,18 @@ class EstimatorSpec:
         estimator missing from this version of xattn fails with a clear message.
     bench_samples : int
         Number of samples used by ``xattn bench`` unless ``--samples`` says otherwise.
+    quadratic : bool
+        True for estimators whose cost is O(N M S D) (RA): ``xattn compare`` runs them
+        only at sample counts up to ``--ra-max-samples``.
+    options : dict
+        Further keywords passed to the estimator.
     """
 
     name: str
     sample_keyword: str | None
     load: Callable[[], Callable[..., Any]]
     bench_samples: int = 64
+    quadratic: bool = False
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -95,7 +101,8 @@ def _xattn_function(name: str) -> Callable[[], Callable[..., Any]]:
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
     "rfa": EstimatorSpec("rfa", "num_features", _xattn_function("rfa"), bench_samples=64),
-    "ra": EstimatorSpec("ra", "num_samples", _xattn_function("ra"), bench_samples=1),
+    "ra": EstimatorSpec("ra", "num_samples", _xattn_function("ra"), bench_samples=1,
+                        quadratic=True),
     "lara": EstimatorSpec("lara", "num_samples", _xattn_function("lara"), bench_samples=64),
 }
 SOFTMAX = EstimatorSpec("softmax", None, lambda: softmax_attention)
@@ -499,31 +506,35 @@ def compare(args: argparse.Namespace) -> int:
     baseline_error = estimator_error(lambda q, k, v: baseline_call(q, k, v), q, k, v, draws=1,
                                      rng_keyword=None, exact=exact)
 
+    cells = [(spec, samples) for spec in specs for samples in args.samples
+             if not (spec.quadratic and args.ra_max_samples and samples > args.ra_max_samples)]
+    skipped = [{"estimator": spec.name, "samples": samples,
+                "reason": f"above --ra-max-samples {args.ra_max_samples}"}
+               for spec in specs for samples in args.samples
+               if (spec, samples) not in cells]
     rows: list[dict[str, Any]] = []
-    total = len(specs) * len(args.samples)
     print(f"xattn compare: {backend.describe()}, {args.dtype}, q {q_host.shape}, "
           f"k {k_host.shape}, v {v_host.shape}; {args.draws} draws per cell, seeds "
           f"{args.seed}..{args.seed + args.draws - 1}", file=sys.stderr)
-    with progress_bar(total * args.draws, "xattn compare", args.progress) as bar:
-        for spec in specs:
-            for samples in args.samples:
-                measurement = Measurement()
-                timed = measured(functions[spec.name], backend, measurement)
+    with progress_bar(len(cells) * args.draws, "xattn compare", args.progress) as bar:
+        for spec, samples in cells:
+            measurement = Measurement()
+            timed = measured(functions[spec.name], backend, measurement)
 
-                def draw(q: Any, k: Any, v: Any, *, rng: Any, _timed: Any = timed,
-                         _label: str = f"{spec.name} S={samples}", **options: Any) -> Any:
-                    out = _timed(q, k, v, rng=rng, **options)
-                    _advance(bar, _label)
-                    return out
+            def draw(q: Any, k: Any, v: Any, *, rng: Any, _timed: Any = timed,
+                     _label: str = f"{spec.name} S={samples}", **options: Any) -> Any:
+                out = _timed(q, k, v, rng=rng, **options)
+                _advance(bar, _label)
+                return out
 
-                try:
-                    error = estimator_error(draw, q, k, v, draws=args.draws, seed=args.seed,
-                                            exact=exact, **{spec.sample_keyword: samples},
-                                            **spec.options)
-                except ValueError as problem:
-                    raise CommandError(f"{spec.name} with {spec.sample_keyword}={samples}: "
-                                       f"{problem}") from None
-                rows.append(_row(spec, samples, error, measurement))
+            try:
+                error = estimator_error(draw, q, k, v, draws=args.draws, seed=args.seed,
+                                        exact=exact, **{spec.sample_keyword: samples},
+                                        **spec.options)
+            except ValueError as problem:
+                raise CommandError(f"{spec.name} with {spec.sample_keyword}={samples}: "
+                                   f"{problem}") from None
+            rows.append(_row(spec, samples, error, measurement))
 
     baseline_row = _row(None, None, baseline_error, baseline_measurement)
     exact_row = {"estimator": "softmax", "samples": None, "mse": 0.0, "bias_squared": 0.0,
@@ -531,6 +542,10 @@ def compare(args: argparse.Namespace) -> int:
                  "time_s": exact_measurement.time_s,
                  "peak_memory_bytes": exact_measurement.peak_memory_bytes}
     _print_compare_table(rows, baseline_row, exact_row)
+    if skipped:
+        print(f"note: ra (cost O(N M S D)) skipped at samples "
+              f"{', '.join(str(cell['samples']) for cell in skipped)} (--ra-max-samples "
+              f"{args.ra_max_samples}; 0 runs every count)")
 
     payload = {
         "command": "compare",
@@ -545,7 +560,9 @@ def compare(args: argparse.Namespace) -> int:
         "samples": list(args.samples),
         "estimators": {spec.name: {"sample_keyword": spec.sample_keyword,
                                    "options": spec.options} for spec in specs},
+        "ra_max_samples": args.ra_max_samples,
         "results": rows,
+        "skipped": skipped,
         "baseline": baseline_row,
         "exact": exact_row,
     }
@@ -589,6 +606,8 @@ def _plot_compare(path: Path, rows: list[dict[str, Any]], baseline: dict[str, An
     figure, axes = _new_figure()
     for spec in specs:
         points = [(row["samples"], row["mse"]) for row in rows if row["estimator"] == spec.name]
+        if not points:
+            continue
         axes.plot(*zip(*points, strict=True), marker="o", label=spec.name.upper())
     axes.axhline(baseline["mse"], color="0.4", linestyle="--", label="uniform attention")
     axes.set_xscale("log", base=2)
@@ -796,7 +815,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _seed(text: str) -> int:
+def _nonnegative_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -817,7 +836,7 @@ def _add_common(parser: argparse.ArgumentParser, default_estimators: str) -> Non
                         default=_name_list(default_estimators),
                         help=f"comma-separated estimators among {', '.join(ESTIMATORS)} "
                              f"(default: {default_estimators})")
-    parser.add_argument("--seed", type=_seed, default=0,
+    parser.add_argument("--seed", type=_nonnegative_int, default=0,
                         help="seed of the random draws (default: 0)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                         help=f"output directory (default: {DEFAULT_OUT})")
@@ -855,6 +874,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare_parser.add_argument("--draws", type=_positive_int, default=4,
                                 help="independent draws per (estimator, samples) cell "
                                 "(default: 4)")
+    compare_parser.add_argument("--ra-max-samples", type=_nonnegative_int, default=32, metavar="S",
+                                help="run RA, whose cost is O(N M S D), only at sample counts "
+                                "<= S; 0 runs every count (default: 32)")
     compare_parser.set_defaults(run=compare)
 
     bench_parser = commands.add_parser(

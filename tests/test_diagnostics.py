@@ -1,0 +1,152 @@
+"""Empirical bias/variance/MSE over draws, the uniform baseline and the closed-form kernel MSE."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import xattn
+from xattn.diagnostics import (
+    draw_seeds,
+    estimator_error,
+    kernel_mse_positive,
+    uniform_attention,
+)
+
+import reference
+
+
+def make_qkv(rng, batch=(2,), num_queries=12, num_keys=10, head_dim=6, value_dim=5):
+    q = rng.normal(size=(*batch, num_queries, head_dim))
+    k = rng.normal(size=(*batch, num_keys, head_dim))
+    v = rng.normal(size=(*batch, num_keys, value_dim))
+    return q, k, v
+
+
+def test_exact_softmax_has_zero_error(xp, rng):
+    arrays = tuple(map(xp.asarray, make_qkv(rng)))
+    error = estimator_error(xattn.softmax_attention, *arrays, draws=2, rng_keyword=None)
+    assert (error.bias_squared, error.variance, error.mse, error.relative_error) == (0, 0, 0, 0)
+    assert error.draws == 2 and error.seeds is None
+
+
+def test_constant_offset_is_pure_bias(xp, rng):
+    arrays = tuple(map(xp.asarray, make_qkv(rng)))
+
+    def shifted(q, k, v, *, rng):
+        return xattn.softmax_attention(q, k, v) + 0.25
+
+    error = estimator_error(shifted, *arrays, draws=3, seed=4)
+    assert error.bias_squared == pytest.approx(0.0625, rel=1e-10)
+    assert error.variance == pytest.approx(0.0, abs=1e-14)
+    assert error.mse == pytest.approx(0.0625, rel=1e-10)
+    assert error.seeds == (4, 5, 6)
+
+
+def test_matches_float64_reference_of_the_same_draws(xp, rng):
+    """Seeded noise: the running (Welford) sums equal the textbook formulas on stored draws."""
+    q, k, v = make_qkv(rng)
+    exact = reference.softmax_attention(q, k, v)
+    seen_seeds = []
+
+    def noisy(q, k, v, *, rng, amplitude):
+        seen_seeds.append(rng)
+        noise = np.random.default_rng(rng).normal(size=exact.shape) + 0.3
+        return xattn.softmax_attention(q, k, v) + xp.asarray(amplitude * noise)
+
+    error = estimator_error(noisy, *map(xp.asarray, (q, k, v)), draws=5, seed=11,
+                            amplitude=0.1)
+    assert seen_seeds == [11, 12, 13, 14, 15] == list(draw_seeds(11, 5))
+    outputs = np.stack([exact + 0.1 * (np.random.default_rng(s).normal(size=exact.shape) + 0.3)
+                        for s in range(11, 16)])
+    mean = outputs.mean(axis=0)
+    expected_bias2 = np.mean((mean - exact) ** 2)
+    expected_variance = np.mean(outputs.var(axis=0))
+    expected_mse = np.mean((outputs - exact) ** 2)
+    assert error.bias_squared == pytest.approx(expected_bias2, rel=1e-9)
+    assert error.variance == pytest.approx(expected_variance, rel=1e-9)
+    assert error.mse == pytest.approx(expected_mse, rel=1e-9)
+    assert error.relative_error == pytest.approx(np.sqrt(expected_mse / np.mean(exact**2)),
+                                                 rel=1e-9)
+
+
+def test_int_seed_gives_the_same_figures_on_every_backend(xp, rng):
+    q, k, v = make_qkv(rng)
+    on_numpy = estimator_error(xattn.rfa, q, k, v, draws=3, seed=2, num_features=8)
+    on_backend = estimator_error(xattn.rfa, *map(xp.asarray, (q, k, v)), draws=3, seed=2,
+                                 num_features=8)
+    assert on_numpy.mse > 0
+    for field in ("bias_squared", "variance", "mse", "relative_error"):
+        assert getattr(on_backend, field) == pytest.approx(getattr(on_numpy, field), rel=1e-8)
+
+
+def test_generator_draws_continue_one_stream(rng):
+    q, k, v = make_qkv(rng)
+    error = estimator_error(xattn.rfa, q, k, v, draws=4, rng=xattn.random.default_rng(0),
+                            num_features=4)
+    assert error.seeds is None
+    assert error.variance > 0  # the draws differ: the generator advances between calls
+
+
+def test_options_reach_the_exact_reference(rng):
+    q, k, v = make_qkv(rng, num_queries=8, num_keys=8)
+    key_mask = np.arange(8) < 5
+    error = estimator_error(xattn.softmax_attention, q, k, v, draws=1, rng_keyword=None,
+                            key_mask=key_mask, causal=True, scale=0.3)
+    assert error.mse == 0.0
+
+
+def test_bad_arguments():
+    q = np.zeros((4, 3))
+    with pytest.raises(ValueError, match="draws must be >= 1"):
+        estimator_error(xattn.rfa, q, q, q, draws=0)
+    with pytest.raises(TypeError, match="estimator must be callable"):
+        estimator_error("rfa", q, q, q)
+    with pytest.raises(ValueError, match="returned shape"):
+        estimator_error(lambda q, k, v, rng: q[:2], q, q, q, draws=1)
+    with pytest.raises(ValueError, match="seed must be a non-negative int"):
+        draw_seeds(-1, 2)
+    with pytest.raises(ValueError, match="same D"):
+        kernel_mse_positive(np.zeros(3), np.zeros(4), num_features=2)
+    with pytest.raises(ValueError, match="num_features must be >= 1"):
+        kernel_mse_positive(np.zeros(3), np.zeros(3), num_features=0)
+
+
+def test_uniform_attention(xp, rng):
+    q, k, v = make_qkv(rng)
+    key_mask = rng.random((2, 10)) < 0.5
+    key_mask[1] = False  # batch 1 has no key: zero rows
+    out = uniform_attention(*map(xp.asarray, (q, k, v)), key_mask=xp.asarray(key_mask))
+    weights = key_mask[..., None].astype(float)
+    mean = (weights * v).sum(axis=-2, keepdims=True) / np.maximum(weights.sum(axis=-2,
+                                                                            keepdims=True), 1)
+    expected = np.broadcast_to(mean, (2, 12, 5))
+    assert np.all(expected[1] == 0)
+    xp.check(out, expected, dtype=xp.float64)
+    xp.check(uniform_attention(*map(xp.asarray, (q, k, v))),
+             np.broadcast_to(v.mean(axis=-2, keepdims=True), (2, 12, 5)), dtype=xp.float64)
+
+
+def test_kernel_mse_formula(xp, rng):
+    x = 0.4 * rng.normal(size=(3, 5))
+    y = 0.4 * rng.normal(size=(3, 5))
+    expected = np.exp(2 * np.sum(x * y, -1)) * (np.exp(np.sum((x + y) ** 2, -1)) - 1) / 16
+    out = kernel_mse_positive(xp.asarray(x), xp.asarray(y), num_features=16)
+    xp.check(out, expected, dtype=xp.float64)
+
+
+def test_kernel_mse_matches_monte_carlo(rng):
+    """Empirical MSE of the S-sample positive-feature estimate over R repetitions.
+
+    The tolerance is 4 standard errors of the mean of the R squared errors.
+    """
+    x = np.array([0.3, -0.2, 0.5, 0.1])
+    y = np.array([0.2, 0.4, 0.1, -0.3])
+    num_features, repetitions = 8, 40_000
+    omega = np.random.default_rng(3).normal(size=(repetitions, num_features, 4))
+    features = np.exp(omega @ x - x @ x / 2) * np.exp(omega @ y - y @ y / 2)
+    squared_errors = (features.mean(axis=1) - np.exp(x @ y)) ** 2
+    standard_error = squared_errors.std(ddof=1) / np.sqrt(repetitions)
+    closed_form = float(kernel_mse_positive(x, y, num_features=num_features))
+    assert abs(squared_errors.mean() - closed_form) < 4 * standard_error
+    assert standard_error < 0.05 * closed_form  # the test has the power to see a wrong formula
