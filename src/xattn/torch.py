@@ -1,0 +1,489 @@
+r"""PyTorch multi-head attention layer backed by an xattn estimator.
+
+:class:`MultiheadAttention` is shaped after :class:`torch.nn.MultiheadAttention` (same
+constructor arguments where they apply, same parameter names ``in_proj_weight``,
+``in_proj_bias`` or ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight``, and
+``out_proj``, same input layouts and ``forward`` signature), so it drops into existing
+models, and a ``state_dict`` of :class:`torch.nn.MultiheadAttention` loads into it. The
+attention itself is computed by one of xattn's estimators, chosen by name:
+
+* ``"softmax"``: exact softmax attention (:func:`xattn.softmax_attention`);
+* ``"rfa"``: random feature attention (:func:`xattn.rfa`) with an ``(S, head_dim)``
+  sample matrix kept as the buffer ``features`` (saved in the ``state_dict``), redrawn
+  every ``redraw_interval`` training steps and fixed in evaluation mode;
+* ``"ra"``: randomized attention (:func:`xattn.ra`): unbiased random estimates in
+  training mode, the biased deterministic form in evaluation mode;
+* ``"lara"``: linear randomized attention (:func:`xattn.lara`): fresh random samples at
+  every training step, ``deterministic=True`` (the proposal means) in evaluation mode.
+
+Randomness comes from the ``generator=`` :class:`torch.Generator` if given, else from
+torch's default generator of the arrays' device; no global state is changed.
+
+This module needs PyTorch and is therefore imported explicitly (``import xattn.torch``);
+``import xattn`` does not import it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import array_api_compat
+import torch
+from torch import nn
+
+import xattn
+from xattn.features import sample_omega
+from xattn.random import Generator, TorchGenerator
+from xattn.rfa import default_num_features
+
+__all__ = ["ESTIMATORS", "MultiheadAttention"]
+
+ESTIMATORS = ("softmax", "rfa", "ra", "lara")
+"""Estimator names accepted by :class:`MultiheadAttention`."""
+
+# Options each estimator takes through ``**estimator_options``. Keywords the layer sets
+# itself (masks, causal, rng, omega, the train/eval switches) are not among them.
+_ESTIMATOR_OPTIONS = {
+    "softmax": ("scale", "chunk_size"),
+    "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
+            "block_size"),
+    "ra": ("num_samples", "scale", "chunk_size"),
+    "lara": ("num_samples", "proposal", "weighting", "beta", "scale"),
+}
+# Options used when drawing the RFA features rather than when calling the estimator.
+_FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
+DEFAULT_LARA_SAMPLES = 16
+"""Default number of LARA proposals C (capped at the query length)."""
+
+
+class _DefaultTorchGenerator(Generator):
+    """Draws with torch's default generator of the target device (no global change)."""
+
+    def normal(self, xp, shape, *, dtype, device=None):
+        return torch.randn(tuple(shape), dtype=dtype, device=device)
+
+    def uniform(self, xp, shape, *, dtype, device=None):
+        return torch.rand(tuple(shape), dtype=dtype, device=device)
+
+
+def _check_options(estimator: str, options: dict[str, Any]) -> None:
+    allowed = _ESTIMATOR_OPTIONS[estimator]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(
+            f"estimator {estimator!r} does not take the option(s) {unknown}; its options are "
+            f"{list(allowed)} (masks, causal mode, rng, omega and the train/eval switches "
+            "are set by the layer)"
+        )
+
+
+class MultiheadAttention(nn.Module):
+    r"""Multi-head attention with an xattn estimator, a drop-in for
+    :class:`torch.nn.MultiheadAttention`.
+
+    .. math::
+
+        \mathrm{MultiHead}(Q, K, V) = [\mathrm{head}_1, \dots, \mathrm{head}_h] W^O,
+        \quad \mathrm{head}_i = \mathrm{attention}(Q W_i^Q, K W_i^K, V W_i^V)
+
+    where ``attention`` is the chosen estimator of softmax attention with scale
+    ``1/sqrt(head_dim)``.
+
+    **Training and evaluation.** ``estimator="rfa"``: the samples :math:`\omega`
+    (buffer ``features``, shape ``(num_features, head_dim)``, shared by all heads) are
+    redrawn at the start of a training-mode ``forward`` once ``redraw_interval`` training
+    steps have used them (Performer's schedule), never in evaluation mode; call
+    :meth:`redraw_features` to redraw by hand. ``"lara"``: random samples in training
+    mode, ``deterministic=True`` in evaluation mode. ``"ra"``: the unbiased random
+    estimator in training mode, ``biased=True, deterministic=True`` in evaluation mode.
+    Evaluation outputs are therefore deterministic for every estimator.
+
+    **Attention weights are not materialized**: the linear estimators never form the
+    ``N x M`` matrix, so ``forward`` returns ``(output, None)`` and rejects
+    ``need_weights=True``. Supported masks are ``key_padding_mask`` (boolean, True =
+    ignore, or float with entries 0 / -inf) and causal masking (``is_causal=True``, or an
+    ``attn_mask`` equal to the causal mask); other ``attn_mask`` forms raise.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Model dimension E (query features and output features).
+    num_heads : int
+        Number of heads h; ``embed_dim`` must be divisible by it.
+    estimator : {"softmax", "rfa", "ra", "lara"}
+        The attention estimator (default ``"lara"``).
+    redraw_interval : int or None
+        ``"rfa"`` only: redraw the features after this many training steps (``forward``
+        calls in training mode); ``None`` keeps them fixed until :meth:`redraw_features`.
+    dropout : float
+        Must be 0: dropout on attention weights needs the weights, which the linear
+        estimators never form (apply dropout to the output instead).
+    bias : bool
+        Add biases to the input and output projections.
+    kdim, vdim : int, optional
+        Key and value feature dimensions (default ``embed_dim``).
+    batch_first : bool
+        Inputs and output are ``(batch, seq, feature)`` instead of ``(seq, batch,
+        feature)``.
+    device, dtype : optional
+        Factory arguments of the parameters and buffers.
+    generator : torch.Generator, optional
+        Source of all random draws (features, LARA and RA samples); default: torch's
+        default generator of the device.
+    **estimator_options
+        Passed to the estimator: ``"rfa"``: ``num_features`` (default
+        ``max(d, int(d ln d))``, d = head_dim), ``feature_map``, ``orthogonal``,
+        ``sample_norm``, ``scale``, ``block_size``; ``"lara"``: ``num_samples`` (C, default
+        16, capped at the query length), ``proposal``, ``weighting``, ``beta``, ``scale``;
+        ``"ra"``: ``num_samples``, ``scale``, ``chunk_size``; ``"softmax"``: ``scale``,
+        ``chunk_size``.
+
+    Raises
+    ------
+    ValueError
+        ``embed_dim`` not divisible by ``num_heads``, unknown ``estimator``, ``dropout``
+        not 0, non-positive sizes or ``redraw_interval``, or a bad option value.
+    TypeError
+        An option the estimator does not take.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import xattn.torch
+    >>> generator = torch.Generator().manual_seed(0)
+    >>> layer = xattn.torch.MultiheadAttention(16, 4, estimator="rfa", num_features=32,
+    ...                                        batch_first=True, generator=generator)
+    >>> x = torch.randn(2, 10, 16, generator=generator)
+    >>> out, weights = layer(x, x, x)
+    >>> out.shape, weights
+    (torch.Size([2, 10, 16]), None)
+    >>> layer.features.shape
+    torch.Size([32, 4])
+    >>> _ = layer.eval()
+    >>> bool(torch.equal(layer(x, x, x)[0], layer(x, x, x)[0]))
+    True
+    """
+
+    features: torch.Tensor | None
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        estimator: str = "lara",
+        redraw_interval: int | None = 1000,
+        dropout: float = 0.0,
+        bias: bool = True,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+        generator: torch.Generator | None = None,
+        **estimator_options: Any,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
+        if redraw_interval is not None and (
+            isinstance(redraw_interval, bool) or not isinstance(redraw_interval, int)
+            or redraw_interval < 1
+        ):
+            raise ValueError(
+                f"redraw_interval must be a positive int or None, got {redraw_interval!r}"
+            )
+        if dropout != 0:
+            raise ValueError(
+                f"dropout must be 0, got {dropout!r}: dropout acts on attention weights, "
+                "which xattn's linear estimators never form; apply dropout to the output"
+            )
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(
+                f"generator must be a torch.Generator or None, got {type(generator).__name__}"
+            )
+        _check_options(estimator, estimator_options)
+
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.batch_first = batch_first
+        self.dropout = 0.0
+        self.estimator = estimator
+        self.redraw_interval = redraw_interval
+        self.generator = generator
+        self.estimator_options = dict(estimator_options)
+        # Parameter names follow torch.nn.MultiheadAttention, so its state_dict loads here.
+        # ``_qkv_same_embed_dim`` is what torch reads to choose the fused fast paths of
+        # nn.TransformerEncoderLayer / nn.TransformerEncoder, which would bypass this
+        # module's forward; it is always False here, the packed layout is told by
+        # ``in_proj_weight`` being set.
+        self._qkv_same_embed_dim = False
+        packed = self.kdim == embed_dim and self.vdim == embed_dim
+        if packed:
+            self.in_proj_weight = nn.Parameter(torch.empty((3 * embed_dim, embed_dim),
+                                                           **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty((embed_dim, self.vdim), **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self._reset_parameters()
+
+        self.steps_since_redraw = 0
+        if estimator == "rfa":
+            num_features = estimator_options.get("num_features",
+                                                 default_num_features(self.head_dim))
+            self.num_features = num_features
+            self.register_buffer("features", torch.empty((0, self.head_dim), **factory))
+            self.redraw_features()
+        else:
+            self.register_buffer("features", None)
+        self._check_option_values()
+
+    def _reset_parameters(self) -> None:
+        # the initialization of torch.nn.MultiheadAttention
+        if self.in_proj_weight is not None:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            nn.init.xavier_uniform_(self.q_proj_weight)
+            nn.init.xavier_uniform_(self.k_proj_weight)
+            nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+
+    def _check_option_values(self) -> None:
+        """Run the estimator once on a tiny input so bad option values fail at construction."""
+        num_samples = self.estimator_options.get("num_samples", 2)
+        length = num_samples if isinstance(num_samples, int) and num_samples > 2 else 2
+        probe = torch.zeros((1, length, self.head_dim), dtype=torch.float64)
+        with torch.no_grad():
+            self._attend(probe, probe, probe, key_mask=None, causal=False)
+
+    def _random(self) -> Generator:
+        if self.generator is not None:
+            return TorchGenerator(self.generator)
+        return _DefaultTorchGenerator()
+
+    @torch.no_grad()
+    def redraw_features(self) -> None:
+        """Draw new RFA samples ``features`` (``estimator="rfa"`` only) in place of the old.
+
+        Uses the layer's ``generator`` (or torch's default generator), on the device and
+        in the dtype of the current buffer (drawn in float32 at least).
+        """
+        if self.estimator != "rfa":
+            raise ValueError(f"redraw_features needs estimator='rfa', not {self.estimator!r}")
+        device, dtype = self.features.device, self.features.dtype
+        draw_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        options = {name: self.estimator_options[name] for name in _FEATURE_OPTIONS[1:]
+                   if name in self.estimator_options}
+        omega = sample_omega(self._random(), self.num_features, self.head_dim,
+                             xp=array_api_compat.array_namespace(self.features),
+                             dtype=draw_dtype, device=device, **options)
+        self.features = omega.to(dtype)
+        self.steps_since_redraw = 0
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """The estimator on ``(..., L, head_dim)`` inputs."""
+        options = self.estimator_options
+        if self.estimator == "softmax":
+            return xattn.softmax_attention(q, k, v, key_mask=key_mask, causal=causal,
+                                           **options)
+        if self.estimator == "rfa":
+            call_options = {name: value for name, value in options.items()
+                            if name not in _FEATURE_OPTIONS}
+            half = q.dtype not in (torch.float32, torch.float64)
+            omega = self.features if half else self.features.to(q.dtype)
+            return xattn.rfa(q, k, v, omega=omega, key_mask=key_mask, causal=causal,
+                             **call_options)
+        if self.estimator == "ra":
+            if self.training:
+                return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, rng=self._random(),
+                                **options)
+            return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, biased=True,
+                            deterministic=True, **options)
+        if causal:
+            raise ValueError("estimator 'lara' has no causal mode; use 'rfa', 'ra' or "
+                             "'softmax' with is_causal=True")
+        call_options = dict(options)
+        num_samples = min(call_options.pop("num_samples", DEFAULT_LARA_SAMPLES), q.shape[-2])
+        if self.training:
+            return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask,
+                              rng=self._random(), **call_options)
+        return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask,
+                          deterministic=True, **call_options)
+
+    def _key_mask(self, key_padding_mask: torch.Tensor | None, batch: int | None,
+                  source_length: int) -> torch.Tensor | None:
+        """torch's key_padding_mask (True / -inf = ignore) -> xattn's key_mask (True = use)."""
+        if key_padding_mask is None:
+            return None
+        expected = (source_length,) if batch is None else (batch, source_length)
+        if tuple(key_padding_mask.shape) != expected:
+            raise ValueError(
+                f"key_padding_mask must have shape {expected} (batch, source length), got "
+                f"{tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.dtype == torch.bool:
+            key_mask = ~key_padding_mask
+        elif key_padding_mask.is_floating_point():
+            if not torch.compiler.is_compiling() and not bool(torch.all(
+                    (key_padding_mask == 0) | (key_padding_mask == -math.inf))):
+                raise ValueError("a float key_padding_mask must hold only 0 (attend) and -inf "
+                                 "(ignore); other additive biases are not supported")
+            key_mask = key_padding_mask == 0
+        else:
+            raise TypeError(f"key_padding_mask must be bool or float, got "
+                            f"{key_padding_mask.dtype}")
+        return key_mask[..., None, :]  # broadcast over heads: (batch, 1, S)
+
+    @staticmethod
+    def _is_causal_mask(attn_mask: torch.Tensor, target_length: int,
+                        source_length: int) -> bool:
+        if tuple(attn_mask.shape) != (target_length, source_length):
+            raise ValueError(
+                f"attn_mask must have shape ({target_length}, {source_length}) (a causal mask);"
+                f" got {tuple(attn_mask.shape)}: per-batch or per-head masks are not supported"
+            )
+        if torch.compiler.is_compiling():
+            return True
+        future = torch.ones((target_length, source_length), dtype=torch.bool,
+                            device=attn_mask.device).triu(1)
+        if attn_mask.dtype == torch.bool:
+            return bool(torch.equal(attn_mask, future))
+        blocked = torch.where(future, attn_mask == -math.inf, attn_mask == 0)
+        return bool(torch.all(blocked))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        """Attend ``query`` to ``key`` / ``value``.
+
+        Parameters
+        ----------
+        query : Tensor, shape (L, N, E), (N, L, E) if ``batch_first``, or (L, E)
+        key : Tensor, shape (S, N, kdim), (N, S, kdim) if ``batch_first``, or (S, kdim)
+        value : Tensor, shape (S, N, vdim), (N, S, vdim) if ``batch_first``, or (S, vdim)
+        key_padding_mask : Tensor, shape (N, S) or (S,), optional
+            True (or -inf) marks keys to **ignore**, as in torch.
+        need_weights : bool
+            Must be False: attention weights are not materialized.
+        attn_mask : Tensor, shape (L, S), optional
+            Only the causal mask (True / -inf above the diagonal) is supported.
+        average_attn_weights : bool
+            Accepted for compatibility; unused.
+        is_causal : bool
+            Causal masking (query n attends keys m <= n, top-left aligned). With
+            ``attn_mask`` given too, ``attn_mask`` is taken to be the causal mask, as in
+            torch.
+
+        Returns
+        -------
+        output : Tensor, shape (L, N, E), (N, L, E) if ``batch_first``, or (L, E)
+        weights : None
+        """
+        if need_weights:
+            raise ValueError(
+                "need_weights=True is not supported: xattn's estimators do not materialize "
+                "attention weights; call with need_weights=False (the output is returned "
+                "with None for the weights)"
+            )
+        if query.dim() not in (2, 3):
+            raise ValueError(f"query must be 2-D (unbatched) or 3-D, got shape "
+                             f"{tuple(query.shape)}")
+        if key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(f"query, key and value must have the same rank, got shapes "
+                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = query[:, None], key[:, None], value[:, None]
+        elif self.batch_first:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        # now (L, N, E)
+        target_length, batch, _ = query.shape
+        source_length = key.shape[0]
+        for name, tensor, dim in (("query", query, self.embed_dim), ("key", key, self.kdim),
+                                  ("value", value, self.vdim)):
+            if tensor.shape[-1] != dim:
+                raise ValueError(f"{name} must have {dim} features in its last dim, got "
+                                 f"shape {tuple(tensor.shape)}")
+        if key.shape[:2] != value.shape[:2] or key.shape[1] != batch:
+            raise ValueError(f"key and value must have shapes (S, {batch}, .) matching the "
+                             f"query batch, got {tuple(key.shape)} and {tuple(value.shape)}")
+        key_mask = self._key_mask(key_padding_mask, batch if batched else None, source_length)
+        if key_mask is not None and not batched:
+            key_mask = key_mask[None]
+        causal = bool(is_causal)
+        if attn_mask is not None and not causal:
+            causal = self._is_causal_mask(attn_mask, target_length, source_length)
+            if not causal:
+                raise ValueError(
+                    "attn_mask is not supported except as the causal mask (True or -inf "
+                    "above the diagonal): linear estimators cannot apply arbitrary "
+                    "(L, S) masks; use key_padding_mask and/or is_causal=True"
+                )
+
+        q, k, v = self._project(query, key, value)  # (N, h, L, d)
+        if self.training and self.estimator == "rfa" and self.redraw_interval is not None:
+            if self.steps_since_redraw >= self.redraw_interval:
+                self.redraw_features()
+            self.steps_since_redraw += 1
+        heads = self._attend(q, k, v, key_mask=key_mask, causal=causal)  # (N, h, L, d)
+        merged = heads.permute(2, 0, 1, 3).reshape(target_length, batch, self.embed_dim)
+        output = self.out_proj(merged)
+        if not batched:
+            return output[:, 0], None
+        if self.batch_first:
+            output = output.transpose(0, 1)
+        return output, None
+
+    def _project(self, query, key, value):
+        embed_dim = self.embed_dim
+        if self.in_proj_weight is not None:
+            weights = self.in_proj_weight.split(embed_dim)
+        else:
+            weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        biases = (self.in_proj_bias.split(embed_dim) if self.in_proj_bias is not None
+                  else (None, None, None))
+        heads = []
+        for x, weight, bias in zip((query, key, value), weights, biases, strict=True):
+            projected = nn.functional.linear(x, weight, bias)  # (L, N, E)
+            length, batch = projected.shape[:2]
+            heads.append(projected.reshape(length, batch, self.num_heads, self.head_dim)
+                         .permute(1, 2, 0, 3))
+        return heads
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"estimator={self.estimator!r}, redraw_interval={self.redraw_interval}, "
+                f"batch_first={self.batch_first}, options={self.estimator_options}")
