@@ -49,8 +49,7 @@ myst_dmath_double_inline = True
 
 # -- sphinx-gallery ---------------------------------------------------------------------
 # Examples run with small sizes; the whole build stays within a few minutes on 2 cores.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the gallery's JAX example runs on the CPU
 warnings.filterwarnings("ignore", message="Matplotlib is currently using agg")
 
 sphinx_gallery_conf = {
