@@ -1,0 +1,274 @@
+"""xattn.torch.MultiheadAttention: a drop-in for torch.nn.MultiheadAttention."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+xtorch = pytest.importorskip("xattn.torch")
+
+ESTIMATORS = ("softmax", "rfa", "ra", "lara")
+SMALL_OPTIONS = {"softmax": {}, "rfa": {"num_features": 16}, "ra": {"num_samples": 2},
+                 "lara": {"num_samples": 4}}
+EMBED_DIM, NUM_HEADS = 16, 4
+
+
+def make_layer(estimator, seed=0, **kwargs):
+    torch.manual_seed(seed)  # parameter init, as for torch.nn.MultiheadAttention
+    options = {**SMALL_OPTIONS[estimator], **kwargs}
+    return xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator=estimator,
+                                     generator=torch.Generator().manual_seed(seed), **options)
+
+
+def inputs(shape=(2, 12, EMBED_DIM), seed=1):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("layout", ["seq_first", "batch_first", "unbatched"])
+def test_forward_shape_dtype_and_backward(estimator, layout):
+    layer = make_layer(estimator, batch_first=layout == "batch_first")
+    shape = {"seq_first": (12, 2, EMBED_DIM), "batch_first": (2, 12, EMBED_DIM),
+             "unbatched": (12, EMBED_DIM)}[layout]
+    x = inputs(shape)
+    memory_shape = {"seq_first": (9, 2, EMBED_DIM), "batch_first": (2, 9, EMBED_DIM),
+                    "unbatched": (9, EMBED_DIM)}[layout]
+    memory = inputs(memory_shape, seed=2)  # cross attention: 9 keys for 12 queries
+    out, weights = layer(x, memory, memory)
+    assert weights is None
+    assert out.shape == x.shape and out.dtype == torch.float32
+    out.square().sum().backward()
+    names = [name for name, _ in layer.named_parameters()]
+    assert set(names) == {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}
+    for name, parameter in layer.named_parameters():
+        assert parameter.grad is not None, name
+        assert torch.isfinite(parameter.grad).all(), name
+        assert parameter.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_softmax_equals_torch_multihead_attention(batch_first):
+    """estimator="softmax" with torch's weights reproduces torch.nn.MultiheadAttention."""
+    torch.manual_seed(0)
+    reference = torch.nn.MultiheadAttention(EMBED_DIM, NUM_HEADS, batch_first=batch_first)
+    with torch.no_grad():  # non-zero biases, so that every parameter is compared
+        reference.in_proj_bias.normal_()
+        reference.out_proj.bias.normal_()
+    layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="softmax",
+                                      batch_first=batch_first)
+    missing, unexpected = layer.load_state_dict(reference.state_dict(), strict=False)
+    assert missing == [] and unexpected == []
+    x = inputs((2, 12, EMBED_DIM) if batch_first else (12, 2, EMBED_DIM))
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, 8:] = True
+    float_padding = torch.where(padding, -torch.inf, 0.0)
+    causal_mask = torch.nn.Transformer.generate_square_subsequent_mask(12)
+    cases = [
+        ({}, {}),
+        ({"key_padding_mask": padding}, {"key_padding_mask": padding}),
+        ({"attn_mask": causal_mask, "is_causal": True}, {"is_causal": True}),
+        ({"attn_mask": causal_mask}, {"attn_mask": torch.isinf(causal_mask)}),
+        ({"attn_mask": causal_mask, "key_padding_mask": float_padding},
+         {"attn_mask": causal_mask, "key_padding_mask": float_padding}),
+    ]
+    for reference_kwargs, kwargs in cases:
+        expected, _ = reference(x, x, x, need_weights=False, **reference_kwargs)
+        out, _ = layer(x, x, x, **kwargs)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_equals_torch_with_kdim_vdim():
+    torch.manual_seed(0)
+    reference = torch.nn.MultiheadAttention(EMBED_DIM, NUM_HEADS, kdim=6, vdim=5)
+    layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="softmax", kdim=6,
+                                      vdim=5)
+    layer.load_state_dict(reference.state_dict(), strict=False)
+    assert layer.in_proj_weight is None and layer.k_proj_weight.shape == (EMBED_DIM, 6)
+    x, key, value = inputs((7, 3, EMBED_DIM)), inputs((9, 3, 6), 2), inputs((9, 3, 5), 3)
+    expected, _ = reference(x, key, value, need_weights=False)
+    torch.testing.assert_close(layer(x, key, value)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_drops_into_transformer_encoder_layer():
+    """Swapped into nn.TransformerEncoderLayer, the layer is used even in eval (no fast path)."""
+    torch.manual_seed(0)
+    block = torch.nn.TransformerEncoderLayer(EMBED_DIM, NUM_HEADS, dim_feedforward=32,
+                                             dropout=0.0, batch_first=True).eval()
+    x = inputs()
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[0, 10:] = True
+    with torch.no_grad():
+        expected = block(x, src_key_padding_mask=padding)
+        reference_state = block.self_attn.state_dict()
+        block.self_attn = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="softmax",
+                                                    batch_first=True)
+        block.self_attn.load_state_dict(reference_state, strict=False)
+        block.eval()
+        out = block(x, src_key_padding_mask=padding)
+    torch.testing.assert_close(out[~padding], expected[~padding], rtol=1e-5, atol=1e-5)
+    block.self_attn.estimator = "lara"  # a linear estimator changes the output
+    with torch.no_grad():
+        assert not torch.allclose(block(x, src_key_padding_mask=padding), out, atol=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_state_dict_round_trip_reproduces_eval_output(estimator):
+    layer = make_layer(estimator, seed=0, redraw_interval=1)
+    x = inputs()
+    for _ in range(3):  # training steps redraw the features of "rfa"
+        layer(x, x, x)
+    layer.eval()
+    expected, _ = layer(x, x, x)
+    restored = make_layer(estimator, seed=5, redraw_interval=1).eval()
+    assert not torch.allclose(restored(x, x, x)[0], expected)
+    restored.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(restored(x, x, x)[0], expected, rtol=0, atol=0)
+    if estimator == "rfa":
+        assert "features" in layer.state_dict()
+        assert torch.equal(restored.features, layer.features)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_eval_outputs_identical_and_training_random(estimator):
+    layer = make_layer(estimator, redraw_interval=1)
+    x = inputs()
+    first, second = layer(x, x, x)[0], layer(x, x, x)[0]
+    if estimator == "softmax":
+        assert torch.equal(first, second)
+    else:  # training draws fresh samples (rfa: redrawn at every step here)
+        assert not torch.allclose(first, second)
+    layer.eval()
+    outputs = [layer(x, x, x)[0] for _ in range(3)]
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+def test_rfa_features_redrawn_every_interval_in_training_only():
+    interval = 3
+    layer = make_layer("rfa", redraw_interval=interval)
+    x = inputs()
+    initial = layer.features.clone()
+    assert initial.shape == (16, EMBED_DIM // NUM_HEADS)
+    for _ in range(interval):  # the first `interval` training steps share the features
+        layer(x, x, x)
+        assert torch.equal(layer.features, initial)
+    layer.eval()
+    for _ in range(2 * interval):  # evaluation never redraws nor counts steps
+        layer(x, x, x)
+    assert torch.equal(layer.features, initial)
+    layer.train()
+    layer(x, x, x)  # step interval + 1 redraws
+    redrawn = layer.features.clone()
+    assert not torch.equal(redrawn, initial)
+    for _ in range(interval - 1):
+        layer(x, x, x)
+    assert torch.equal(layer.features, redrawn)
+    layer.redraw_features()
+    assert not torch.equal(layer.features, redrawn)
+
+    fixed = make_layer("rfa", redraw_interval=None)
+    fixed_initial = fixed.features.clone()
+    for _ in range(5):
+        fixed(x, x, x)
+    assert torch.equal(fixed.features, fixed_initial)
+
+
+@pytest.mark.parametrize("estimator", ["rfa", "ra", "lara"])
+def test_randomness_from_the_generator_only(estimator):
+    """Same generator seed, same training outputs; torch's global RNG state is not used."""
+    x = inputs()
+    outputs = []
+    for _ in range(2):
+        layer = make_layer(estimator, seed=3, redraw_interval=1)
+        global_state = torch.random.get_rng_state()
+        outputs.append(torch.stack([layer(x, x, x)[0] for _ in range(3)]))
+        assert torch.equal(torch.random.get_rng_state(), global_state)
+    assert torch.equal(outputs[0], outputs[1])
+    # without a generator, draws come from torch's default generator
+    torch.manual_seed(0)
+    layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator=estimator,
+                                      **SMALL_OPTIONS[estimator])
+    torch.manual_seed(11)
+    first = layer(x, x, x)[0]
+    torch.manual_seed(11)
+    torch.testing.assert_close(layer(x, x, x)[0], first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_one_optimisation_step_lowers_the_loss(estimator):
+    """One SGD step on a training-mode loss lowers the (deterministic) evaluation loss."""
+    layer = make_layer(estimator, batch_first=True, redraw_interval=1)
+    x = inputs(seed=4)
+    target = torch.tanh(x @ inputs((EMBED_DIM, EMBED_DIM), seed=6))  # regression target
+
+    def eval_loss():
+        layer.eval()
+        with torch.no_grad():
+            loss = torch.nn.functional.mse_loss(layer(x, x, x)[0], target)
+        layer.train()
+        return float(loss)
+
+    before = eval_loss()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.05)
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(layer(x, x, x)[0], target).backward()
+    optimizer.step()
+    after = eval_loss()
+    assert after < before
+
+
+def test_half_precision_forward():
+    layer = make_layer("rfa").to(torch.bfloat16)
+    x = inputs().to(torch.bfloat16)
+    out, _ = layer(x, x, x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert layer.features.dtype == torch.bfloat16
+
+
+def test_copy_keeps_features():
+    layer = make_layer("rfa")
+    clone = copy.deepcopy(layer)
+    assert torch.equal(clone.features, layer.features)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"embed_dim \(10\) must be divisible by num_heads \(4\)"):
+        xtorch.MultiheadAttention(10, 4)
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        xtorch.MultiheadAttention(16, 4, estimator="performer")
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        xtorch.MultiheadAttention(16, 0)
+    with pytest.raises(ValueError, match="dropout must be 0"):
+        xtorch.MultiheadAttention(16, 4, dropout=0.1)
+    with pytest.raises(ValueError, match="redraw_interval must be a positive int or None"):
+        xtorch.MultiheadAttention(16, 4, estimator="rfa", redraw_interval=0)
+    with pytest.raises(TypeError, match="does not take the option"):
+        xtorch.MultiheadAttention(16, 4, estimator="rfa", num_samples=3)
+    with pytest.raises(TypeError, match="does not take the option"):
+        xtorch.MultiheadAttention(16, 4, estimator="lara", deterministic=True)
+    with pytest.raises(ValueError, match="proposal"):
+        xtorch.MultiheadAttention(16, 4, estimator="lara", proposal="uniform")
+    with pytest.raises(ValueError, match="feature_map"):
+        xtorch.MultiheadAttention(16, 4, estimator="rfa", feature_map="relu")
+    with pytest.raises(TypeError, match=r"generator must be a torch\.Generator"):
+        xtorch.MultiheadAttention(16, 4, generator=0)
+
+    layer = make_layer("lara")
+    x = inputs((12, 2, EMBED_DIM))
+    with pytest.raises(ValueError, match="need_weights=True is not supported"):
+        layer(x, x, x, need_weights=True)
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(2, 12\)"):
+        layer(x, x, x, key_padding_mask=torch.zeros(12, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"only 0 \(attend\) and -inf"):
+        layer(x, x, x, key_padding_mask=torch.full((2, 12), 0.5))
+    with pytest.raises(ValueError, match=r"attn_mask must have shape \(12, 12\)"):
+        layer(x, x, x, attn_mask=torch.zeros(8, 12, 12, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask is not supported except as the causal"):
+        layer(x, x, x, attn_mask=torch.eye(12, dtype=torch.bool))
+    with pytest.raises(ValueError, match="'lara' has no causal mode"):
+        layer(x, x, x, is_causal=True)
+    with pytest.raises(ValueError, match="query must have 16 features"):
+        layer(x[..., :8], x, x)
+    with pytest.raises(ValueError, match="redraw_features needs estimator='rfa'"):
+        layer.redraw_features()
