@@ -376,10 +376,11 @@ def structured_attention_inputs(
 def load_inputs(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Read and validate ``q``, ``k``, ``v`` from an ``.npz`` file (raises CommandError)."""
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            if not isinstance(archive, np.lib.npyio.NpzFile):
-                raise CommandError(f"{path}: not an .npz archive (save one with "
-                                   "numpy.savez(path, q=q, k=k, v=v))")
+        archive = np.load(path, allow_pickle=False)
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise CommandError(f"{path}: not an .npz archive (save one with "
+                               "numpy.savez(path, q=q, k=k, v=v))")
+        with archive:
             missing = [name for name in ("q", "k", "v") if name not in archive.files]
             if missing:
                 raise CommandError(f"{path}: missing array(s) {', '.join(missing)}; expected "
@@ -515,7 +516,7 @@ def compare(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     print(f"xattn compare: {backend.describe()}, {args.dtype}, q {q_host.shape}, "
           f"k {k_host.shape}, v {v_host.shape}; {args.draws} draws per cell, seeds "
-          f"{args.seed}..{args.seed + args.draws - 1}", file=sys.stderr)
+          f"{args.seed}..{args.seed + args.draws - 1}")
     with progress_bar(len(cells) * args.draws, "xattn compare", args.progress) as bar:
         for spec, samples in cells:
             measurement = Measurement()
@@ -637,7 +638,7 @@ def bench(args: argparse.Namespace) -> int:
 
     results: dict[str, list[dict[str, Any]]] = {spec.name: [] for spec in specs}
     print(f"xattn bench: {backend.describe()}, {args.dtype}, {args.heads} heads, "
-          f"D = {args.head_dim}, lengths {', '.join(map(str, args.lengths))}", file=sys.stderr)
+          f"D = {args.head_dim}, lengths {', '.join(map(str, args.lengths))}")
     with progress_bar(len(specs) * len(args.lengths), "xattn bench", args.progress) as bar:
         for length in args.lengths:
             shape = (args.heads, length, args.head_dim)
