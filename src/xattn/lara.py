@@ -25,7 +25,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import array_namespace, check_choice, check_positive_int, prepare_attention
+from xattn._array import (
+    array_namespace,
+    check_choice,
+    check_positive_int,
+    index_sizes,
+    prepare_attention,
+)
 from xattn.features import positive_key_statistics, weighted_readout
 from xattn.random import as_generator
 
@@ -44,7 +50,7 @@ WEIGHTINGS = ("balance", "decoupled", "coupled")
 WEIGHT_FLOOR = 1e-8
 
 
-def _segment_membership(xp: Any, mask: Array | None, length: int, num_segments: int,
+def _segment_membership(xp: Any, mask: Array, length: int, num_segments: int,
                         *, dtype: Any, device: Any) -> Array:
     """Float (..., C, L) indicator: entry l is allowed and lies in segment c.
 
@@ -54,10 +60,7 @@ def _segment_membership(xp: Any, mask: Array | None, length: int, num_segments: 
     a sequence with masked entries leaves every segment unchanged. Built from integer
     array arithmetic (a cumulative sum of the mask), with no Python control flow on values.
     """
-    if mask is None:
-        allowed = xp.ones((length,), dtype=xp.int32, device=device)
-    else:
-        allowed = xp.astype(mask, xp.int32)
+    allowed = xp.astype(mask, xp.int32)
     rank = xp.cumulative_sum(allowed, axis=-1) - allowed  # position among allowed entries
     count = xp.sum(allowed, axis=-1, keepdims=True)
     base = count // num_segments
@@ -74,11 +77,42 @@ def _segment_membership(xp: Any, mask: Array | None, length: int, num_segments: 
     return xp.astype(member, dtype)
 
 
-def _segment_means(xp: Any, membership: Array, x: Array) -> tuple[Array, Array]:
-    """Segment means (..., C, D) of x over the members, and the segment sizes (..., C).
+def _contiguous_segment_means(xp: Any, x: Array, num_segments: int,
+                              device: Any) -> tuple[Array, Array]:
+    """Means (..., C, D) of C contiguous segments of all L rows of x, and their sizes (C,).
 
-    A segment without members (all its entries masked, or C > L) gets a zero mean.
+    Without a mask the segments are static slices (sizes from
+    :func:`xattn._array.index_sizes`), so two reshapes give the means in O(L D).
+    Segments left empty when C > L get a zero mean.
     """
+    length, dim, batch = x.shape[-2], x.shape[-1], x.shape[:-2]
+    base, extra = divmod(length, num_segments)
+    in_long_segments = extra * (base + 1)
+    means = []
+    if extra:  # the first `extra` segments have base + 1 rows
+        means.append(xp.mean(xp.reshape(x[..., :in_long_segments, :],
+                                        (*batch, extra, base + 1, dim)), axis=-2))
+    if base:
+        means.append(xp.mean(xp.reshape(x[..., in_long_segments:, :],
+                                        (*batch, num_segments - extra, base, dim)), axis=-2))
+    else:
+        means.append(xp.zeros((*batch, num_segments - extra, dim), dtype=x.dtype,
+                              device=device))
+    sizes = xp.asarray(index_sizes(length, num_segments), dtype=x.dtype, device=device)
+    return (xp.concat(means, axis=-2) if len(means) > 1 else means[0]), sizes
+
+
+def _segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int,
+                   device: Any) -> tuple[Array, Array]:
+    """Segment means (..., C, D) of the allowed rows of x, and the segment sizes (..., C).
+
+    With a mask, through the (..., C, L) membership matrix, O(L C D). A segment without
+    members (all its entries masked, or C > L) gets a zero mean.
+    """
+    if mask is None:
+        return _contiguous_segment_means(xp, x, num_segments, device)
+    membership = _segment_membership(xp, mask, x.shape[-2], num_segments, dtype=x.dtype,
+                                     device=device)
     sizes = xp.sum(membership, axis=-1)
     safe_sizes = xp.where(sizes > 0, sizes, xp.ones_like(sizes))
     return (membership @ x) / safe_sizes[..., None], sizes
@@ -342,12 +376,9 @@ def lara(
     key_mask, query_mask = inputs.key_mask, inputs.query_mask
 
     # Landmarks: means of C contiguous segments of the allowed queries and keys (G.3.1).
-    query_membership = _segment_membership(xp, query_mask, inputs.num_queries, num_samples,
-                                           dtype=dtype, device=device)
-    key_membership = _segment_membership(xp, key_mask, inputs.num_keys, num_samples,
-                                         dtype=dtype, device=device)
-    query_landmarks, _ = _segment_means(xp, query_membership, q_hat)  # q~_c
-    key_landmarks, key_segment_sizes = _segment_means(xp, key_membership, k_hat)  # k~_c
+    query_landmarks, _ = _segment_means(xp, q_hat, query_mask, num_samples, device)  # q~_c
+    key_landmarks, key_segment_sizes = _segment_means(xp, k_hat, key_mask, num_samples,
+                                                      device)  # k~_c
     proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
                                      key_segment_sizes, k_hat, key_mask)  # mu_c
 
@@ -364,11 +395,14 @@ def lara(
     # query-specific correction with r_nc = softmax over queries of q^_n . q~_c (G.3.2).
     balance = balance_heuristic(omega, proposal_means)  # (..., C samples, C proposals)
     own_weight = xp.sum(balance * xp.eye(num_samples, dtype=dtype, device=device), axis=-1)
-    allowed_queries = None if query_mask is None else query_mask[..., :, None]
-    query_affinity = _masked_softmax(xp, q_hat @ xp.matrix_transpose(query_landmarks),
-                                     allowed_queries, axis=-2)  # r_nc, (..., N, C)
-    weights = lara_weights(own_weight, query_affinity, weighting=weighting, beta=beta)
-    weights = xp.maximum(weights, xp.full_like(weights, WEIGHT_FLOOR))
+    if weighting == "balance":  # alpha_nc = w_c for every query: keep it (..., 1, C)
+        weights = xp.maximum(own_weight, xp.full_like(own_weight, WEIGHT_FLOOR))[..., None, :]
+    else:
+        allowed_queries = None if query_mask is None else query_mask[..., :, None]
+        query_affinity = _masked_softmax(xp, q_hat @ xp.matrix_transpose(query_landmarks),
+                                         allowed_queries, axis=-2)  # r_nc, (..., N, C)
+        weights = lara_weights(own_weight, query_affinity, weighting=weighting, beta=beta)
+        weights = xp.maximum(weights, xp.full_like(weights, WEIGHT_FLOOR))
 
     # Stabilized estimator (eq. 28, DESIGN §3): key side exactly as RFA ...
     key_max, numerator, denominator = positive_key_statistics(xp, k_hat, v, omega, key_mask)
