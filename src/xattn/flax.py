@@ -1,0 +1,374 @@
+r"""Flax (NNX) multi-head attention layer backed by an xattn estimator.
+
+:class:`MultiHeadAttention` is shaped after :class:`flax.nnx.MultiHeadAttention` (same
+constructor arguments where they apply, same submodules ``query``, ``key``, ``value`` and
+``out`` of type :class:`flax.nnx.LinearGeneral`, same input layout ``(batch..., length,
+features)`` and ``__call__`` signature), so its parameters can be exchanged with Flax's
+layer. The attention itself is computed by one of xattn's estimators, chosen by name:
+
+* ``"softmax"``: exact softmax attention (:func:`xattn.softmax_attention`);
+* ``"rfa"``: random feature attention (:func:`xattn.rfa`) with an ``(S, head_dim)`` sample
+  matrix kept in the variable ``features`` (a :class:`FeatureState`, part of the module
+  state), redrawn every ``redraw_interval`` training steps and fixed in evaluation mode;
+* ``"ra"``: randomized attention (:func:`xattn.ra`): unbiased random estimates in
+  training mode, the biased deterministic form in evaluation mode;
+* ``"lara"``: linear randomized attention (:func:`xattn.lara`): fresh random samples at
+  every training step, ``deterministic=True`` (the proposal means) in evaluation mode.
+
+Training and evaluation follow Flax's convention: the attribute ``deterministic`` (set by
+``model.train()`` / ``model.eval()``, or overridden per call) selects the mode.
+Randomness comes from the ``rng_collection`` stream (default ``"attention"``, which falls
+back to the ``default`` stream) of the :class:`flax.nnx.Rngs` given at construction, or
+from ``rngs=`` passed to the call. Everything works under :func:`flax.nnx.jit`.
+
+This module needs Flax and is therefore imported explicitly (``import xattn.flax``);
+``import xattn`` does not import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import xattn
+from xattn.features import sample_omega
+from xattn.rfa import default_num_features
+
+__all__ = ["ESTIMATORS", "FeatureState", "MultiHeadAttention"]
+
+ESTIMATORS = ("softmax", "rfa", "ra", "lara")
+"""Estimator names accepted by :class:`MultiHeadAttention`."""
+
+_ESTIMATOR_OPTIONS = {
+    "softmax": ("scale", "chunk_size"),
+    "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
+            "block_size"),
+    "ra": ("num_samples", "scale", "chunk_size"),
+    "lara": ("num_samples", "proposal", "weighting", "beta", "scale"),
+}
+_FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
+DEFAULT_LARA_SAMPLES = 16
+"""Default number of LARA proposals C (capped at the query length)."""
+default_kernel_init = nnx.initializers.lecun_normal()  # Flax's default for projections
+default_bias_init = nnx.initializers.zeros_init()
+
+
+class FeatureState(nnx.Variable):
+    """Non-trainable state of :class:`MultiHeadAttention`: the RFA samples and the count
+    of training steps since they were drawn (not a :class:`flax.nnx.Param`, so optimizers
+    leave it alone; it is saved and restored with the rest of the state)."""
+
+
+class MultiHeadAttention(nnx.Module):
+    r"""Multi-head attention with an xattn estimator, shaped after
+    :class:`flax.nnx.MultiHeadAttention`.
+
+    .. math::
+
+        \mathrm{head}_i = \mathrm{attention}(x_q W_i^Q, x_k W_i^K, x_v W_i^V), \quad
+        \mathrm{output} = \sum_i \mathrm{head}_i W_i^O
+
+    where ``attention`` is the chosen estimator of softmax attention with scale
+    ``1/sqrt(head_dim)``.
+
+    **Training and evaluation.** ``estimator="rfa"``: the samples :math:`\omega`
+    (``features``, shape ``(num_features, head_dim)``, shared by all heads) are redrawn at
+    the start of a training-mode call once ``redraw_interval`` training calls have used
+    them (the choice is made with :func:`jax.numpy.where`, so it works under
+    :func:`flax.nnx.jit`); never in evaluation mode; :meth:`redraw_features` redraws by
+    hand. ``"lara"``: random samples in training mode, ``deterministic=True`` in
+    evaluation mode. ``"ra"``: the unbiased random estimator in training mode,
+    ``biased=True, deterministic=True`` in evaluation mode. Evaluation outputs are
+    deterministic for every estimator.
+
+    Attention weights are never materialized (there is no ``sow_weights``). Supported
+    masks are key masks ``mask`` of shape ``(batch..., 1 or num_heads, 1, kv_length)``
+    (True = attend, as in Flax) and causal masking with ``is_causal=True``; a full
+    ``(q_length, kv_length)`` mask raises.
+
+    Parameters
+    ----------
+    num_heads : int
+        Number of heads h; ``qkv_features`` must be divisible by it.
+    in_features : int
+        Features of the query inputs.
+    qkv_features : int, optional
+        Total features of the projected queries, keys and values (default
+        ``in_features``).
+    out_features : int, optional
+        Output features (default ``in_features``).
+    in_kv_features : int, optional
+        Features of the key and value inputs (default ``in_features``).
+    estimator : {"softmax", "rfa", "ra", "lara"}
+        The attention estimator (default ``"lara"``).
+    redraw_interval : int or None
+        ``"rfa"`` only: redraw the features after this many training calls; ``None``
+        keeps them fixed until :meth:`redraw_features`.
+    use_bias, dtype, param_dtype, kernel_init, bias_init
+        As in :class:`flax.nnx.LinearGeneral` (the projections).
+    deterministic : bool
+        Evaluation mode (True) or training mode (False, default); ``model.eval()`` and
+        ``model.train()`` set it.
+    rng_collection : str
+        Name of the RNG stream the random draws come from.
+    rngs : flax.nnx.Rngs
+        Parameter initialization and the random stream.
+    **estimator_options
+        Passed to the estimator: ``"rfa"``: ``num_features`` (default
+        ``max(d, int(d ln d))``, d = head_dim), ``feature_map``, ``orthogonal``,
+        ``sample_norm``, ``scale``, ``block_size``; ``"lara"``: ``num_samples`` (C, default
+        16, capped at the query length), ``proposal``, ``weighting``, ``beta``, ``scale``;
+        ``"ra"``: ``num_samples``, ``scale``, ``chunk_size``; ``"softmax"``: ``scale``,
+        ``chunk_size``.
+
+    Raises
+    ------
+    ValueError
+        ``qkv_features`` not divisible by ``num_heads``, unknown ``estimator``,
+        non-positive ``redraw_interval``, or a bad option value.
+    TypeError
+        An option the estimator does not take.
+
+    Examples
+    --------
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import xattn.flax
+    >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="rfa", num_features=32,
+    ...                                       rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((2, 10, 16))
+    >>> layer(x).shape
+    (2, 10, 16)
+    >>> layer.features.shape
+    (32, 4)
+    >>> layer.eval()
+    >>> bool(jnp.array_equal(layer(x), layer(x)))
+    True
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        in_features: int,
+        qkv_features: int | None = None,
+        out_features: int | None = None,
+        *,
+        in_kv_features: int | None = None,
+        estimator: str = "lara",
+        redraw_interval: int | None = 1000,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        kernel_init: Any = default_kernel_init,
+        bias_init: Any = default_bias_init,
+        deterministic: bool = False,
+        rng_collection: str = "attention",
+        rngs: nnx.Rngs,
+        **estimator_options: Any,
+    ) -> None:
+        for name, value in (("num_heads", num_heads), ("in_features", in_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_heads = num_heads
+        self.in_features = in_features
+        self.qkv_features = qkv_features if qkv_features is not None else in_features
+        self.out_features = out_features if out_features is not None else in_features
+        self.in_kv_features = in_kv_features if in_kv_features is not None else in_features
+        if self.qkv_features % num_heads != 0:
+            raise ValueError(f"qkv_features ({self.qkv_features}) must be divisible by "
+                             f"num_heads ({num_heads})")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
+        if redraw_interval is not None and (
+            isinstance(redraw_interval, bool) or not isinstance(redraw_interval, int)
+            or redraw_interval < 1
+        ):
+            raise ValueError(
+                f"redraw_interval must be a positive int or None, got {redraw_interval!r}"
+            )
+        allowed = _ESTIMATOR_OPTIONS[estimator]
+        unknown = sorted(set(estimator_options) - set(allowed))
+        if unknown:
+            raise TypeError(
+                f"estimator {estimator!r} does not take the option(s) {unknown}; its options "
+                f"are {list(allowed)} (masks, causal mode, rng, omega and the train/eval "
+                "switches are set by the layer)"
+            )
+        self.head_dim = self.qkv_features // num_heads
+        self.estimator = estimator
+        self.redraw_interval = redraw_interval
+        self.estimator_options = dict(estimator_options)
+        self.deterministic = deterministic
+        self.rng_collection = rng_collection
+
+        projection = {"use_bias": use_bias, "dtype": dtype, "param_dtype": param_dtype,
+                      "kernel_init": kernel_init, "bias_init": bias_init, "rngs": rngs}
+        heads = (num_heads, self.head_dim)
+        self.query = nnx.LinearGeneral(in_features, heads, **projection)
+        self.key = nnx.LinearGeneral(self.in_kv_features, heads, **projection)
+        self.value = nnx.LinearGeneral(self.in_kv_features, heads, **projection)
+        self.out = nnx.LinearGeneral(heads, self.out_features, axis=(-2, -1), **projection)
+        self.rngs = rngs[rng_collection].fork()
+
+        if estimator == "rfa":
+            self.num_features = estimator_options.get("num_features",
+                                                      default_num_features(self.head_dim))
+            self.features = FeatureState(self._draw_features(self.rngs()))
+            self.steps_since_redraw = FeatureState(jnp.zeros((), dtype=jnp.int32))
+        else:
+            self.features = nnx.data(None)
+            self.steps_since_redraw = nnx.data(None)
+        self._check_option_values()
+
+    def _check_option_values(self) -> None:
+        """Run the estimator once on a tiny input so bad option values fail at construction."""
+        num_samples = self.estimator_options.get("num_samples", 2)
+        length = num_samples if isinstance(num_samples, int) and num_samples > 2 else 2
+        probe = jnp.zeros((1, length, self.head_dim), dtype=jnp.float32)
+        features = None if self.features is None else self.features[...]
+        self._attend(probe, probe, probe, key_mask=None, causal=False, deterministic=True,
+                     features=features, key=None)
+
+    def _draw_features(self, key: Any) -> jax.Array:
+        options = {name: self.estimator_options[name] for name in _FEATURE_OPTIONS[1:]
+                   if name in self.estimator_options}
+        return sample_omega(key, self.num_features, self.head_dim, xp=jnp,
+                            dtype=jnp.float32, **options)
+
+    def redraw_features(self, rngs: nnx.Rngs | nnx.RngStream | None = None) -> None:
+        """Draw new RFA samples ``features`` (``estimator="rfa"`` only) and reset the count.
+
+        Parameters
+        ----------
+        rngs : flax.nnx.Rngs or flax.nnx.RngStream, optional
+            Source of the draw; default: the layer's own stream.
+        """
+        if self.estimator != "rfa":
+            raise ValueError(f"redraw_features needs estimator='rfa', not {self.estimator!r}")
+        self.features[...] = self._draw_features(self._next_key(rngs))
+        self.steps_since_redraw[...] = jnp.zeros((), dtype=jnp.int32)
+
+    def _next_key(self, rngs: Any) -> jax.Array:
+        if rngs is None:
+            return self.rngs()
+        if isinstance(rngs, nnx.Rngs):
+            return rngs[self.rng_collection]()
+        if isinstance(rngs, nnx.RngStream):
+            return rngs()
+        return rngs  # a JAX key
+
+    def _attend(self, q, k, v, *, key_mask, causal, deterministic, features, key):
+        """The estimator on ``(..., L, head_dim)`` inputs."""
+        options = self.estimator_options
+        if self.estimator == "softmax":
+            return xattn.softmax_attention(q, k, v, key_mask=key_mask, causal=causal,
+                                           **options)
+        if self.estimator == "rfa":
+            call_options = {name: value for name, value in options.items()
+                            if name not in _FEATURE_OPTIONS}
+            omega = features.astype(jnp.promote_types(q.dtype, jnp.float32))
+            return xattn.rfa(q, k, v, omega=omega, key_mask=key_mask, causal=causal,
+                             **call_options)
+        if self.estimator == "ra":
+            if deterministic:
+                return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, biased=True,
+                                deterministic=True, **options)
+            return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, rng=key, **options)
+        if causal:
+            raise ValueError("estimator 'lara' has no causal mode; use 'rfa', 'ra' or "
+                             "'softmax' with is_causal=True")
+        call_options = dict(options)
+        num_samples = min(call_options.pop("num_samples", DEFAULT_LARA_SAMPLES), q.shape[-2])
+        if deterministic:
+            return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask,
+                              deterministic=True, **call_options)
+        return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask, rng=key,
+                          **call_options)
+
+    def _key_mask(self, mask: Any, kv_length: int) -> Any:
+        """Flax's mask (batch..., heads|1, 1, kv_length), True = attend -> key_mask."""
+        if mask is None:
+            return None
+        shape = tuple(mask.shape)
+        if len(shape) < 3 or shape[-2] != 1 or shape[-1] != kv_length or shape[-3] not in (
+                1, self.num_heads):
+            raise ValueError(
+                f"mask must be a key mask of shape (batch..., 1 or {self.num_heads}, 1, "
+                f"{kv_length}), got {shape}: linear estimators cannot apply a full "
+                "(q_length, kv_length) mask; use is_causal=True for causal masking"
+            )
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
+        return mask[..., 0, :]  # (batch..., heads|1, kv_length)
+
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
+        *,
+        mask: jax.Array | None = None,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+        is_causal: bool = False,
+    ) -> jax.Array:
+        """Attend ``inputs_q`` to ``inputs_k`` / ``inputs_v``.
+
+        Parameters
+        ----------
+        inputs_q : array, shape (batch..., q_length, in_features)
+        inputs_k : array, shape (batch..., kv_length, in_kv_features), optional
+            Default ``inputs_q`` (self attention).
+        inputs_v : array, shape (batch..., kv_length, in_kv_features), optional
+            Default ``inputs_k``.
+        mask : bool array, shape (batch..., 1 or num_heads, 1, kv_length), optional
+            True where a key is attended (a key mask, for example padding).
+        deterministic : bool, optional
+            Evaluation mode; overrides the attribute ``deterministic``.
+        rngs : flax.nnx.Rngs, flax.nnx.RngStream or JAX key, optional
+            Source of this call's random draws; default: the layer's stream.
+        is_causal : bool
+            Causal masking (query n attends keys m <= n, top-left aligned).
+
+        Returns
+        -------
+        array, shape (batch..., q_length, out_features)
+        """
+        if inputs_k is None:
+            if inputs_v is not None:
+                raise ValueError("inputs_k cannot be None if inputs_v is given; pass the "
+                                 "same array as inputs_k for keys equal to values")
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        if inputs_q.shape[-1] != self.in_features:
+            raise ValueError(f"inputs_q must have {self.in_features} features in its last "
+                             f"dim, got shape {inputs_q.shape}")
+        for name, inputs in (("inputs_k", inputs_k), ("inputs_v", inputs_v)):
+            if inputs.shape[-1] != self.in_kv_features:
+                raise ValueError(f"{name} must have {self.in_kv_features} features in its "
+                                 f"last dim, got shape {inputs.shape}")
+        if deterministic is None:
+            deterministic = self.deterministic
+        key_mask = self._key_mask(mask, inputs_k.shape[-2])
+
+        # (batch..., length, heads, head_dim) -> (batch..., heads, length, head_dim)
+        q, k, v = (jnp.swapaxes(projection(inputs), -3, -2) for projection, inputs in (
+            (self.query, inputs_q), (self.key, inputs_k), (self.value, inputs_v)))
+        features, key = None, None
+        if self.estimator in ("ra", "lara") and not deterministic:
+            key = self._next_key(rngs)
+        if self.estimator == "rfa":
+            if not deterministic and self.redraw_interval is not None:
+                steps = self.steps_since_redraw[...]
+                redraw = steps >= self.redraw_interval
+                fresh = self._draw_features(self._next_key(rngs))
+                self.features[...] = jnp.where(redraw, fresh, self.features[...])
+                self.steps_since_redraw[...] = jnp.where(redraw, 1, steps + 1)
+            features = self.features[...]
+        heads = self._attend(q, k, v, key_mask=key_mask, causal=bool(is_causal),
+                             deterministic=deterministic, features=features, key=key)
+        return self.out(jnp.swapaxes(heads, -3, -2))
