@@ -1,0 +1,208 @@
+"""xattn.flax.MultiHeadAttention: an nnx layer shaped after flax.nnx.MultiHeadAttention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+nnx = pytest.importorskip("flax.nnx")
+optax = pytest.importorskip("optax")
+xflax = pytest.importorskip("xattn.flax")
+jnp = jax.numpy
+
+ESTIMATORS = ("softmax", "rfa", "ra", "lara")
+SMALL_OPTIONS = {"softmax": {}, "rfa": {"num_features": 16}, "ra": {"num_samples": 2},
+                 "lara": {"num_samples": 4}}
+IN_FEATURES, NUM_HEADS = 16, 4
+
+
+def make_layer(estimator, seed=0, **kwargs):
+    options = {**SMALL_OPTIONS[estimator], **kwargs}
+    return xflax.MultiHeadAttention(NUM_HEADS, IN_FEATURES, estimator=estimator,
+                                    rngs=nnx.Rngs(seed), **options)
+
+
+def inputs(shape=(2, 12, IN_FEATURES), seed=1):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_forward_shape_dtype_and_backward(estimator):
+    layer = make_layer(estimator, out_features=8)
+    x, memory = inputs(), inputs((2, 9, IN_FEATURES), seed=2)  # cross attention
+    out = layer(x, memory)
+    assert out.shape == (2, 12, 8) and out.dtype == jnp.float32
+    assert layer(x[0]).shape == (12, 8)  # no batch dims
+
+    grads = nnx.grad(lambda model: jnp.sum(model(x, memory) ** 2))(layer)
+    flat = dict(nnx.to_flat_state(nnx.state(grads, nnx.Param)))
+    assert set(flat) == {(name, part) for name in ("query", "key", "value", "out")
+                         for part in ("kernel", "bias")}
+    for path, gradient in flat.items():
+        assert bool(jnp.all(jnp.isfinite(gradient[...]))), path
+        if path != ("key", "bias"):  # softmax weights ignore a bias shared by all keys
+            assert float(jnp.abs(gradient[...]).sum()) > 0, path
+
+
+def test_softmax_equals_flax_multi_head_attention():
+    reference = nnx.MultiHeadAttention(NUM_HEADS, IN_FEATURES, qkv_features=8, out_features=6,
+                                       decode=False, rngs=nnx.Rngs(0))
+    layer = xflax.MultiHeadAttention(NUM_HEADS, IN_FEATURES, qkv_features=8, out_features=6,
+                                     estimator="softmax", rngs=nnx.Rngs(1))
+    nnx.update(layer, nnx.state(reference, nnx.Param))
+    x = inputs()
+    np.testing.assert_allclose(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+    key_mask = jnp.asarray(np.arange(12) < np.array([[12], [7]]))[:, None, None, :]
+    np.testing.assert_allclose(layer(x, mask=key_mask), reference(x, mask=key_mask),
+                               rtol=1e-5, atol=1e-5)
+    causal = nnx.make_causal_mask(jnp.ones((2, 12)))
+    np.testing.assert_allclose(layer(x, is_causal=True), reference(x, mask=causal),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_state_round_trip_reproduces_eval_output(estimator):
+    layer = make_layer(estimator, redraw_interval=1)
+    x = inputs()
+    for _ in range(3):  # training calls redraw the features of "rfa"
+        layer(x)
+    layer.eval()
+    expected = layer(x)
+
+    graphdef, state = nnx.split(layer)
+    np.testing.assert_array_equal(nnx.merge(graphdef, state)(x), expected)
+    other = make_layer(estimator, seed=7, redraw_interval=1)
+    other.eval()
+    assert not np.allclose(other(x), expected)
+    nnx.update(other, state)
+    np.testing.assert_array_equal(other(x), expected)
+    if estimator == "rfa":
+        features = nnx.state(layer, xflax.FeatureState)
+        assert {path[0] for path, _ in nnx.to_flat_state(features)} == {
+            "features", "steps_since_redraw"}
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_eval_outputs_identical_and_training_random(estimator):
+    layer = make_layer(estimator, redraw_interval=1)
+    x = inputs()
+    first, second = layer(x), layer(x)
+    if estimator == "softmax":
+        np.testing.assert_array_equal(first, second)
+    else:  # training draws fresh samples (rfa: redrawn at every call here)
+        assert not np.allclose(first, second)
+    layer.eval()
+    outputs = [layer(x) for _ in range(3)]
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+    np.testing.assert_array_equal(outputs[0], outputs[2])
+    layer.train()  # the per-call flag overrides the attribute
+    np.testing.assert_array_equal(layer(x, deterministic=True), outputs[0])
+
+
+def test_rfa_features_redrawn_every_interval_in_training_only():
+    interval = 3
+    layer = make_layer("rfa", redraw_interval=interval)
+    x = inputs()
+    initial = np.asarray(layer.features[...])
+    assert initial.shape == (16, IN_FEATURES // NUM_HEADS)
+
+    @nnx.jit
+    def train_call(model, x):
+        return model(x)
+
+    for _ in range(interval):  # the first `interval` training calls share the features
+        train_call(layer, x)
+        np.testing.assert_array_equal(layer.features[...], initial)
+    layer.eval()
+    for _ in range(2 * interval):  # evaluation never redraws nor counts steps
+        layer(x)
+    np.testing.assert_array_equal(layer.features[...], initial)
+    layer.train()
+    train_call(layer, x)  # call interval + 1 redraws
+    redrawn = np.asarray(layer.features[...])
+    assert not np.array_equal(redrawn, initial)
+    for _ in range(interval - 1):
+        layer(x)
+    np.testing.assert_array_equal(layer.features[...], redrawn)
+    layer.redraw_features()
+    assert not np.array_equal(layer.features[...], redrawn)
+
+    fixed = make_layer("rfa", redraw_interval=None)
+    fixed_initial = np.asarray(fixed.features[...])
+    for _ in range(5):
+        fixed(x)
+    np.testing.assert_array_equal(fixed.features[...], fixed_initial)
+
+
+@pytest.mark.parametrize("estimator", ["rfa", "ra", "lara"])
+def test_randomness_from_the_rng_streams(estimator):
+    """Same Rngs seed, same training outputs; an explicit call-time key is reproducible."""
+    x = inputs()
+    runs = [[make_layer(estimator, seed=3, redraw_interval=1) for _ in range(2)]]
+    first, second = ([np.asarray(layer(x)) for _ in range(3)] for layer in runs[0])
+    np.testing.assert_array_equal(np.stack(first), np.stack(second))
+    layer = make_layer(estimator, seed=3, redraw_interval=1)
+    by_key = layer(x, rngs=jax.random.key(5))
+    if estimator == "rfa":  # the key redrew the features; the next call redraws again
+        layer.eval()
+        np.testing.assert_array_equal(layer(x), by_key)
+    else:
+        np.testing.assert_array_equal(layer(x, rngs=nnx.Rngs(attention=5)),
+                                      layer(x, rngs=nnx.Rngs(attention=5)))
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_one_optimisation_step_lowers_the_loss(estimator):
+    """One jitted optax SGD step on a training-mode loss lowers the evaluation loss."""
+    layer = make_layer(estimator, redraw_interval=1)
+    x = inputs(seed=4)
+    target = jnp.tanh(x @ inputs((IN_FEATURES, IN_FEATURES), seed=6))  # regression target
+    optimizer = nnx.Optimizer(layer, optax.sgd(0.05), wrt=nnx.Param)
+
+    def loss_fn(model, deterministic):
+        return jnp.mean((model(x, deterministic=deterministic) - target) ** 2)
+
+    @nnx.jit
+    def train_step(model, optimizer):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, False)
+        optimizer.update(model, grads)
+        return loss
+
+    before = float(loss_fn(layer, True))
+    train_step(layer, optimizer)
+    after = float(loss_fn(layer, True))
+    assert after < before
+
+
+def test_bad_arguments():
+    rngs = nnx.Rngs(0)
+    with pytest.raises(ValueError, match=r"qkv_features \(10\) must be divisible by num_heads"):
+        xflax.MultiHeadAttention(4, 10, rngs=rngs)
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        xflax.MultiHeadAttention(4, 16, estimator="performer", rngs=rngs)
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        xflax.MultiHeadAttention(0, 16, rngs=rngs)
+    with pytest.raises(ValueError, match="redraw_interval must be a positive int or None"):
+        xflax.MultiHeadAttention(4, 16, estimator="rfa", redraw_interval=0, rngs=rngs)
+    with pytest.raises(TypeError, match="does not take the option"):
+        xflax.MultiHeadAttention(4, 16, estimator="lara", rng=0, rngs=rngs)
+    with pytest.raises(ValueError, match="weighting"):
+        xflax.MultiHeadAttention(4, 16, estimator="lara", weighting="uniform", rngs=rngs)
+
+    layer = make_layer("lara")
+    x = inputs()
+    with pytest.raises(ValueError, match=r"mask must be a key mask of shape \(batch\.\.\., 1 or 4"):
+        layer(x, mask=nnx.make_causal_mask(jnp.ones((2, 12))))
+    with pytest.raises(ValueError, match="mask must be a key mask"):
+        layer(x, mask=jnp.ones((2, 1, 1, 5), dtype=bool))
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        layer(x, mask=jnp.ones((2, 1, 1, 12)))
+    with pytest.raises(ValueError, match="'lara' has no causal mode"):
+        layer(x, is_causal=True)
+    with pytest.raises(ValueError, match="inputs_q must have 16 features"):
+        layer(x[..., :8])
+    with pytest.raises(ValueError, match="inputs_k cannot be None"):
+        layer(x, None, x)
+    with pytest.raises(ValueError, match="redraw_features needs estimator='rfa'"):
+        layer.redraw_features()
