@@ -865,7 +865,8 @@ def build_parser() -> argparse.ArgumentParser:
         "structured attention: 4 heads, N = M = 1024, D = Dv = 64, queries and keys around "
         "16 cluster centres of norm 6 (contiguous blocks of tokens, 25%% shuffled), so "
         "attention is sharp (xattn.cli.structured_attention_inputs). Draw r of every cell "
-        "uses rng = SEED + r, as xattn.diagnostics.estimator_error(seed=SEED).")
+        "uses rng = SEED + r, as xattn.diagnostics.estimator_error(seed=SEED). RA costs "
+        "O(N M S D), so it runs only at sample counts <= --ra-max-samples.")
     _add_common(compare_parser, "rfa,ra,lara")
     compare_parser.add_argument("--input", metavar="FILE.npz",
                                 help="arrays q (..., N, D), k (..., M, D), v (..., M, Dv)")
@@ -875,9 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare_parser.add_argument("--draws", type=_positive_int, default=4,
                                 help="independent draws per (estimator, samples) cell "
                                 "(default: 4)")
-    compare_parser.add_argument("--ra-max-samples", type=_nonnegative_int, default=32, metavar="S",
+    compare_parser.add_argument("--ra-max-samples", type=_nonnegative_int, default=16, metavar="S",
                                 help="run RA, whose cost is O(N M S D), only at sample counts "
-                                "<= S; 0 runs every count (default: 32)")
+                                "<= S; 0 runs every count (default: 16)")
     compare_parser.set_defaults(run=compare)
 
     bench_parser = commands.add_parser(
