@@ -208,11 +208,12 @@ def test_compare_on_other_backends(tmp_path, npz, capsys, backend):
 
 def test_bench_small(tmp_path, capsys):
     code, out, err = run(capsys, "bench", "--lengths", "16,32", "--head-dim", 8,
-                         "--samples", "4,ra=1", "--out", tmp_path, "--no-progress")
+                         "--samples", "24,ra=1", "--out", tmp_path, "--no-progress")
     assert code == 0, err
     payload = json.loads((tmp_path / "bench.json").read_text())
     assert set(payload["results"]) == {"softmax", "rfa", "ra", "lara"}
-    assert payload["samples"] == {"softmax": None, "rfa": 4, "ra": 1, "lara": 4}
+    assert payload["samples"] == {"softmax": None, "rfa": 24, "ra": 1, "lara": 24}
+    assert [row["samples"] for row in payload["results"]["lara"]] == [16, 24]  # C <= N
     for rows in payload["results"].values():
         assert [row["length"] for row in rows] == [16, 32]
         assert all(row["time_s"] > 0 and row["peak_memory_bytes"] > 0 for row in rows)

@@ -647,15 +647,18 @@ def bench(args: argparse.Namespace) -> int:
                 measurement = Measurement()
                 call = measured(functions[spec.name], backend, measurement)
                 options = dict(spec.options)
+                used_samples = None
                 if spec.sample_keyword is not None:
-                    options[spec.sample_keyword] = samples[spec.name]
+                    used_samples = min(samples[spec.name], length)  # LARA needs C <= N
+                    options[spec.sample_keyword] = used_samples
                     options["rng"] = args.seed
                 try:
                     for _ in range(1 + args.repeats):
                         call(q, k, v, **options)
                 except ValueError as problem:
                     raise CommandError(f"{spec.name} at length {length}: {problem}") from None
-                results[spec.name].append({"length": length, "time_s": measurement.time_s,
+                results[spec.name].append({"length": length, "samples": used_samples,
+                                           "time_s": measurement.time_s,
                                            "peak_memory_bytes": measurement.peak_memory_bytes})
                 _advance(bar, f"{spec.name} N={length}")
             del q, k, v
@@ -895,7 +898,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default: 1024,2048,...,65536)")
     bench_parser.add_argument("--samples", default=None, metavar="SPEC",
                               help="samples per estimator: an int for all, or name=int "
-                              "pairs (default: rfa=64,ra=1,lara=64)")
+                              "pairs, capped at N (default: rfa=64,ra=1,lara=64)")
     bench_parser.add_argument("--heads", type=_positive_int, default=1,
                               help="number of heads (default: 1)")
     bench_parser.add_argument("--head-dim", type=_positive_int, default=64,
