@@ -570,7 +570,7 @@ def compare(args: argparse.Namespace) -> int:
     json_path = out_dir / "compare.json"
     png_path = out_dir / "compare.png"
     _write_json(json_path, payload)
-    _plot_compare(png_path, rows, baseline_row, specs, source)
+    _plot_compare(png_path, rows, baseline_row, specs, source, skipped)
     print(f"wrote {json_path} and {png_path}")
     return 0
 
@@ -603,13 +603,17 @@ def _print_compare_table(rows: list[dict[str, Any]], baseline: dict[str, Any],
 
 
 def _plot_compare(path: Path, rows: list[dict[str, Any]], baseline: dict[str, Any],
-                  specs: list[EstimatorSpec], source: str) -> None:
+                  specs: list[EstimatorSpec], source: str,
+                  skipped: list[dict[str, Any]]) -> None:
     figure, axes = _new_figure()
     for spec in specs:
         points = [(row["samples"], row["mse"]) for row in rows if row["estimator"] == spec.name]
         if not points:
             continue
-        axes.plot(*zip(*points, strict=True), marker="o", label=spec.name.upper())
+        label = spec.name.upper()
+        if any(cell["estimator"] == spec.name for cell in skipped):
+            label += f" (samples <= {max(samples for samples, _ in points)})"
+        axes.plot(*zip(*points, strict=True), marker="o", label=label)
     axes.axhline(baseline["mse"], color="0.4", linestyle="--", label="uniform attention")
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
