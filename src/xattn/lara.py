@@ -45,8 +45,10 @@ WEIGHTINGS = ("balance", "decoupled", "coupled")
 
 #: Floor for the importance weights α_nc. The query-specific corrections of the
 #: "decoupled" and "coupled" weightings can make α_nc negative; like the authors' code,
-#: LARA clips α_nc to this tiny positive value (it then still sums to ~1 over c and keeps
-#: the self-normalized estimator a convex combination of the per-proposal estimates).
+#: LARA clips α_nc from below at this tiny positive value. Where it acts, the weights then
+#: sum to slightly more than 1 over c; the self-normalized ratio does not depend on their
+#: total, and positive weights keep each output a convex combination of the per-proposal
+#: estimates A'_c / b'_c (a denominator that cannot cancel to zero).
 WEIGHT_FLOOR = 1e-8
 
 
@@ -118,15 +120,17 @@ def _segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int,
     return (membership @ x) / safe_sizes[..., None], sizes
 
 
-def _masked_softmax(xp: Any, logits: Array, allowed: Array | None, axis: int) -> Array:
-    """Softmax along ``axis`` over the allowed entries; all-masked slices give zeros."""
+def _masked_softmax(xp: Any, logits: Array, allowed: Array | None, axis: int,
+                    scale: float = 1.0) -> Array:
+    """``scale`` times the softmax along ``axis`` over the allowed entries (one pass fewer
+    than scaling afterwards); all-masked slices give zeros."""
     if allowed is not None:
         logits = xp.where(allowed, logits, xp.full_like(logits, -xp.inf))
     top = xp.max(logits, axis=axis, keepdims=True)
     top = xp.where(top == -xp.inf, xp.zeros_like(top), top)
     weights = xp.exp(logits - top)
     total = xp.sum(weights, axis=axis, keepdims=True)
-    return weights / xp.where(total > 0, total, xp.ones_like(total))
+    return weights * (scale / xp.where(total > 0, total, xp.ones_like(total)))
 
 
 def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
@@ -232,7 +236,8 @@ def lara_weights(proposal_weights: Array, query_affinity: Array, *,
     if weighting == "balance":
         return weights + xp.zeros_like(query_affinity)
     if weighting == "decoupled":
-        return weights + beta * (query_affinity - xp.mean(query_affinity, axis=-1, keepdims=True))
+        correction = query_affinity - xp.mean(query_affinity, axis=-1, keepdims=True)
+        return weights + (correction if beta == 1.0 else beta * correction)
     weighted_mean = xp.sum(weights * query_affinity, axis=-1, keepdims=True)
     return weights + weights * (query_affinity - weighted_mean)
 
@@ -395,14 +400,19 @@ def lara(
     # query-specific correction with r_nc = softmax over queries of q^_n . q~_c (G.3.2).
     balance = balance_heuristic(omega, proposal_means)  # (..., C samples, C proposals)
     own_weight = xp.sum(balance * xp.eye(num_samples, dtype=dtype, device=device), axis=-1)
+    floor = xp.asarray(WEIGHT_FLOOR, dtype=dtype, device=device)  # 0-d: no N x C array
     if weighting == "balance":  # alpha_nc = w_c for every query: keep it (..., 1, C)
-        weights = xp.maximum(own_weight, xp.full_like(own_weight, WEIGHT_FLOOR))[..., None, :]
+        weights = xp.maximum(own_weight, floor)[..., None, :]
     else:
         allowed_queries = None if query_mask is None else query_mask[..., :, None]
+        # r_nc, (..., N, C); the decoupled correction is linear in r, so beta * r_nc is
+        # formed in the softmax's normalization and lara_weights gets beta = 1
+        affinity_scale = beta if weighting == "decoupled" else 1.0
         query_affinity = _masked_softmax(xp, q_hat @ xp.matrix_transpose(query_landmarks),
-                                         allowed_queries, axis=-2)  # r_nc, (..., N, C)
-        weights = lara_weights(own_weight, query_affinity, weighting=weighting, beta=beta)
-        weights = xp.maximum(weights, xp.full_like(weights, WEIGHT_FLOOR))
+                                         allowed_queries, axis=-2, scale=affinity_scale)
+        weights = lara_weights(own_weight, query_affinity, weighting=weighting,
+                               beta=1.0 if weighting == "decoupled" else beta)
+        weights = xp.maximum(weights, floor)
 
     # Stabilized estimator (eq. 28, DESIGN §3): key side exactly as RFA ...
     key_max, numerator, denominator = positive_key_statistics(xp, k_hat, v, omega, key_mask)
