@@ -28,14 +28,30 @@ def inputs(shape=(2, 12, IN_FEATURES), seed=1):
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_forward_shape_dtype_and_backward(estimator):
-    layer = make_layer(estimator, out_features=8)
-    x, memory = inputs(), inputs((2, 9, IN_FEATURES), seed=2)  # cross attention
-    out = layer(x, memory)
-    assert out.shape == (2, 12, 8) and out.dtype == jnp.float32
-    assert layer(x[0]).shape == (12, 8)  # no batch dims
+def test_forward_backward_and_one_optimisation_step(estimator):
+    """Shape, dtype and gradients of every parameter; then one jitted optax SGD step on the
+    training-mode loss lowers the (deterministic) evaluation loss of a regression task."""
+    layer = make_layer(estimator, out_features=8, redraw_interval=1)
+    x, memory = inputs(seed=4), inputs((2, 9, IN_FEATURES), seed=2)  # cross attention
+    target = jnp.tanh(x @ inputs((IN_FEATURES, 8), seed=6))
+    optimizer = nnx.Optimizer(layer, optax.sgd(0.05), wrt=nnx.Param)
 
-    grads = nnx.grad(lambda model: jnp.sum(model(x, memory) ** 2))(layer)
+    def loss_fn(model, deterministic):
+        out = model(x, memory, deterministic=deterministic)
+        return jnp.mean((out - target) ** 2), out
+
+    @nnx.jit
+    def train_step(model, optimizer):
+        (_, out), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, False)
+        optimizer.update(model, grads)
+        return out, grads
+
+    eval_loss = nnx.jit(lambda model: loss_fn(model, True)[0])
+    before = float(eval_loss(layer))
+    out, grads = train_step(layer, optimizer)
+    after = float(eval_loss(layer))
+
+    assert out.shape == (2, 12, 8) and out.dtype == jnp.float32
     flat = dict(nnx.to_flat_state(nnx.state(grads, nnx.Param)))
     assert set(flat) == {(name, part) for name in ("query", "key", "value", "out")
                          for part in ("kernel", "bias")}
@@ -43,6 +59,7 @@ def test_forward_shape_dtype_and_backward(estimator):
         assert bool(jnp.all(jnp.isfinite(gradient[...]))), path
         if path != ("key", "bias"):  # softmax weights ignore a bias shared by all keys
             assert float(jnp.abs(gradient[...]).sum()) > 0, path
+    assert after < before
 
 
 def test_softmax_equals_flax_multi_head_attention():
@@ -53,6 +70,7 @@ def test_softmax_equals_flax_multi_head_attention():
     nnx.update(layer, nnx.state(reference, nnx.Param))
     x = inputs()
     np.testing.assert_allclose(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+    assert layer(x[0]).shape == (12, 6)  # no batch dims
     key_mask = jnp.asarray(np.arange(12) < np.array([[12], [7]]))[:, None, None, :]
     np.testing.assert_allclose(layer(x, mask=key_mask), reference(x, mask=key_mask),
                                rtol=1e-5, atol=1e-5)
@@ -150,29 +168,6 @@ def test_randomness_from_the_rng_streams(estimator):
     else:
         np.testing.assert_array_equal(layer(x, rngs=nnx.Rngs(attention=5)),
                                       layer(x, rngs=nnx.Rngs(attention=5)))
-
-
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_one_optimisation_step_lowers_the_loss(estimator):
-    """One jitted optax SGD step on a training-mode loss lowers the evaluation loss."""
-    layer = make_layer(estimator, redraw_interval=1)
-    x = inputs(seed=4)
-    target = jnp.tanh(x @ inputs((IN_FEATURES, IN_FEATURES), seed=6))  # regression target
-    optimizer = nnx.Optimizer(layer, optax.sgd(0.05), wrt=nnx.Param)
-
-    def loss_fn(model, deterministic):
-        return jnp.mean((model(x, deterministic=deterministic) - target) ** 2)
-
-    @nnx.jit
-    def train_step(model, optimizer):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, False)
-        optimizer.update(model, grads)
-        return loss
-
-    before = float(loss_fn(layer, True))
-    train_step(layer, optimizer)
-    after = float(loss_fn(layer, True))
-    assert after < before
 
 
 def test_bad_arguments():
