@@ -161,6 +161,7 @@ def test_bad_input_files(tmp_path, capsys, case, message):
     (["compare", "--samples", "16,x"], "expected comma-separated ints"),
     (["compare", "--draws", "0"], "expected an int >= 1"),
     (["bench", "--samples", "rfa=0"], "--samples: expected an int >= 1"),
+    (["bench", "--time-limit", "-1"], "expected a number >= 0"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_arguments_exit_2(tmp_path, capsys, argv, message):
@@ -223,6 +224,21 @@ def test_bench_small(tmp_path, capsys):
     assert "exact softmax" in out
 
 
+def test_bench_time_limit_skips_longer_lengths(tmp_path, capsys):
+    code, out, err = run(capsys, "bench", "--lengths", "32,16", "--head-dim", 4,
+                         "--estimators", "rfa", "--samples", "4", "--time-limit", "1e-9",
+                         "--out", tmp_path)
+    assert code == 0, err
+    payload = json.loads((tmp_path / "bench.json").read_text())
+    assert payload["lengths"] == [16, 32]
+    for rows in payload["results"].values():
+        assert rows[0]["time_s"] > 0
+        assert rows[1]["time_s"] is None and "--time-limit" in rows[1]["skipped"]
+    assert payload["crossover_length"] == {"rfa": None}
+    assert "skipped" in out
+    check_png(tmp_path / "bench.png")
+
+
 def test_crossover_length():
     exact = [{"length": n, "time_s": t} for n, t in [(1, 1.0), (2, 2.0), (4, 4.0), (8, 8.0)]]
 
@@ -233,6 +249,11 @@ def test_crossover_length():
     assert cli.crossover_length(exact, rows([0.5, 3.0, 3.0, 4.0])) == 4  # not faster at 2
     assert cli.crossover_length(exact, rows([0.5, 1.0, 3.0, 4.0])) == 1
     assert cli.crossover_length(exact, rows([2.0, 3.0, 5.0, 9.0])) is None
+    # skipped runs (None): softmax's last measured time bounds it; a skipped estimator loses
+    exact[3]["time_s"] = None
+    assert cli.crossover_length(exact, rows([2.0, 3.0, 3.0, 3.5])) == 4
+    assert cli.crossover_length(exact, rows([2.0, 3.0, 3.0, 4.5])) is None
+    assert cli.crossover_length(exact, rows([0.5, 1.0, 3.0, None])) is None
 
 
 def test_help_documents_the_default_input(capsys):

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import math
 import platform
 import statistics
 import sys
@@ -640,14 +641,24 @@ def bench(args: argparse.Namespace) -> int:
     out_dir = _output_dir(args.out)
     host_rng = np.random.default_rng(args.seed)
 
+    lengths = sorted(set(args.lengths))
     results: dict[str, list[dict[str, Any]]] = {spec.name: [] for spec in specs}
+    too_slow: set[str] = set()
     print(f"xattn bench: {backend.describe()}, {args.dtype}, {args.heads} heads, "
-          f"D = {args.head_dim}, lengths {', '.join(map(str, args.lengths))}")
-    with progress_bar(len(specs) * len(args.lengths), "xattn bench", args.progress) as bar:
-        for length in args.lengths:
+          f"D = {args.head_dim}, lengths {', '.join(map(str, lengths))}")
+    with progress_bar(len(specs) * len(lengths), "xattn bench", args.progress) as bar:
+        for length in lengths:
             shape = (args.heads, length, args.head_dim)
             q, k, v = (backend.to_backend(host_rng.normal(size=shape)) for _ in range(3))
             for spec in specs:
+                if spec.name in too_slow:
+                    results[spec.name].append({"length": length, "samples": None,
+                                               "time_s": None, "peak_memory_bytes": None,
+                                               "skipped": f"a call took over --time-limit "
+                                                          f"{args.time_limit:g} s at a "
+                                                          "shorter length"})
+                    _advance(bar, f"{spec.name} N={length} skipped")
+                    continue
                 measurement = Measurement()
                 call = measured(functions[spec.name], backend, measurement)
                 options = dict(spec.options)
@@ -664,12 +675,15 @@ def bench(args: argparse.Namespace) -> int:
                 results[spec.name].append({"length": length, "samples": used_samples,
                                            "time_s": measurement.time_s,
                                            "peak_memory_bytes": measurement.peak_memory_bytes})
+                if args.time_limit and max(measurement.first_time,
+                                           measurement.time_s) > args.time_limit:
+                    too_slow.add(spec.name)
                 _advance(bar, f"{spec.name} N={length}")
             del q, k, v
 
     crossover = {spec.name: crossover_length(results["softmax"], results[spec.name])
                  for spec in specs if spec.name != "softmax"}
-    _print_bench_table(results, crossover, args.lengths)
+    _print_bench_table(results, crossover, lengths)
     payload = {
         "command": "bench",
         "environment": _environment(backend),
@@ -678,13 +692,16 @@ def bench(args: argparse.Namespace) -> int:
         "head_dim": args.head_dim,
         "seed": args.seed,
         "repeats": args.repeats,
-        "lengths": list(args.lengths),
+        "lengths": lengths,
+        "time_limit_s": args.time_limit,
         "samples": {spec.name: samples.get(spec.name) for spec in specs},
         "results": results,
         "crossover_length": crossover,
         "crossover_rule": "the smallest measured length from which on the estimator is "
-                          "faster than exact softmax at every larger measured length; "
-                          "null if it never is",
+                          "faster than exact softmax at every larger measured length "
+                          "(where softmax was skipped as too slow, its last measured time "
+                          "is the bound; a skipped estimator is not faster); null if it "
+                          "never is",
     }
     json_path = out_dir / "bench.json"
     png_path = out_dir / "bench.png"
@@ -716,6 +733,10 @@ def crossover_length(softmax_rows: list[dict[str, Any]],
                      estimator_rows: list[dict[str, Any]]) -> int | None:
     """Smallest length from which on the estimator beats softmax at every larger length.
 
+    Rows are sorted by length; ``time_s`` is ``None`` where a run was skipped for taking
+    too long. A skipped estimator is not faster; where softmax was skipped, its last
+    measured time (a lower bound, its cost grows with the length) is compared.
+
     Examples
     --------
     >>> from xattn.cli import crossover_length
@@ -724,8 +745,13 @@ def crossover_length(softmax_rows: list[dict[str, Any]],
     >>> crossover_length(exact, linear)
     4
     """
-    faster = [row["time_s"] < exact["time_s"]
-              for exact, row in zip(softmax_rows, estimator_rows, strict=True)]
+    faster = []
+    softmax_bound = None
+    for exact, row in zip(softmax_rows, estimator_rows, strict=True):
+        if exact["time_s"] is not None:
+            softmax_bound = exact["time_s"]
+        faster.append(row["time_s"] is not None and softmax_bound is not None
+                      and row["time_s"] < softmax_bound)
     crossover = None
     for index in range(len(faster) - 1, -1, -1):
         if not faster[index]:
@@ -742,8 +768,8 @@ def _print_bench_table(results: dict[str, list[dict[str, Any]]],
         cells = []
         for name in names:
             row = results[name][index]
-            cells.append(f"{1e3 * row['time_s']:>13.2f} "
-                         f"{_format_bytes(row['peak_memory_bytes']):>8}")
+            time_ms = "skipped" if row["time_s"] is None else f"{1e3 * row['time_s']:.2f}"
+            cells.append(f"{time_ms:>13} {_format_bytes(row['peak_memory_bytes']):>8}")
         print(f"{length:>7} " + " ".join(cells))
     for name, length in crossover.items():
         verdict = (f"faster than exact softmax from N = {length} on" if length is not None
@@ -755,10 +781,9 @@ def _plot_bench(path: Path, results: dict[str, list[dict[str, Any]]],
                 crossover: dict[str, int | None], backend: Backend) -> None:
     figure, (time_axes, memory_axes) = _new_figure(ncols=2)
     for name, rows in results.items():
-        lengths = [row["length"] for row in rows]
+        timed = [(row["length"], row["time_s"]) for row in rows if row["time_s"] is not None]
         label = name if name == "softmax" else name.upper()
-        line, = time_axes.plot(lengths, [row["time_s"] for row in rows], marker="o",
-                               label=label)
+        line, = time_axes.plot(*zip(*timed, strict=True), marker="o", label=label)
         if crossover.get(name) is not None:
             time_axes.axvline(crossover[name], color=line.get_color(), linestyle=":",
                               alpha=0.6)
@@ -830,6 +855,16 @@ def _nonnegative_int(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 
@@ -909,6 +944,10 @@ def build_parser() -> argparse.ArgumentParser:
                               help="D = Dv (default: 64)")
     bench_parser.add_argument("--repeats", type=_positive_int, default=1,
                               help="timed calls after the warm-up call (default: 1)")
+    bench_parser.add_argument("--time-limit", type=_nonnegative_float, default=60.0,
+                              metavar="SECONDS",
+                              help="stop running an estimator at larger lengths once one of "
+                              "its calls took longer than this (0: no limit; default: 60)")
     bench_parser.set_defaults(run=bench)
     return parser
 
