@@ -79,6 +79,18 @@ def test_softmax_equals_torch_multihead_attention(batch_first):
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_softmax_equals_torch_unbatched_with_padding():
+    torch.manual_seed(0)
+    reference = torch.nn.MultiheadAttention(EMBED_DIM, NUM_HEADS)
+    layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="softmax")
+    layer.load_state_dict(reference.state_dict(), strict=False)
+    x = inputs((12, EMBED_DIM))
+    padding = torch.arange(12) >= 9
+    expected, _ = reference(x, x, x, key_padding_mask=padding, need_weights=False)
+    out, _ = layer(x, x, x, key_padding_mask=padding)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_softmax_equals_torch_with_kdim_vdim():
     torch.manual_seed(0)
     reference = torch.nn.MultiheadAttention(EMBED_DIM, NUM_HEADS, kdim=6, vdim=5)

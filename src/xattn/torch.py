@@ -94,7 +94,9 @@ class MultiheadAttention(nn.Module):
     (buffer ``features``, shape ``(num_features, head_dim)``, shared by all heads) are
     redrawn at the start of a training-mode ``forward`` once ``redraw_interval`` training
     steps have used them (Performer's schedule), never in evaluation mode; call
-    :meth:`redraw_features` to redraw by hand. ``"lara"``: random samples in training
+    :meth:`redraw_features` to redraw by hand. The step count ``steps_since_redraw`` is a
+    plain attribute, not part of the ``state_dict``: a loaded layer keeps the loaded
+    features for ``redraw_interval`` further training steps. ``"lara"``: random samples in training
     mode, ``deterministic=True`` in evaluation mode. ``"ra"``: the unbiased random
     estimator in training mode, ``biased=True, deterministic=True`` in evaluation mode.
     Evaluation outputs are therefore deterministic for every estimator.
@@ -130,7 +132,9 @@ class MultiheadAttention(nn.Module):
         Factory arguments of the parameters and buffers.
     generator : torch.Generator, optional
         Source of all random draws (features, LARA and RA samples); default: torch's
-        default generator of the device.
+        default generator of the device. Deep copies (as ``nn.TransformerEncoder`` makes
+        of its layer) copy the generator too, so the copies draw the same numbers; leave
+        ``generator=None`` or give each copy its own generator if that matters.
     **estimator_options
         Passed to the estimator: ``"rfa"``: ``num_features`` (default
         ``max(d, int(d ln d))``, d = head_dim), ``feature_map``, ``orthogonal``,
