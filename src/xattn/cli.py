@@ -957,6 +957,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Input problems (unreadable or invalid ``--input`` files, unknown backends or
     estimators, unavailable devices) print one line on stderr and return 2.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        The arguments (default: ``sys.argv[1:]``), e.g. ``["compare", "--draws", "8"]``.
+
+    Returns
+    -------
+    int
+        0 on success, 2 for bad input or arguments.
+
+    Examples
+    --------
+    >>> from xattn.cli import main
+    >>> main(["--version"])
+    xattn ...
+    0
     """
     parser = build_parser()
     try:
