@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import xattn
@@ -135,6 +136,7 @@ class MultiHeadAttention(nnx.Module):
     Examples
     --------
     >>> import jax.numpy as jnp
+import numpy as np
     >>> from flax import nnx
     >>> import xattn.flax
     >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="rfa", num_features=32,
@@ -227,8 +229,8 @@ class MultiHeadAttention(nnx.Module):
         """Run the estimator once on a tiny input so bad option values fail at construction."""
         num_samples = self.estimator_options.get("num_samples", 2)
         length = num_samples if isinstance(num_samples, int) and num_samples > 2 else 2
-        probe = jnp.zeros((1, length, self.head_dim), dtype=jnp.float32)
-        features = None if self.features is None else self.features[...]
+        probe = np.zeros((1, length, self.head_dim), dtype=np.float32)  # NumPy: no tracing
+        features = None if self.features is None else np.asarray(self.features[...])
         self._attend(probe, probe, probe, key_mask=None, causal=False, deterministic=True,
                      features=features, key=None)
 
@@ -269,7 +271,7 @@ class MultiHeadAttention(nnx.Module):
         if self.estimator == "rfa":
             call_options = {name: value for name, value in options.items()
                             if name not in _FEATURE_OPTIONS}
-            omega = features.astype(jnp.promote_types(q.dtype, jnp.float32))
+            omega = features.astype(np.promote_types(q.dtype, np.float32))
             return xattn.rfa(q, k, v, omega=omega, key_mask=key_mask, causal=causal,
                              **call_options)
         if self.estimator == "ra":
