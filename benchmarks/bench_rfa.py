@@ -15,7 +15,8 @@ Measures, for sequence lengths N (keys M = N), head dim D and S random features:
 Both estimators use a fixed sample matrix (xattn gets ``omega=``; FastAttention keeps its
 projection buffer), D^-1/2 score scaling, one batch-head, torch under ``no_grad``.
 
-Time: best of ``--repeats`` calls after one warm-up call (``time.perf_counter``).
+Time: best of ``--repeats`` rounds after one warm-up call (``time.perf_counter``); each
+round calls every method once, interleaved, so load changes hit all methods alike.
 Peak memory, above what the inputs and the imports already hold:
 
 * NumPy: :mod:`tracemalloc` peak during one call (NumPy reports its buffers to it);
@@ -113,13 +114,20 @@ def make_call(method: str, length: int, args: argparse.Namespace):
     return no_grad_call
 
 
-def time_call(call, repeats: int) -> float:
-    call()  # warm-up
-    best = math.inf
+def time_calls(calls: dict, repeats: int) -> dict:
+    """Best time of each call over ``repeats`` rounds, after one warm-up call each.
+
+    Rounds interleave the methods (one call of each per round), so that a change of load
+    on a shared machine affects all of them alike instead of whichever ran at the time.
+    """
+    for call in calls.values():
+        call()  # warm-up
+    best = dict.fromkeys(calls, math.inf)
     for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
+        for method, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[method] = min(best[method], time.perf_counter() - start)
     return best
 
 
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--num-features", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=128, help="rfa causal block size")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--softmax-max-length", type=int, default=16384)
     parser.add_argument("--performer-causal-max-length", type=int, default=8192,
                         help="performer-pytorch's CPU causal path stores N x S x Dv")
@@ -260,16 +268,16 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(THREADS))
     results = []
     for length in lengths:
-        for method in methods:
-            if "softmax" in method and length > args.softmax_max_length:
-                continue
-            if method == "torch/performer-causal" and length > args.performer_causal_max_length:
-                continue
-            seconds = time_call(make_call(method, length, args), repeats)
+        measured = [m for m in methods
+                    if not ("softmax" in m and length > args.softmax_max_length)
+                    and not (m == "torch/performer-causal"
+                             and length > args.performer_causal_max_length)]
+        seconds = time_calls({m: make_call(m, length, args) for m in measured}, repeats)
+        for method in measured:
             peak, how = (0, "skipped") if args.no_memory else peak_memory(method, length, args)
-            results.append({"method": method, "length": length, "time_s": seconds,
+            results.append({"method": method, "length": length, "time_s": seconds[method],
                             "peak_bytes": peak, "memory_method": how})
-            print(f"{method:24s} N={length:6d}  {seconds * 1e3:10.2f} ms  "
+            print(f"{method:24s} N={length:6d}  {seconds[method] * 1e3:10.2f} ms  "
                   f"{peak / 2**20:9.1f} MiB ({how})", flush=True)
 
     config = {"head_dim": args.head_dim, "num_features": args.num_features,
