@@ -136,7 +136,6 @@ class MultiHeadAttention(nnx.Module):
     Examples
     --------
     >>> import jax.numpy as jnp
-import numpy as np
     >>> from flax import nnx
     >>> import xattn.flax
     >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="rfa", num_features=32,
