@@ -82,13 +82,16 @@ def softmax_attention(
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     xp, q, k, v = inputs.xp, inputs.q, inputs.k, inputs.v
     num_queries, num_keys = inputs.num_queries, inputs.num_keys
-    work, device = inputs.compute_dtype, inputs.device
+    device = inputs.device
     batch = inputs.batch_shape
 
-    running_max = xp.full((*batch, num_queries, 1), -xp.inf, dtype=work, device=device)
-    normalizer = xp.zeros((*batch, num_queries, 1), dtype=work, device=device)
-    numerator = xp.zeros((*batch, num_queries, v.shape[-1]), dtype=work, device=device)
     q_scaled = q * inputs.scale
+    # the running state is derived from q (not created with xp.zeros) so that it is laid
+    # out like the queries: chunked along N on Dask, sharded like q on JAX
+    query_zeros = xp.broadcast_to(xp.zeros_like(q_scaled[..., :1]), (*batch, num_queries, 1))
+    running_max = query_zeros - xp.inf
+    normalizer = query_zeros
+    numerator = xp.broadcast_to(query_zeros, (*batch, num_queries, v.shape[-1]))
     # under causal masking, keys past the last query are never seen
     key_stop = min(num_keys, num_queries) if causal else num_keys
     for start in range(0, key_stop, chunk_size):
