@@ -26,6 +26,7 @@ __all__ = [
     "compute_dtype",
     "host_to_device",
     "library_name",
+    "one_chunk_along",
     "prepare_attention",
     "qr",
 ]
@@ -305,3 +306,16 @@ def index_sizes(total: int, parts: int) -> list[int]:
     """Sizes of ``parts`` contiguous segments of ``total`` items, differing by at most one."""
     base, extra = divmod(operator.index(total), operator.index(parts))
     return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def one_chunk_along(x: Array, axis: int) -> Array:
+    """``x`` with the whole of a short ``axis`` in one chunk (Dask); other arrays unchanged.
+
+    For small per-proposal arrays (LARA's C landmarks) that every block of the sequence
+    needs: Dask would otherwise keep one chunk per landmark, and every product with a
+    chunked sequence would multiply the number of tasks by C. Never use it on a sequence
+    axis: it would gather the whole sequence into one block.
+    """
+    if array_api_compat.is_dask_array(x):
+        return x.rechunk({axis % x.ndim: -1})
+    return x

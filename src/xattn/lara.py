@@ -30,6 +30,7 @@ from xattn._array import (
     check_choice,
     check_positive_int,
     index_sizes,
+    one_chunk_along,
     prepare_attention,
 )
 from xattn.features import positive_key_statistics, weighted_readout
@@ -101,7 +102,9 @@ def _contiguous_segment_means(xp: Any, x: Array, num_segments: int,
         means.append(xp.zeros((*batch, num_segments - extra, dim), dtype=x.dtype,
                               device=device))
     sizes = xp.asarray(index_sizes(length, num_segments), dtype=x.dtype, device=device)
-    return (xp.concat(means, axis=-2) if len(means) > 1 else means[0]), sizes
+    segment_means = xp.concat(means, axis=-2) if len(means) > 1 else means[0]
+    # Dask: the reshapes leave one chunk per segment; keep the C means in one chunk
+    return one_chunk_along(segment_means, -2), sizes
 
 
 def _segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int,
