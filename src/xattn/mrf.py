@@ -336,10 +336,10 @@ def log_partition_rf(
     >>> from xattn.mrf import log_partition, log_partition_rf
     >>> embeddings = 0.3 * np.random.default_rng(0).normal(size=(6, 5, 4))
     >>> exact = log_partition(embeddings)
-    >>> estimate = log_partition_rf(embeddings, num_features=4096, rng=0)
-    >>> bool(abs(estimate - exact) < 0.15)  # the RMS error is about 2 / sqrt(d) here
+    >>> estimate = log_partition_rf(embeddings, num_features=512, rng=0)
+    >>> bool(abs(estimate - exact) < 0.4)  # the RMS error is about 2 / sqrt(d) = 0.09 here
     True
-    >>> parallel = log_partition_rf(embeddings, num_features=4096, rng=0, method="parallel")
+    >>> parallel = log_partition_rf(embeddings, num_features=512, rng=0, method="parallel")
     >>> bool(np.isclose(parallel, estimate, rtol=1e-10))
     True
     """
