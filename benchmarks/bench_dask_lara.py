@@ -6,10 +6,10 @@ workers (chunked along the sequence, never on the client), runs ``xattn.lara`` (
 proposals, decoupled weights, C samples, an int seed) and reduces the ``(N, 64)`` output
 to a few summary numbers on the workers. Reports the wall time of the computation and, per
 worker, the peak resident memory of the worker process (``resource.getrusage``
-``ru_maxrss``, read in each worker through ``client.run``), the memory Dask's monitor saw
-and how much it spilled to disk::
+``ru_maxrss``, read in each worker through ``client.run``) and how much it spilled to
+disk (the cumulative counters of the worker's spill buffer)::
 
-    python benchmarks/bench_dask_lara.py                      # N = 4 Mi tokens, 3 GiB/worker
+    python benchmarks/bench_dask_lara.py                      # N = 4 Mi tokens, 2 GiB/worker
     python benchmarks/bench_dask_lara.py --length 262144 --chunk 32768 --memory-limit 1GiB
 
 Writes ``benchmarks/dask_lara_results.json`` (``--output`` to change). The machine's load
@@ -49,9 +49,14 @@ def worker_memory(dask_worker=None) -> dict:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB
         "rss_mib": psutil.Process().memory_info().rss / 2**20,
     }
-    spilled = getattr(getattr(dask_worker, "data", None), "spilled_total", None)
-    if spilled is not None:
-        report["spilled_to_disk_mib"] = spilled.disk / 2**20
+    # cumulative spill counters of the worker's SpillBuffer (distributed >= 2023)
+    metrics = getattr(getattr(dask_worker, "data", None), "cumulative_metrics", None)
+    if metrics is not None:
+        report["spilled_to_disk_mib"] = sum(
+            value for (label, unit), value in metrics.items()
+            if label == "disk-write" and unit == "bytes") / 2**20
+        report["spill_metrics"] = {f"{label} ({unit})": value
+                                   for (label, unit), value in metrics.items()}
     return report
 
 
@@ -62,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chunk", type=int, default=2**17, help="tokens per Dask chunk")
     parser.add_argument("--samples", type=int, default=64, help="C, LARA's proposals")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--memory-limit", default="3GiB", help="per worker")
+    parser.add_argument("--memory-limit", default="2GiB", help="per worker")
     parser.add_argument("--output", type=Path,
                         default=Path(__file__).parent / "dask_lara_results.json")
     args = parser.parse_args(argv)
