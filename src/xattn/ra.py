@@ -251,6 +251,8 @@ def ra(
         estimates = key_weights @ v[..., None, :, :]  # (*batch, B, S, Dv)
         outputs.append(xp.mean(estimates, axis=-2))
 
+    if not outputs:  # N = 0: no chunk ran; the result is empty
+        outputs = [xp.zeros((*batch, 0, value_dim), dtype=work, device=device)]
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
     out = xp.broadcast_to(out, (*batch, num_queries, value_dim))
     return inputs.finish(out)
