@@ -218,6 +218,9 @@ def rfa(
     q_hat, k_hat, v = root_scale * inputs.q, root_scale * inputs.k, inputs.v
     key_mask = inputs.key_mask
 
+    if inputs.num_queries == 0:  # N = 0: an empty result (the causal loops have no block)
+        return inputs.finish(xp.zeros((*inputs.batch_shape, 0, v.shape[-1]), dtype=work,
+                                      device=device))
     if feature_map == "trigonometric":
         if causal:
             out, invalid = _causal_trigonometric(xp, q_hat, k_hat, v, omega, key_mask,
