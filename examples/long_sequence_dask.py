@@ -1,7 +1,7 @@
 """LARA over a sequence of millions of tokens on a 2-worker Dask cluster.
 
-Run with ``python examples/long_sequence_dask.py`` (4 Mi tokens, D = 64, about two
-minutes on two cores) or ``--length 262144`` for a quick try. What it shows:
+Run with ``python examples/long_sequence_dask.py`` (4 Mi tokens, D = 64, under a
+minute on two cores) or ``--length 262144`` for a quick try. What it shows:
 
 1. xattn estimators take Dask arrays chunked along the sequence. They build a lazy task
    graph in which the key statistics and LARA's segment means are reductions over the
@@ -34,8 +34,8 @@ def peak_rss_mib() -> float:
 def check_against_numpy(client: Client, head_dim: int) -> float:
     """LARA on a short chunked sequence, on the cluster and in NumPy: the same numbers."""
     rng = np.random.default_rng(0)
-    q_host, k_host, v_host = (rng.normal(size=(8192, head_dim)) for _ in range(3))
-    q, k, v = (da.from_array(x, chunks=(1024, head_dim)) for x in (q_host, k_host, v_host))
+    q_host, k_host, v_host = (rng.normal(size=(4096, head_dim)) for _ in range(3))
+    q, k, v = (da.from_array(x, chunks=(512, head_dim)) for x in (q_host, k_host, v_host))
     lazy = xattn.lara(q, k, v, num_samples=16, rng=0)
     print(f"lazy LARA output {lazy.shape}, chunks along N: {lazy.chunks[0]}")
     on_cluster = client.compute(lazy).result()
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=4 * 2**20, help="N = M tokens")
     parser.add_argument("--chunk", type=int, default=2**17, help="tokens per chunk")
     parser.add_argument("--samples", type=int, default=64, help="C, LARA's proposals")
-    parser.add_argument("--memory-limit", default="3GiB", help="per worker")
+    parser.add_argument("--memory-limit", default="2GiB", help="per worker")
     args = parser.parse_args()
     head_dim = 64
 
