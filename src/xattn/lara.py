@@ -309,7 +309,8 @@ def lara(
         float32 and returned in the input dtype.
     num_samples : int
         C, the number of proposals (one sample each), 1 <= C <= N. C may exceed M:
-        key segments without keys then have a zero mean.
+        key segments without keys then have a zero mean. With N = 0 queries the result
+        is empty, whatever C.
     proposal : {"segment", "key_attention", "landmark_attention", "standard"}
     weighting : {"decoupled", "balance", "coupled"}
     beta : float
@@ -369,7 +370,7 @@ def lara(
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask)
     xp = inputs.xp
     num_samples = check_positive_int(num_samples, "num_samples")
-    if num_samples > inputs.num_queries:
+    if 0 < inputs.num_queries < num_samples:
         raise ValueError(f"num_samples (C = {num_samples}) must be <= the number of queries "
                          f"N = {inputs.num_queries} of q with shape {tuple(inputs.q.shape)}")
     check_choice(proposal, "proposal", PROPOSALS)
@@ -377,6 +378,9 @@ def lara(
     beta = _check_beta(beta)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if inputs.num_queries == 0:  # N = 0: an empty result, whatever C
+        return inputs.finish(xp.zeros((*inputs.batch_shape, 0, inputs.v.shape[-1]),
+                                      dtype=inputs.compute_dtype, device=inputs.device))
 
     dtype, device = inputs.compute_dtype, inputs.device
     root_scale = math.sqrt(inputs.scale)
