@@ -29,6 +29,7 @@ __all__ = [
     "one_chunk_along",
     "prepare_attention",
     "qr",
+    "sequence_positions",
 ]
 
 Array = Any
@@ -319,3 +320,18 @@ def one_chunk_along(x: Array, axis: int) -> Array:
     if array_api_compat.is_dask_array(x):
         return x.rechunk({axis % x.ndim: -1})
     return x
+
+
+def sequence_positions(x: Array, axis: int = -2) -> Array:
+    """Integer positions ``0 .. x.shape[axis] - 1`` on the device of ``x``.
+
+    On Dask they are chunked like ``x`` along ``axis``, so masks built from them (causal
+    masks) stay aligned with the chunks of the sequence instead of forming one block.
+    """
+    length = x.shape[axis]
+    if array_api_compat.is_dask_array(x):
+        import dask.array as da
+
+        return da.arange(length, chunks=(x.chunks[axis],))
+    xp = array_api_compat.array_namespace(x)
+    return xp.arange(length, device=array_api_compat.device(x))

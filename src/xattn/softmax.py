@@ -4,23 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from xattn._array import check_positive_int, prepare_attention
+from xattn._array import check_positive_int, prepare_attention, sequence_positions
 
 __all__ = ["softmax_attention"]
 
 Array = Any
 
 
-def causal_allowed(xp: Any, num_queries: int, key_start: int, key_stop: int,
+def causal_allowed(xp: Any, query_positions: Array, key_start: int, key_stop: int,
                    device: Any) -> Array:
     """Boolean ``(N, key_stop - key_start)``: True where key ``m <= n`` (query ``n``).
 
+    ``query_positions`` holds ``0 .. N - 1`` (:func:`xattn._array.sequence_positions`).
     Causal attention in xattn is aligned top-left, as in PyTorch's
     ``scaled_dot_product_attention(is_causal=True)``: query ``n`` sees keys ``0..n``.
     """
-    queries = xp.arange(num_queries, device=device)
     keys = xp.arange(key_start, key_stop, device=device)
-    return queries[:, None] >= keys[None, :]
+    return query_positions[:, None] >= xp.astype(keys, query_positions.dtype)[None, :]
 
 
 def softmax_attention(
@@ -94,6 +94,7 @@ def softmax_attention(
     numerator = xp.broadcast_to(query_zeros, (*batch, num_queries, v.shape[-1]))
     # under causal masking, keys past the last query are never seen
     key_stop = min(num_keys, num_queries) if causal else num_keys
+    query_positions = sequence_positions(q, axis=-2) if causal else None  # chunked like q
     for start in range(0, key_stop, chunk_size):
         stop = min(start + chunk_size, key_stop)
         scores = q_scaled @ xp.matrix_transpose(k[..., start:stop, :])
@@ -101,7 +102,7 @@ def softmax_attention(
         if inputs.key_mask is not None:
             allowed = inputs.key_mask[..., None, start:stop]
         if causal:
-            in_past = causal_allowed(xp, num_queries, start, stop, device)
+            in_past = causal_allowed(xp, query_positions, start, stop, device)
             allowed = in_past if allowed is None else (allowed & in_past)
         if allowed is not None:
             scores = xp.where(allowed, scores, -xp.inf)
