@@ -49,6 +49,11 @@ CALLS = {
     "lara_seed": lambda q, k, v, **kw: xattn.lara(q, k, v, num_samples=6, rng=5, **kw),
     "lara_deterministic": lambda q, k, v, **kw: xattn.lara(q, k, v, num_samples=6,
                                                            deterministic=True, **kw),
+    # causal: blocks of positions as long as the query chunks keep the graph small
+    "softmax_causal": lambda q, k, v, **kw: xattn.softmax_attention(
+        q, k, v, causal=True, chunk_size=QUERY_CHUNK, **kw),
+    "rfa_causal": lambda q, k, v, **kw: xattn.rfa(q, k, v, num_features=16, rng=3, causal=True,
+                                                  block_size=QUERY_CHUNK, **kw),
 }
 
 
