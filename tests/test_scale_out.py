@@ -7,8 +7,9 @@
   sequence (nothing gathers a whole sequence on one worker) and that the output stays
   chunked like the queries.
 * JAX: in a subprocess with 4 forced host CPU devices, ``jax.jit`` of ``rfa`` and ``lara``
-  on q, k, v sharded along the sequence equals the one-device result and comes back
-  sharded the same way.
+  on q, k, v sharded along the sequence equals the one-device result, comes back
+  sharded the same way, and its compiled program moves no sequence-sized array between
+  devices.
 
 These tests run when "dask" (respectively "jax") is among the selected backends
 (``XATTN_BACKENDS``, see ``conftest.py``).
@@ -172,8 +173,8 @@ def test_dask_never_gathers_a_sequence(name, masked):
     assert max(persisted.chunks[-2]) == QUERY_CHUNK
 
 
-JAX_SCRIPT = textwrap.dedent("""
-    import json, os
+JAX_SCRIPT = textwrap.dedent(r"""
+    import json, os, re
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
@@ -196,6 +197,20 @@ JAX_SCRIPT = textwrap.dedent("""
             lambda q, k, v, _: xattn.lara(q, k, v, num_samples=8, deterministic=True)),
     }
     report = {"num_devices": len(devices)}
+    collective = re.compile(
+        r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(")
+
+    def largest_collective_dim(compiled_text):
+        # longest axis of any array that a cross-device collective produces
+        dims = [0]
+        for line in compiled_text.splitlines():
+            found = collective.search(line)
+            if found:
+                lhs = line[:found.start()]
+                dims += [int(d) for shape in re.findall(r"\[([\d,]*)\]", lhs)
+                         for d in shape.split(",") if d]
+        return max(dims)
+
     for dtype in ("float32", "float64"):
         one_device = [jnp.asarray(x, dtype=dtype) for x in host]
         sharded = [jax.device_put(x, sharding) for x in one_device]
@@ -211,6 +226,8 @@ JAX_SCRIPT = textwrap.dedent("""
                 "input_sharded": len(sharded[0].sharding.device_set) == len(devices),
                 "same_sharding": bool(out.sharding.is_equivalent_to(sharding, out.ndim)),
                 "spec": str(getattr(out.sharding, "spec", None)),
+                "largest_collective_dim": largest_collective_dim(
+                    call.lower(*sharded, extra[name]).compile().as_text()),
             }
     print("REPORT" + json.dumps(report))
 """)
@@ -242,3 +259,6 @@ def test_jax_sharded_jit_equals_one_device(jax_sharded_report, name, dtype):
     assert entry["dtype"] == dtype
     assert entry["max_abs_diff"] <= JAX_TOLERANCE[dtype] * max(1.0, entry["max_abs"]), entry
     assert entry["same_sharding"], f"output sharding {entry['spec']}, expected (None, 'seq', None)"
+    # no collective moves sequence-sized data: each device holds 256 / 4 = 64 positions,
+    # the collectives carry the (..., C or S, D or Dv) statistics and landmarks only
+    assert 0 < entry["largest_collective_dim"] < 64, entry  # > 0: the sums do cross devices
