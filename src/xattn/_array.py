@@ -206,6 +206,7 @@ def prepare_attention(
     scale: Any = None,
     key_mask: Any = None,
     query_mask: Any = None,
+    check_finite: bool = False,
 ) -> AttentionInputs:
     """Validate ``q, k, v`` and the masks of an attention call.
 
@@ -213,6 +214,15 @@ def prepare_attention(
     ``M`` of k equals ``M`` of v; real floating dtypes; boolean masks of shape
     ``(..., M)`` / ``(..., N)``; leading dims that broadcast. Half-precision inputs are
     cast to float32 for the computation (:meth:`AttentionInputs.finish` casts back).
+
+    **Non-finite inputs.** With ``check_finite=True``, NaN or infinity anywhere in q, k
+    or v (masked entries included) raises a ``ValueError`` naming the array. The check
+    reads the values: it forces lazy Dask inputs and cannot run on traced arrays (inside
+    :func:`jax.jit` it raises JAX's concretization error). With ``check_finite=False``
+    (the default) nothing is checked and NaN propagates, never to a finite number: a
+    non-finite query row gives a non-finite output row (softmax, RFA, RA: only that row;
+    LARA: every row, through the segment means); a non-finite key or value can make every
+    output row non-finite, even where it is masked out (a zero weight times NaN is NaN).
 
     Raises
     ------
@@ -243,6 +253,13 @@ def prepare_attention(
                          "attention over an empty key set is undefined")
     if q.shape[-1] == 0:
         raise ValueError(f"q and k must have a feature dim D >= 1, got q shape {tuple(q.shape)}")
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
+    if check_finite:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not bool(xp.all(xp.isfinite(x))):
+                raise ValueError(f"{name} contains NaN or infinity (check_finite=True); "
+                                 "replace them first (masked entries are checked too)")
     key_mask = _check_mask(xp, key_mask, "key_mask", num_keys, "M")
     query_mask = _check_mask(xp, query_mask, "query_mask", num_queries, "N")
 

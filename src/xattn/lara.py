@@ -267,6 +267,7 @@ def lara(
     key_mask: Array | None = None,
     query_mask: Array | None = None,
     rng: Any = None,
+    check_finite: bool = False,
 ) -> Array:
     r"""Linear randomized attention (LARA), O((N + M) C) in time and memory.
 
@@ -335,6 +336,11 @@ def lara(
         Source of the noise :math:`\epsilon_c \sim N(0, I)`, drawn with shape
         ``(*batch_shape, C, D)`` (an int seed gives the same draws on every backend;
         pass a JAX key under :func:`jax.jit`).
+    check_finite : bool
+        If True, raise ``ValueError`` when q, k or v hold NaN or infinity (this reads the
+        values: not under :func:`jax.jit`, and it computes lazy Dask inputs). Default
+        False: unchecked, and NaN propagates to the output rows that depend on it (see
+        :func:`xattn._array.prepare_attention`).
 
     Returns
     -------
@@ -367,7 +373,8 @@ def lara(
     >>> bool(np.mean((evaluation - exact) ** 2) < np.mean(exact ** 2))
     True
     """
-    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask)
+    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
+                               check_finite=check_finite)
     xp = inputs.xp
     num_samples = check_positive_int(num_samples, "num_samples")
     if 0 < inputs.num_queries < num_samples:

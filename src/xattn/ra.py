@@ -84,6 +84,7 @@ def ra(
     causal: bool = False,
     rng: Any = None,
     chunk_size: int = 128,
+    check_finite: bool = False,
 ) -> Array:
     r"""Randomized attention (RA): unbiased (or biased) Monte Carlo softmax attention.
 
@@ -153,6 +154,11 @@ def ra(
         of shape ``(*batch, N, S, D)``. Unused (nothing is drawn) when deterministic.
     chunk_size : int
         Number of queries processed at a time.
+    check_finite : bool
+        If True, raise ``ValueError`` when q, k or v hold NaN or infinity (this reads the
+        values: not under :func:`jax.jit`, and it computes lazy Dask inputs). Default
+        False: unchecked, and NaN propagates to the output rows that depend on it (see
+        :func:`xattn._array.prepare_attention`).
 
     Returns
     -------
@@ -195,7 +201,8 @@ def ra(
             "component per sample and has no deterministic form; use biased=True, "
             "deterministic=True for the paper's evaluation mode"
         )
-    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask)
+    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
+                               check_finite=check_finite)
     xp, work, device = inputs.xp, inputs.compute_dtype, inputs.device
     num_queries, num_keys = inputs.num_queries, inputs.num_keys
     batch = inputs.batch_shape

@@ -74,6 +74,7 @@ def rfa(
     rng: Any = None,
     block_size: int = 128,
     sample_norm: str = "chi",
+    check_finite: bool = False,
 ) -> Array:
     r"""Random feature attention (RFA / Performer FAVOR+), a linear-cost estimate of
     softmax attention.
@@ -152,6 +153,11 @@ def rfa(
         Positions per block in causal mode.
     sample_norm : {"chi", "sqrt_dim"}
         Row norms of orthogonal samples (see :func:`xattn.features.sample_omega`).
+    check_finite : bool
+        If True, raise ``ValueError`` when q, k or v hold NaN or infinity (this reads the
+        values: not under :func:`jax.jit`, and it computes lazy Dask inputs). Default
+        False: unchecked, and NaN propagates to the output rows that depend on it (see
+        :func:`xattn._array.prepare_attention`).
 
     Returns
     -------
@@ -193,7 +199,8 @@ def rfa(
     >>> xattn.rfa(q, k, v, num_features=64, rng=0, causal=True).shape
     (2, 5, 3)
     """
-    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask)
+    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
+                               check_finite=check_finite)
     check_choice(feature_map, "feature_map", FEATURE_MAPS)
     check_choice(sample_norm, "sample_norm", SAMPLE_NORMS)
     if not isinstance(causal, bool):

@@ -32,6 +32,7 @@ def softmax_attention(
     key_mask: Array | None = None,
     causal: bool = False,
     chunk_size: int = 1024,
+    check_finite: bool = False,
 ) -> Array:
     r"""Exact softmax attention, numerically stable and chunked over keys.
 
@@ -61,6 +62,11 @@ def softmax_attention(
         PyTorch's ``is_causal``).
     chunk_size : int
         Number of keys processed at a time.
+    check_finite : bool
+        If True, raise ``ValueError`` when q, k or v hold NaN or infinity (this reads the
+        values: not under :func:`jax.jit`, and it computes lazy Dask inputs). Default
+        False: unchecked, and NaN propagates to the output rows that depend on it (see
+        :func:`xattn._array.prepare_attention`).
 
     Returns
     -------
@@ -76,7 +82,8 @@ def softmax_attention(
     >>> xattn.softmax_attention(q, k, v).shape
     (2, 5, 3)
     """
-    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask)
+    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
+                               check_finite=check_finite)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     chunk_size = check_positive_int(chunk_size, "chunk_size")
