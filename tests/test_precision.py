@@ -1,0 +1,192 @@
+"""Half precision, large scores, and NaN/inf in the inputs, for every estimator."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+import xattn
+from conftest import _make_backend, selected_backends
+from xattn.rfa import TrigonometricDenominatorWarning
+
+import reference
+
+ESTIMATORS = {
+    "softmax": lambda q, k, v, **kw: xattn.softmax_attention(q, k, v, **kw),
+    "rfa-positive": lambda q, k, v, **kw: xattn.rfa(q, k, v, num_features=32, rng=0, **kw),
+    "rfa-hyperbolic": lambda q, k, v, **kw: xattn.rfa(q, k, v, num_features=32, rng=0,
+                                                      feature_map="hyperbolic", **kw),
+    "ra": lambda q, k, v, **kw: xattn.ra(q, k, v, num_samples=3, rng=0, **kw),
+    "ra-deterministic": lambda q, k, v, **kw: xattn.ra(q, k, v, biased=True,
+                                                       deterministic=True, **kw),
+    "lara": lambda q, k, v, **kw: xattn.lara(q, k, v, num_samples=4, rng=0, **kw),
+    "lara-deterministic": lambda q, k, v, **kw: xattn.lara(q, k, v, num_samples=4,
+                                                           deterministic=True, **kw),
+}
+TRIGONOMETRIC = {
+    "rfa-trigonometric": lambda q, k, v, **kw: xattn.rfa(q, k, v, num_features=32, rng=0,
+                                                         feature_map="trigonometric", **kw),
+}
+ALL = {**ESTIMATORS, **TRIGONOMETRIC}
+ROW_WISE = ["softmax", "rfa-positive", "rfa-hyperbolic", "rfa-trigonometric", "ra",
+            "ra-deterministic"]
+
+# unit roundoff of the half-precision formats (half the distance from 1 to the next number)
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+HALF_BACKENDS = [name for name in ("torch", "jax") if name in selected_backends()]
+
+
+def make_inputs(seed=0, batch=(2,), num_queries=8, num_keys=12, head_dim=8, value_dim=3):
+    data = np.random.default_rng(seed)
+    return (data.normal(size=(*batch, num_queries, head_dim)),
+            data.normal(size=(*batch, num_keys, head_dim)),
+            data.normal(size=(*batch, num_keys, value_dim)))
+
+
+def to_backend(xp, arrays, dtype):
+    return tuple(xp.asarray(a, dtype=dtype) for a in arrays)
+
+
+@pytest.fixture(params=HALF_BACKENDS)
+def half_xp(request):
+    return _make_backend(request.param)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(ALL))
+def test_half_precision_is_computed_in_float32(half_xp, name, dtype_name):
+    """Half inputs are computed in float32 and rounded once at the end.
+
+    So the result equals the float32 result on the *same* (half-rounded) inputs, rounded
+    to the half format: within one unit roundoff u of it (fp16 u = 2^-11, bf16 u = 2^-8,
+    relative, plus u times the largest output for results near zero).
+    """
+    xp, half = half_xp, getattr(half_xp.ns, dtype_name)
+    u = UNIT_ROUNDOFF[dtype_name]
+    half_inputs = to_backend(xp, make_inputs(), half)
+    out = ALL[name](*half_inputs)
+    assert out.dtype == half, out.dtype
+    out = xp.to_numpy(out)
+    assert np.all(np.isfinite(out))
+    single = xp.to_numpy(ALL[name](*(xp.ns.astype(a, xp.float32) for a in half_inputs)))
+    np.testing.assert_allclose(out, single, rtol=u, atol=u * np.max(np.abs(single)))
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_half_precision_softmax_is_close_to_the_float32_result(half_xp, dtype_name):
+    """Against float32 on the unrounded inputs, with the bound from the input rounding.
+
+    Rounding q and k to the half format (unit roundoff u) moves each score s q.k by at
+    most delta = s sum_i |q_i k_i| (2u + u^2); a softmax moves by at most 2 max|delta| in
+    total variation (first order; the factor 1.1 covers the second order), so the output
+    by 2 max|delta| max|v|. Rounding v adds u max|v|, rounding the output u max|y|.
+    """
+    xp, half, u = half_xp, getattr(half_xp.ns, dtype_name), UNIT_ROUNDOFF[dtype_name]
+    q, k, v = make_inputs()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = xp.to_numpy(xattn.softmax_attention(*to_backend(xp, (q, k, v), half)))
+    exact = reference.softmax_attention(q, k, v)
+    delta = scale * np.max(np.abs(q) @ np.swapaxes(np.abs(k), -1, -2)) * (2 * u + u * u)
+    max_v = np.max(np.abs(v))
+    bound = 1.1 * 2 * delta * max_v + u * max_v + u * np.max(np.abs(exact)) + 1e-5
+    assert np.max(np.abs(out - exact)) <= bound
+
+
+def large_score_inputs(num_tokens=16, head_dim=8, score=80.0, seed=1):
+    """Self-attention inputs (q = k) whose scaled scores s q.k reach ``score`` (the
+    diagonal) and no more: rows of norm sqrt(score / s)."""
+    data = np.random.default_rng(seed)
+    directions = data.normal(size=(num_tokens, head_dim))
+    directions /= np.linalg.norm(directions, axis=-1, keepdims=True)
+    x = directions * math.sqrt(score * math.sqrt(head_dim))
+    v = data.normal(size=(num_tokens, 3))
+    return x, x, v
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_scores_up_to_80_stay_finite_in_float32(xp, name):
+    q, k, v = large_score_inputs()
+    scores = (q @ k.T) / math.sqrt(q.shape[-1])
+    assert math.isclose(scores.max(), 80.0)
+    out = ESTIMATORS[name](*to_backend(xp, (q, k, v), xp.float32))
+    assert out.dtype == xp.float32
+    out = xp.to_numpy(out)
+    assert np.all(np.isfinite(out)), out
+    # every estimator here has non-negative weights: the output stays in the value range
+    slack = 1e-4 * (np.max(v) - np.min(v))
+    assert np.all(out >= v.min(axis=0) - slack) and np.all(out <= v.max(axis=0) + slack)
+    if name == "softmax":
+        xp.check(xattn.softmax_attention(*to_backend(xp, (q, k, v), xp.float32)),
+                 reference.softmax_attention(q, k, v), dtype=xp.float32, rtol=1e-4)
+
+
+def test_trigonometric_map_warns_instead_of_returning_inf(xp):
+    """One key, one sample omega with omega.(q^ - k^) = pi: the estimated normalizer is
+    w cos(pi) = -w < 0 for key weight w = e^{|k^|^2/2} = e^40 (score 80 = |k^|^2). The row
+    is clamped (finite) and a TrigonometricDenominatorWarning is emitted — except on Dask,
+    where reading the flags would compute the graph twice (documented: only the clamp)."""
+    key_norm = math.sqrt(80.0)
+    q = np.array([[key_norm + math.pi]])
+    k = np.array([[key_norm]])
+    v = np.array([[2.0]])
+    omega = xp.asarray(np.array([[1.0]]), dtype=xp.float32)
+    inputs = to_backend(xp, (q, k, v), xp.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = xattn.rfa(*inputs, omega=omega, feature_map="trigonometric", scale=1.0)
+    assert np.all(np.isfinite(xp.to_numpy(out)))
+    warned = any(issubclass(w.category, TrigonometricDenominatorWarning) for w in caught)
+    assert warned == (xp.name != "dask")
+
+
+def test_trigonometric_map_with_scores_up_to_80_is_finite(xp):
+    q, k, v = large_score_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
+        out = TRIGONOMETRIC["rfa-trigonometric"](*to_backend(xp, (q, k, v), xp.float32))
+    assert np.all(np.isfinite(xp.to_numpy(out)))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", list(ALL))
+def test_check_finite_names_the_array(xp, name, bad):
+    q, k, v = make_inputs(num_queries=4, num_keys=5)
+    for position, array in enumerate("qkv"):
+        arrays = [q.copy(), k.copy(), v.copy()]
+        arrays[position][1, 2, 0] = bad
+        with pytest.raises(ValueError, match=rf"^{array} contains NaN or infinity"):
+            ALL[name](*map(xp.asarray, arrays), check_finite=True)
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_unchecked_nan_never_becomes_a_finite_number(xp, name):
+    """check_finite=False (default): a NaN query row gives a NaN row (only that row for
+    the row-wise estimators, whose other rows are unchanged; every row for LARA, whose
+    segment means mix the queries); a NaN key or value coordinate reaches every row."""
+    q, k, v = make_inputs(num_queries=4, num_keys=5)
+    estimator = ALL[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
+        clean = xp.to_numpy(estimator(*map(xp.asarray, (q, k, v))))
+        bad_q = q.copy()
+        bad_q[1, 2, 0] = math.nan
+        out = xp.to_numpy(estimator(*map(xp.asarray, (bad_q, k, v))))
+        finite_rows = np.all(np.isfinite(out), axis=-1)
+        if name in ROW_WISE:
+            expected_rows = np.ones_like(finite_rows)
+            expected_rows[1, 2] = False
+            np.testing.assert_array_equal(finite_rows, expected_rows)
+            np.testing.assert_allclose(out[expected_rows], clean[expected_rows], rtol=1e-10)
+        else:
+            assert not np.any(finite_rows[1])
+        for position in (1, 2):  # k, v
+            arrays = [q, k.copy(), v.copy()]
+            arrays[position][1, 3, 0] = math.nan
+            out = xp.to_numpy(estimator(*map(xp.asarray, arrays)))
+            # a NaN key reaches every coordinate, a NaN value coordinate its own coordinate
+            reached = out[1] if position == 1 else out[1, :, 0]
+            assert not np.any(np.isfinite(reached)), (position, out[1])
+            np.testing.assert_allclose(out[0], clean[0], rtol=1e-10)  # the other batch entry
