@@ -31,6 +31,7 @@ from typing import Any
 
 from xattn._array import check_choice, check_positive_int, qr
 from xattn.random import as_generator
+from xattn.softmax import finite_shift
 
 __all__ = [
     "FEATURE_MAPS",
@@ -110,7 +111,7 @@ def positive_key_statistics(
     if key_mask is not None:
         logits = xp.where(key_mask[..., :, None], logits, -xp.inf)
     key_max = xp.max(logits, axis=-2)  # (..., S)
-    key_max = xp.where(key_max == -xp.inf, xp.zeros_like(key_max), key_max)
+    key_max = finite_shift(xp, key_max)
     weights = xp.exp(logits - key_max[..., None, :])  # masked keys: exp(-inf) = 0
     numerator = xp.matrix_transpose(weights) @ v
     denominator = xp.sum(weights, axis=-2)

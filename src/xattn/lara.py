@@ -35,6 +35,7 @@ from xattn._array import (
 )
 from xattn.features import positive_key_statistics, weighted_readout
 from xattn.random import as_generator
+from xattn.softmax import masked_softmax
 
 __all__ = ["PROPOSALS", "WEIGHTINGS", "WEIGHT_FLOOR", "balance_heuristic", "lara",
            "lara_weights"]
@@ -123,19 +124,6 @@ def _segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int,
     return (membership @ x) / safe_sizes[..., None], sizes
 
 
-def _masked_softmax(xp: Any, logits: Array, allowed: Array | None, axis: int,
-                    scale: float = 1.0) -> Array:
-    """``scale`` times the softmax along ``axis`` over the allowed entries (one pass fewer
-    than scaling afterwards); all-masked slices give zeros."""
-    if allowed is not None:
-        logits = xp.where(allowed, logits, xp.full_like(logits, -xp.inf))
-    top = xp.max(logits, axis=axis, keepdims=True)
-    top = xp.where(top == -xp.inf, xp.zeros_like(top), top)
-    weights = xp.exp(logits - top)
-    total = xp.sum(weights, axis=axis, keepdims=True)
-    return weights * (scale / xp.where(total > 0, total, xp.ones_like(total)))
-
-
 def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
                     key_segment_sizes: Array, k_hat: Array, key_mask: Array | None) -> Array:
     r""":math:`\mu_c` (..., C, D) for each proposal family (DESIGN §3, Appendix G.3.1)."""
@@ -145,12 +133,12 @@ def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmark
         return query_landmarks + key_landmarks
     if proposal == "key_attention":  # eq. 33: q~_c + sum_m softmax_m(q~_c . k_m) k_m, O(CM)
         allowed = None if key_mask is None else key_mask[..., None, :]
-        attention = _masked_softmax(xp, query_landmarks @ xp.matrix_transpose(k_hat),
+        attention = masked_softmax(xp, query_landmarks @ xp.matrix_transpose(k_hat),
                                     allowed, axis=-1)
         return query_landmarks + attention @ k_hat
     # "landmark_attention", eq. 35: q~_c + sum_c' softmax_c'(k~_c . k~_c') k~_c', O(C^2)
     nonempty = (key_segment_sizes > 0)[..., None, :]  # empty key segments take no part
-    attention = _masked_softmax(xp, key_landmarks @ xp.matrix_transpose(key_landmarks),
+    attention = masked_softmax(xp, key_landmarks @ xp.matrix_transpose(key_landmarks),
                                 nonempty, axis=-1)
     return query_landmarks + attention @ key_landmarks
 
@@ -187,7 +175,7 @@ def balance_heuristic(points: Array, proposal_means: Array) -> Array:
     xp = array_namespace(points, proposal_means, names=("points", "proposal_means"))
     log_density = points @ xp.matrix_transpose(proposal_means) - 0.5 * xp.sum(
         proposal_means * proposal_means, axis=-1)[..., None, :]
-    return _masked_softmax(xp, log_density, None, axis=-1)
+    return masked_softmax(xp, log_density, None, axis=-1)
 
 
 def lara_weights(proposal_weights: Array, query_affinity: Array, *,
@@ -422,7 +410,7 @@ def lara(
         # r_nc, (..., N, C); the decoupled correction is linear in r, so beta * r_nc is
         # formed in the softmax's normalization and lara_weights gets beta = 1
         affinity_scale = beta if weighting == "decoupled" else 1.0
-        query_affinity = _masked_softmax(xp, q_hat @ xp.matrix_transpose(query_landmarks),
+        query_affinity = masked_softmax(xp, q_hat @ xp.matrix_transpose(query_landmarks),
                                          allowed_queries, axis=-2, scale=affinity_scale)
         weights = lara_weights(own_weight, query_affinity, weighting=weighting,
                                beta=1.0 if weighting == "decoupled" else beta)

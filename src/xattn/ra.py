@@ -34,6 +34,7 @@ from typing import Any
 
 from xattn._array import check_positive_int, prepare_attention
 from xattn.random import as_generator
+from xattn.softmax import causal_allowed, masked_softmax
 
 __all__ = ["ra"]
 
@@ -54,21 +55,9 @@ def _allowed_keys(xp: Any, key_mask: Array | None, causal: bool, query_start: in
         allowed = key_mask[..., None, :]
     if causal:  # top-left aligned, as in softmax_attention: query n sees keys m <= n
         queries = xp.arange(query_start, query_stop, device=device)
-        keys = xp.arange(num_keys, device=device)
-        in_past = queries[:, None] >= keys[None, :]
+        in_past = causal_allowed(xp, queries, 0, num_keys, device)
         allowed = in_past if allowed is None else (allowed & in_past)
     return allowed
-
-
-def _masked_softmax(xp: Any, logits: Array, allowed: Array | None) -> Array:
-    """Softmax over the last axis restricted to ``allowed``; rows with none allowed are 0."""
-    if allowed is not None:
-        logits = xp.where(allowed, logits, -xp.inf)
-    top = xp.max(logits, axis=-1, keepdims=True)
-    top = xp.where(top == -xp.inf, xp.zeros_like(top), top)
-    weights = xp.exp(logits - top)  # disallowed keys: exp(-inf) = 0
-    total = xp.sum(weights, axis=-1, keepdims=True)
-    return weights / xp.where(total > 0, total, xp.ones_like(total))
 
 
 def ra(
@@ -231,7 +220,7 @@ def ra(
         q_chunk = q_hat[..., start:stop, :]  # (..., B, D)
         allowed = _allowed_keys(xp, inputs.key_mask, causal, start, stop, num_keys, device)
         # mixture weights pi_nm = softmax_m(q_n . k_m) over the allowed keys, (..., B, M)
-        mixture_weights = _masked_softmax(xp, q_chunk @ k_hat_t, allowed)
+        mixture_weights = masked_softmax(xp, q_chunk @ k_hat_t, allowed)
 
         if biased:  # one Gaussian at the mixture mean: q_n + sum_m pi_nm k_m   (eq. 31)
             proposal_means = (q_chunk + mixture_weights @ k_hat)[..., None, :]  # (..., B, 1, D)
@@ -253,7 +242,7 @@ def ra(
         omega = proposal_means if noise is None else proposal_means + noise[..., start:stop, :, :]
         # f_n(omega) = sum_m softmax_m(omega . k_m - |k_m|^2 / 2) v_m   (eq. 6)
         logits = omega @ k_hat_t[..., None, :, :] - key_half_sq_norm[..., None, None, :]
-        key_weights = _masked_softmax(xp, logits,
+        key_weights = masked_softmax(xp, logits,
                                       None if allowed is None else allowed[..., None, :])
         estimates = key_weights @ v[..., None, :, :]  # (*batch, B, S, Dv)
         outputs.append(xp.mean(estimates, axis=-2))

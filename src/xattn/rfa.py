@@ -37,6 +37,7 @@ from xattn.features import (
     sample_omega,
     weighted_readout,
 )
+from xattn.softmax import causal_allowed, finite_shift
 
 __all__ = ["TrigonometricDenominatorWarning", "default_num_features", "rfa"]
 
@@ -271,9 +272,8 @@ def _check_omega(xp: Any, q: Array, omega: Any, num_features: int | None, head_d
 def _block_allowed(xp: Any, query_start: int, query_stop: int, key_start: int, key_stop: int,
                    key_mask: Array | None, device: Any) -> Array:
     """Boolean (..., Bq, Bk): key m <= query n (and allowed by ``key_mask``)."""
-    queries = xp.arange(query_start, query_stop, device=device)
-    keys = xp.arange(key_start, key_stop, device=device)
-    allowed = queries[:, None] >= keys[None, :]
+    allowed = causal_allowed(xp, xp.arange(query_start, query_stop, device=device), key_start,
+                             key_stop, device)
     if key_mask is not None:
         allowed = allowed & key_mask[..., None, key_start:key_stop]
     return allowed
@@ -297,7 +297,7 @@ def _causal_positive(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: Array
         query_proj = q_hat[..., start:stop, :] @ omega_t  # omega_s . q_n, (..., Bq, S)
         query_shift = xp.max(query_proj, axis=-1, keepdims=True)  # beta_n
         # earlier blocks: c_ns = omega_s . q_n + K_s, stabilized by Q_n = max_s c_ns
-        safe_key_max = xp.where(key_max == -xp.inf, xp.zeros_like(key_max), key_max)
+        safe_key_max = finite_shift(xp, key_max)
         state_logits = query_proj + safe_key_max[..., None, :]
         state_shift = xp.max(state_logits, axis=-1, keepdims=True)
         state_weights = xp.exp(state_logits - state_shift)
@@ -327,7 +327,7 @@ def _causal_positive(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: Array
             if key_mask is not None:
                 key_logits = xp.where(key_mask[..., start:key_stop, None], key_logits, -xp.inf)
             new_key_max = xp.maximum(key_max, xp.max(key_logits, axis=-2))
-            shift = xp.where(new_key_max == -xp.inf, xp.zeros_like(new_key_max), new_key_max)
+            shift = finite_shift(xp, new_key_max)
             rescale = xp.exp(key_max - shift)  # 0 while no key was allowed
             key_weights = xp.exp(key_logits - shift[..., None, :])
             numerator_state = (numerator_state * rescale[..., None]
@@ -370,7 +370,7 @@ def _trigonometric(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: Array,
     num_samples = omega.shape[0]
     half_sq_norm = _half_sq_norms(xp, k_hat, key_mask)  # (..., M)
     norm_max = xp.max(half_sq_norm, axis=-1, keepdims=True)
-    norm_max = xp.where(norm_max == -xp.inf, xp.zeros_like(norm_max), norm_max)
+    norm_max = finite_shift(xp, norm_max)
     key_weights = xp.exp(half_sq_norm - norm_max)[..., None]  # w_m, 0 if masked, (..., M, 1)
     key_features = xp.matrix_transpose(_trig_features(xp, k_hat, omega))  # (..., 2S, M)
     numerator = key_features @ (key_weights * v)  # (..., 2S, Dv)
@@ -408,7 +408,7 @@ def _causal_trigonometric(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: 
             allowed = _block_allowed(xp, start, stop, start, key_stop, None, device)
             pair_norms = xp.where(allowed, block_norms, -xp.inf)  # (..., Bq, Bk)
             row_max = xp.maximum(norm_max, xp.max(pair_norms, axis=-1, keepdims=True))
-            row_max = xp.where(row_max == -xp.inf, xp.zeros_like(row_max), row_max)
+            row_max = finite_shift(xp, row_max)
             pair_weights = xp.exp(pair_norms - row_max)  # w_m for m <= n, else 0
             state_factor = xp.exp(norm_max - row_max)  # 0 while no key was allowed
             kernel = (query_features @ xp.matrix_transpose(key_features)) * pair_weights
@@ -418,7 +418,7 @@ def _causal_trigonometric(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: 
                                                                 keepdims=True)
             # fold this block's keys into the state
             new_max = xp.maximum(norm_max, xp.max(block_norms, axis=-1, keepdims=True))
-            shift = xp.where(new_max == -xp.inf, xp.zeros_like(new_max), new_max)
+            shift = finite_shift(xp, new_max)
             rescale = xp.exp(norm_max - shift)
             key_weights = xp.matrix_transpose(xp.exp(block_norms - shift))  # (..., Bk, 1)
             key_features_t = xp.matrix_transpose(key_features)

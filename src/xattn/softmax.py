@@ -6,9 +6,34 @@ from typing import Any
 
 from xattn._array import check_positive_int, prepare_attention, sequence_positions
 
-__all__ = ["softmax_attention"]
+__all__ = ["causal_allowed", "finite_shift", "masked_softmax", "softmax_attention"]
 
 Array = Any
+
+
+def finite_shift(xp: Any, maxima: Array) -> Array:
+    """The stabilizing shift of a log-sum-exp: ``maxima`` with ``-inf`` replaced by 0.
+
+    A maximum is ``-inf`` when every entry it covers is masked; shifting by 0 then keeps
+    ``exp(logit - shift)`` at ``exp(-inf) = 0`` for those entries instead of NaN.
+    """
+    return xp.where(maxima == -xp.inf, xp.zeros_like(maxima), maxima)
+
+
+def masked_softmax(xp: Any, logits: Array, allowed: Array | None = None, *, axis: int = -1,
+                   scale: float = 1.0) -> Array:
+    """``scale`` times the softmax of ``logits`` along ``axis`` over the ``allowed`` entries.
+
+    Entries where ``allowed`` is False get weight 0; a slice with no allowed entry gets
+    all zeros (never NaN). ``scale`` is folded into the normalization (one pass fewer
+    than scaling afterwards).
+    """
+    if allowed is not None:
+        logits = xp.where(allowed, logits, xp.full_like(logits, -xp.inf))
+    top = finite_shift(xp, xp.max(logits, axis=axis, keepdims=True))
+    weights = xp.exp(logits - top)  # entries not allowed: exp(-inf) = 0
+    total = xp.sum(weights, axis=axis, keepdims=True)
+    return weights * (scale / xp.where(total > 0, total, xp.ones_like(total)))
 
 
 def causal_allowed(xp: Any, query_positions: Array, key_start: int, key_stop: int,
@@ -115,7 +140,7 @@ def softmax_attention(
             scores = xp.where(allowed, scores, -xp.inf)
         new_max = xp.maximum(running_max, xp.max(scores, axis=-1, keepdims=True))
         # rows with no allowed key so far keep max = -inf; shift them by 0 instead
-        shift = xp.where(new_max == -xp.inf, xp.zeros_like(new_max), new_max)
+        shift = finite_shift(xp, new_max)
         weights = xp.exp(scores - shift)  # masked scores: exp(-inf) = 0
         rescale = xp.exp(running_max - shift)  # 0 while nothing was allowed
         normalizer = normalizer * rescale + xp.sum(weights, axis=-1, keepdims=True)
