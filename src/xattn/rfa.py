@@ -226,9 +226,13 @@ def rfa(
     q_hat, k_hat, v = root_scale * inputs.q, root_scale * inputs.k, inputs.v
     key_mask = inputs.key_mask
 
-    if inputs.num_queries == 0:  # N = 0: an empty result (the causal loops have no block)
-        return inputs.finish(xp.zeros((*inputs.batch_shape, 0, v.shape[-1]), dtype=work,
-                                      device=device))
+    if inputs.num_queries == 0 or 0 in inputs.batch_shape:
+        # an empty result: the causal loops have no block for N = 0, and Dask cannot create
+        # their zero-size states (da.zeros((0, 2, S, Dv)) divides by zero); built from the
+        # inputs (not xp.zeros) for the same reason
+        empty = inputs.q[..., :1] @ v[..., :1, :]  # (..., N, Dv), size 0
+        return inputs.finish(xp.broadcast_to(empty, (*inputs.batch_shape, inputs.num_queries,
+                                                     v.shape[-1])))
     if feature_map == "trigonometric":
         if causal:
             out, invalid = _causal_trigonometric(xp, q_hat, k_hat, v, omega, key_mask,
