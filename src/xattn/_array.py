@@ -352,3 +352,22 @@ def sequence_positions(x: Array, axis: int = -2) -> Array:
         return da.arange(length, chunks=(x.chunks[axis],))
     xp = array_api_compat.array_namespace(x)
     return xp.arange(length, device=array_api_compat.device(x))
+
+
+def device_of(x: Array) -> Any:
+    """The device of array ``x`` (``None`` for a traced JAX array)."""
+    return array_api_compat.device(x)
+
+
+def concrete_count(xp: Any, flags: Array) -> int | None:
+    """Number of True entries of ``flags`` if it can be read without extra work.
+
+    Returns None for a lazy Dask array (reading it would compute the graph again) and for
+    a traced JAX array (inside :func:`jax.jit` values do not exist yet).
+    """
+    if array_api_compat.is_dask_array(flags):
+        return None
+    try:
+        return int(xp.sum(xp.astype(flags, xp.int32)))
+    except TypeError:  # jax.errors.ConcretizationTypeError is a TypeError
+        return None

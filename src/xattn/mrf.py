@@ -38,14 +38,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from array_api_compat import device as _device
-
 from xattn._array import (
     _is_real_floating,
     array_namespace,
     check_choice,
     check_positive_int,
     compute_dtype,
+    device_of,
 )
 from xattn.features import log_positive_features, sample_omega
 
@@ -231,7 +230,7 @@ def _parallel_log_partition(xp: Any, log_features: Array) -> Array:
     count = num_steps - 2
     while count > 1:  # static: shapes only
         if count % 2:  # pad with the identity, log-scale 0
-            eye = xp.eye(dim, dtype=matrices.dtype, device=_device(matrices))
+            eye = xp.eye(dim, dtype=matrices.dtype, device=device_of(matrices))
             eye = xp.broadcast_to(eye, (*matrices.shape[:-3], 1, dim, dim))
             matrices = xp.concat([matrices, eye], axis=-3)
             log_scales = xp.concat([log_scales, xp.zeros_like(log_scales[..., :1])], axis=-1)
@@ -352,7 +351,7 @@ def log_partition_rf(
             raise TypeError("num_features is required (an int >= 1) unless omega is given")
         num_features = check_positive_int(num_features, "num_features")
         omega = sample_omega(rng, num_features, embed_dim, xp=xp, dtype=work,
-                             device=_device(embeddings), orthogonal=orthogonal)
+                             device=device_of(embeddings), orthogonal=orthogonal)
     else:
         array_namespace(embeddings, omega, names=("embeddings", "omega"))
         if omega.ndim < 2 or omega.shape[-1] != embed_dim:

@@ -21,12 +21,12 @@ import math
 import warnings
 from typing import Any
 
-import array_api_compat
-
 from xattn._array import (
     array_namespace,
     check_choice,
     check_positive_int,
+    concrete_count,
+    device_of,
     prepare_attention,
 )
 from xattn.features import (
@@ -289,7 +289,7 @@ def _causal_positive(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: Array
     """Causal positive-map RFA over blocks of positions (DESIGN §3, causal)."""
     num_queries, num_keys = q_hat.shape[-2], k_hat.shape[-2]
     num_samples, value_dim = omega.shape[0], v.shape[-1]
-    work, device = q_hat.dtype, array_api_compat.device(q_hat)
+    work, device = q_hat.dtype, device_of(q_hat)
     omega_t = xp.matrix_transpose(omega)
     # carried state over keys of earlier blocks: K_s, A'_s, b'_s
     key_max = xp.full((*batch_shape, num_samples), -xp.inf, dtype=work, device=device)
@@ -391,7 +391,7 @@ def _causal_trigonometric(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: 
     """Causal trigonometric RFA over blocks, with a running max of the key norms."""
     num_queries, num_keys = q_hat.shape[-2], k_hat.shape[-2]
     num_samples, value_dim = omega.shape[0], v.shape[-1]
-    work, device = q_hat.dtype, array_api_compat.device(q_hat)
+    work, device = q_hat.dtype, device_of(q_hat)
     half_sq_norm = _half_sq_norms(xp, k_hat, key_mask)  # (..., M)
     norm_max = xp.full((*batch_shape, 1, 1), -xp.inf, dtype=work, device=device)
     numerator_state = xp.zeros((*batch_shape, 2 * num_samples, value_dim), dtype=work,
@@ -439,12 +439,7 @@ def _causal_trigonometric(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: 
 
 def _warn_if_any(xp: Any, invalid: Array) -> None:
     """Warn about clamped trigonometric denominators when the flags can be read."""
-    if array_api_compat.is_dask_array(invalid):
-        return  # reading a lazy Dask array would compute the whole graph again
-    try:
-        count = int(xp.sum(xp.astype(invalid, xp.float32)))
-    except TypeError:  # traced (jax.jit): values cannot be read; the clamp still applies
-        return
+    count = concrete_count(xp, invalid)  # None on lazy Dask or under jax.jit: clamp only
     if count:
         warnings.warn(
             f"rfa(feature_map='trigonometric'): the estimated normalizer of {count} "
