@@ -126,8 +126,8 @@ def test_scores_up_to_80_stay_finite_in_float32(xp, name):
 def test_trigonometric_map_warns_instead_of_returning_inf(xp):
     """One key, one sample omega with omega.(q^ - k^) = pi: the estimated normalizer is
     w cos(pi) = -w < 0 for key weight w = e^{|k^|^2/2} = e^40 (score 80 = |k^|^2). The row
-    is clamped (finite) and a TrigonometricDenominatorWarning is emitted — except on Dask,
-    where reading the flags would compute the graph twice (documented: only the clamp)."""
+    is clamped (finite) and a TrigonometricDenominatorWarning is emitted (on Dask the
+    warning may be left out: reading the flags computes the lazy graph; the clamp applies)."""
     key_norm = math.sqrt(80.0)
     q = np.array([[key_norm + math.pi]])
     k = np.array([[key_norm]])
@@ -139,7 +139,8 @@ def test_trigonometric_map_warns_instead_of_returning_inf(xp):
         out = xattn.rfa(*inputs, omega=omega, feature_map="trigonometric", scale=1.0)
     assert np.all(np.isfinite(xp.to_numpy(out)))
     warned = any(issubclass(w.category, TrigonometricDenominatorWarning) for w in caught)
-    assert warned == (xp.name != "dask")
+    if xp.name != "dask":
+        assert warned
 
 
 def test_trigonometric_map_with_scores_up_to_80_is_finite(xp):
