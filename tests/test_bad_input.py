@@ -54,6 +54,8 @@ SPECIFIC = [
      r"causal must be a bool"),
     ("softmax chunk_size", ESTIMATORS["softmax_attention"], (Q, K, V), {"chunk_size": 0},
      ValueError, r"chunk_size must be >= 1"),
+    *[(f"{name} check_finite", ESTIMATORS[name], (Q, K, V), {"check_finite": "yes"}, TypeError,
+       r"check_finite must be a bool") for name in ("softmax_attention", "rfa", "ra", "lara")],
     ("rfa feature_map", ESTIMATORS["rfa"], (Q, K, V), {"feature_map": "relu"}, ValueError,
      r"feature_map must be one of 'positive', 'hyperbolic', 'trigonometric'; got 'relu'"),
     ("rfa sample_norm", ESTIMATORS["rfa"], (Q, K, V), {"sample_norm": "unit"}, ValueError,
