@@ -284,3 +284,15 @@ def test_bad_arguments():
         layer(x[..., :8], x, x)
     with pytest.raises(ValueError, match="redraw_features needs estimator='rfa'"):
         layer.redraw_features()
+
+
+@pytest.mark.parametrize("sample_norm", ["chi", "sqrt_dim"])
+def test_rfa_feature_options_reach_the_sampler(sample_norm):
+    layer = xtorch.MultiheadAttention(16, 2, estimator="rfa", num_features=8, orthogonal=True,
+                                      sample_norm=sample_norm,
+                                      generator=torch.Generator().manual_seed(0))
+    norms = torch.linalg.vector_norm(layer.features, dim=-1)
+    if sample_norm == "sqrt_dim":  # every row rescaled to sqrt(head_dim)
+        torch.testing.assert_close(norms, torch.full_like(norms, 8**0.5))
+    else:  # chi(head_dim) norms differ from row to row
+        assert float(norms.std()) > 1e-3

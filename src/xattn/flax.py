@@ -34,25 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import xattn
-from xattn.features import sample_omega
+from xattn._layers import (
+    DEFAULT_LARA_SAMPLES,
+    ESTIMATORS,
+    attend,
+    check_estimator,
+    draw_features,
+)
 from xattn.rfa import default_num_features
 
-__all__ = ["ESTIMATORS", "FeatureState", "MultiHeadAttention"]
+__all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "FeatureState", "MultiHeadAttention"]
 
-ESTIMATORS = ("softmax", "rfa", "ra", "lara")
-"""Estimator names accepted by :class:`MultiHeadAttention`."""
-
-_ESTIMATOR_OPTIONS = {
-    "softmax": ("scale", "chunk_size"),
-    "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
-            "block_size"),
-    "ra": ("num_samples", "scale", "chunk_size"),
-    "lara": ("num_samples", "proposal", "weighting", "beta", "scale"),
-}
-_FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
-DEFAULT_LARA_SAMPLES = 16
-"""Default number of LARA proposals C (capped at the query length)."""
 default_kernel_init = nnx.initializers.lecun_normal()  # Flax's default for projections
 default_bias_init = nnx.initializers.zeros_init()
 
@@ -181,23 +173,7 @@ class MultiHeadAttention(nnx.Module):
         if self.qkv_features % num_heads != 0:
             raise ValueError(f"qkv_features ({self.qkv_features}) must be divisible by "
                              f"num_heads ({num_heads})")
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
-        if redraw_interval is not None and (
-            isinstance(redraw_interval, bool) or not isinstance(redraw_interval, int)
-            or redraw_interval < 1
-        ):
-            raise ValueError(
-                f"redraw_interval must be a positive int or None, got {redraw_interval!r}"
-            )
-        allowed = _ESTIMATOR_OPTIONS[estimator]
-        unknown = sorted(set(estimator_options) - set(allowed))
-        if unknown:
-            raise TypeError(
-                f"estimator {estimator!r} does not take the option(s) {unknown}; its options "
-                f"are {list(allowed)} (masks, causal mode, rng, omega and the train/eval "
-                "switches are set by the layer)"
-            )
+        check_estimator(estimator, estimator_options, redraw_interval)
         self.head_dim = self.qkv_features // num_heads
         self.estimator = estimator
         self.redraw_interval = redraw_interval
@@ -234,10 +210,8 @@ class MultiHeadAttention(nnx.Module):
                      features=features, key=None)
 
     def _draw_features(self, key: Any) -> jax.Array:
-        options = {name: self.estimator_options[name] for name in _FEATURE_OPTIONS[1:]
-                   if name in self.estimator_options}
-        return sample_omega(key, self.num_features, self.head_dim, xp=jnp,
-                            dtype=jnp.float32, **options)
+        return draw_features(key, self.num_features, self.head_dim, self.estimator_options,
+                             xp=jnp, dtype=jnp.float32)
 
     def redraw_features(self, rngs: nnx.Rngs | nnx.RngStream | None = None) -> None:
         """Draw new RFA samples ``features`` (``estimator="rfa"`` only) and reset the count.
@@ -263,31 +237,12 @@ class MultiHeadAttention(nnx.Module):
 
     def _attend(self, q, k, v, *, key_mask, causal, deterministic, features, key):
         """The estimator on ``(..., L, head_dim)`` inputs."""
-        options = self.estimator_options
-        if self.estimator == "softmax":
-            return xattn.softmax_attention(q, k, v, key_mask=key_mask, causal=causal,
-                                           **options)
-        if self.estimator == "rfa":
-            call_options = {name: value for name, value in options.items()
-                            if name not in _FEATURE_OPTIONS}
+        omega = None
+        if features is not None:
             omega = features.astype(np.promote_types(q.dtype, np.float32))
-            return xattn.rfa(q, k, v, omega=omega, key_mask=key_mask, causal=causal,
-                             **call_options)
-        if self.estimator == "ra":
-            if deterministic:
-                return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, biased=True,
-                                deterministic=True, **options)
-            return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, rng=key, **options)
-        if causal:
-            raise ValueError("estimator 'lara' has no causal mode; use 'rfa', 'ra' or "
-                             "'softmax' with is_causal=True")
-        call_options = dict(options)
-        num_samples = min(call_options.pop("num_samples", DEFAULT_LARA_SAMPLES), q.shape[-2])
-        if deterministic:
-            return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask,
-                              deterministic=True, **call_options)
-        return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask, rng=key,
-                          **call_options)
+        return attend(self.estimator, q, k, v, options=self.estimator_options,
+                      key_mask=key_mask, causal=causal, training=not deterministic,
+                      omega=omega, rng=key)
 
     def _key_mask(self, mask: Any, kv_length: int) -> Any:
         """Flax's mask (batch..., heads|1, 1, kv_length), True = attend -> key_mask."""

@@ -32,29 +32,17 @@ import array_api_compat
 import torch
 from torch import nn
 
-import xattn
-from xattn.features import sample_omega
+from xattn._layers import (
+    DEFAULT_LARA_SAMPLES,
+    ESTIMATORS,
+    attend,
+    check_estimator,
+    draw_features,
+)
 from xattn.random import Generator, TorchGenerator
 from xattn.rfa import default_num_features
 
-__all__ = ["ESTIMATORS", "MultiheadAttention"]
-
-ESTIMATORS = ("softmax", "rfa", "ra", "lara")
-"""Estimator names accepted by :class:`MultiheadAttention`."""
-
-# Options each estimator takes through ``**estimator_options``. Keywords the layer sets
-# itself (masks, causal, rng, omega, the train/eval switches) are not among them.
-_ESTIMATOR_OPTIONS = {
-    "softmax": ("scale", "chunk_size"),
-    "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
-            "block_size"),
-    "ra": ("num_samples", "scale", "chunk_size"),
-    "lara": ("num_samples", "proposal", "weighting", "beta", "scale"),
-}
-# Options used when drawing the RFA features rather than when calling the estimator.
-_FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
-DEFAULT_LARA_SAMPLES = 16
-"""Default number of LARA proposals C (capped at the query length)."""
+__all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "MultiheadAttention"]
 
 
 class _DefaultTorchGenerator(Generator):
@@ -65,17 +53,6 @@ class _DefaultTorchGenerator(Generator):
 
     def uniform(self, xp, shape, *, dtype, device=None):
         return torch.rand(tuple(shape), dtype=dtype, device=device)
-
-
-def _check_options(estimator: str, options: dict[str, Any]) -> None:
-    allowed = _ESTIMATOR_OPTIONS[estimator]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise TypeError(
-            f"estimator {estimator!r} does not take the option(s) {unknown}; its options are "
-            f"{list(allowed)} (masks, causal mode, rng, omega and the train/eval switches "
-            "are set by the layer)"
-        )
 
 
 class MultiheadAttention(nn.Module):
@@ -197,15 +174,6 @@ class MultiheadAttention(nn.Module):
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
             )
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
-        if redraw_interval is not None and (
-            isinstance(redraw_interval, bool) or not isinstance(redraw_interval, int)
-            or redraw_interval < 1
-        ):
-            raise ValueError(
-                f"redraw_interval must be a positive int or None, got {redraw_interval!r}"
-            )
         if dropout != 0:
             raise ValueError(
                 f"dropout must be 0, got {dropout!r}: dropout acts on attention weights, "
@@ -215,7 +183,7 @@ class MultiheadAttention(nn.Module):
             raise TypeError(
                 f"generator must be a torch.Generator or None, got {type(generator).__name__}"
             )
-        _check_options(estimator, estimator_options)
+        check_estimator(estimator, estimator_options, redraw_interval)
 
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
@@ -300,44 +268,23 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"redraw_features needs estimator='rfa', not {self.estimator!r}")
         device, dtype = self.features.device, self.features.dtype
         draw_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        options = {name: self.estimator_options[name] for name in _FEATURE_OPTIONS[1:]
-                   if name in self.estimator_options}
-        omega = sample_omega(self._random(), self.num_features, self.head_dim,
-                             xp=array_api_compat.array_namespace(self.features),
-                             dtype=draw_dtype, device=device, **options)
+        omega = draw_features(self._random(), self.num_features, self.head_dim,
+                              self.estimator_options,
+                              xp=array_api_compat.array_namespace(self.features),
+                              dtype=draw_dtype, device=device)
         self.features = omega.to(dtype)
         self.steps_since_redraw = 0
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """The estimator on ``(..., L, head_dim)`` inputs."""
-        options = self.estimator_options
-        if self.estimator == "softmax":
-            return xattn.softmax_attention(q, k, v, key_mask=key_mask, causal=causal,
-                                           **options)
-        if self.estimator == "rfa":
-            call_options = {name: value for name, value in options.items()
-                            if name not in _FEATURE_OPTIONS}
+        omega = None
+        if self.features is not None:
             half = q.dtype not in (torch.float32, torch.float64)
             omega = self.features if half else self.features.to(q.dtype)
-            return xattn.rfa(q, k, v, omega=omega, key_mask=key_mask, causal=causal,
-                             **call_options)
-        if self.estimator == "ra":
-            if self.training:
-                return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, rng=self._random(),
-                                **options)
-            return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, biased=True,
-                            deterministic=True, **options)
-        if causal:
-            raise ValueError("estimator 'lara' has no causal mode; use 'rfa', 'ra' or "
-                             "'softmax' with is_causal=True")
-        call_options = dict(options)
-        num_samples = min(call_options.pop("num_samples", DEFAULT_LARA_SAMPLES), q.shape[-2])
-        if self.training:
-            return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask,
-                              rng=self._random(), **call_options)
-        return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask,
-                          deterministic=True, **call_options)
+        return attend(self.estimator, q, k, v, options=self.estimator_options,
+                      key_mask=key_mask, causal=causal, training=self.training, omega=omega,
+                      rng=self._random() if self.training else None)
 
     def _key_mask(self, key_padding_mask: torch.Tensor | None, batch: int | None,
                   source_length: int) -> torch.Tensor | None:
