@@ -17,8 +17,6 @@ ESTIMATORS = {
     "rfa-hyperbolic-causal": lambda q, k, v, **kw: xattn.rfa(
         q, k, v, rng=0, feature_map="hyperbolic", causal=True, block_size=2, **kw),
     # small scores (scale 0.05) keep the trigonometric normalizer estimate positive
-    "rfa-trigonometric": lambda q, k, v, **kw: xattn.rfa(
-        q, k, v, rng=0, num_features=32, feature_map="trigonometric", scale=0.05, **kw),
     "rfa-trigonometric-causal": lambda q, k, v, **kw: xattn.rfa(
         q, k, v, rng=0, num_features=32, feature_map="trigonometric", scale=0.05,
         causal=True, block_size=2, **kw),

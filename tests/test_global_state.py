@@ -28,13 +28,13 @@ def run_everything(q, k, v, embeddings, everything=True):
     xattn.rfa(q, k, v, num_features=4, rng=None)
     xattn.ra(q, k, v, rng=None)
     xattn.lara(q, k, v, num_samples=2, rng=0)
+    xattn.random.default_rng(None, like=q).normal(xattn._array.array_namespace(q), (2,),
+                                                   dtype=q.dtype)
     if not everything:  # the estimators only (eager JAX compiles every operation)
         return
     xattn.rfa(q, k, v, num_features=4, feature_map="trigonometric", rng=0)
     mrf.log_partition(embeddings)
     mrf.log_partition_rf(embeddings, num_features=4, rng=None)
-    xattn.random.default_rng(None, like=q).normal(xattn._array.array_namespace(q), (2,),
-                                                   dtype=q.dtype)
 
 
 def global_state():
@@ -79,7 +79,7 @@ SCRIPT = textwrap.dedent("""
         torch.set_default_dtype(torch_dtype)
         before = global_state()
         run_everything(*map(torch.as_tensor, (q, k, v, embeddings)))
-        run_everything(*map(jax.numpy.asarray, (q, k, v, embeddings)), everything=x64)
+        run_everything(*map(jax.numpy.asarray, (q, k, v, embeddings)), everything=False)
         states.append({{"before": before, "after": global_state()}})
     print(json.dumps(states))
 """)

@@ -67,11 +67,13 @@ def test_half_precision_is_computed_in_float32(half_xp, name, dtype_name):
     xp, half = half_xp, getattr(half_xp.ns, dtype_name)
     u = UNIT_ROUNDOFF[dtype_name]
     half_inputs = to_backend(xp, make_inputs(), half)
-    out = ALL[name](*half_inputs)
+    with warnings.catch_warnings():  # the trigonometric map may clamp: the same rows in both
+        warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
+        out = ALL[name](*half_inputs)
+        single = xp.to_numpy(ALL[name](*(xp.ns.astype(a, xp.float32) for a in half_inputs)))
     assert out.dtype == half, out.dtype
     out = xp.to_numpy(out)
     assert np.all(np.isfinite(out))
-    single = xp.to_numpy(ALL[name](*(xp.ns.astype(a, xp.float32) for a in half_inputs)))
     np.testing.assert_allclose(out, single, rtol=u, atol=u * np.max(np.abs(single)))
 
 
