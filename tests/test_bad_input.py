@@ -152,6 +152,31 @@ SPECIFIC = [
 ]
 
 
+try:  # the PyTorch module (torch extra)
+    import torch
+
+    from xattn.torch import MultiheadAttention
+except ImportError:  # pragma: no cover - torch is in the test extra
+    torch = None
+else:
+    X = torch.zeros(5, 2, 8)  # (L, N, E)
+    SPECIFIC += [
+        ("torch module embed_dim", MultiheadAttention, (0, 1), {}, ValueError,
+         r"embed_dim must be a positive int"),
+        ("torch module num_heads", MultiheadAttention, (8, 3), {}, ValueError,
+         r"embed_dim \(8\) must be divisible by num_heads \(3\)"),
+        ("torch module estimator", MultiheadAttention, (8, 2), {"estimator": "performer"},
+         ValueError, r"estimator must be one of"),
+        ("torch module option", MultiheadAttention, (8, 2), {"estimator": "lara",
+                                                            "proposal": "x"},
+         ValueError, r"proposal must be one of"),
+        ("torch module query rank", lambda *a: MultiheadAttention(8, 2)(*a, need_weights=False),
+         (X[None], X[None], X[None]), {}, ValueError, r"query must be 2-D \(unbatched\) or 3-D"),
+        ("torch module key dim", lambda *a: MultiheadAttention(8, 2)(*a, need_weights=False),
+         (X, X[..., :4], X), {}, ValueError, r"key must have 8 features in its last dim"),
+    ]
+
+
 def cases():
     for name, estimator in ESTIMATORS.items():
         for case, args, kwargs, error, pattern in COMMON:
