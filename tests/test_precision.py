@@ -193,3 +193,18 @@ def test_unchecked_nan_never_becomes_a_finite_number(xp, name):
             reached = out[1] if position == 1 else out[1, :, 0]
             assert not np.any(np.isfinite(reached)), (position, out[1])
             np.testing.assert_allclose(out[0], clean[0], rtol=1e-10)  # the other batch entry
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_scores_up_to_80_stay_finite_in_half_precision(half_xp, dtype_name):
+    """The same inputs in half precision (computed in float32): finite, in the input
+    dtype, within the value range (up to the half rounding of the output, u max|v|)."""
+    xp, half, u = half_xp, getattr(half_xp.ns, dtype_name), UNIT_ROUNDOFF[dtype_name]
+    q, k, v = large_score_inputs()
+    for name, estimator in ESTIMATORS.items():
+        out = estimator(*to_backend(xp, (q, k, v), half))
+        assert out.dtype == half, (name, out.dtype)
+        host = xp.to_numpy(out)
+        assert np.all(np.isfinite(host)), name
+        slack = 2 * u * np.max(np.abs(v))
+        assert np.all(host >= v.min(axis=0) - slack) and np.all(host <= v.max(axis=0) + slack)
