@@ -38,6 +38,8 @@ SHAPES = {
     "N>M": ((3,), 7, 2, 2, 2),
 }
 
+JAX_SHAPES = ("N=1,D=1", "M=1,Dv=1")
+
 
 def make_inputs(batch, num_queries, num_keys, head_dim, value_dim, seed=0):
     data = np.random.default_rng(seed)
@@ -52,6 +54,8 @@ def test_degenerate_sizes(xp, name, shape):
     """Right shape, dtype and namespace; every row a convex combination of the allowed
     values (within their range); with one allowed key, exactly that value; softmax equals
     the float64 reference."""
+    if xp.name == "jax" and shape not in JAX_SHAPES:
+        pytest.skip("eager JAX compiles every operation per shape: two shapes on JAX")
     batch, num_queries, num_keys, _, value_dim = SHAPES[shape]
     q, k, v = make_inputs(*SHAPES[shape])
     out = ESTIMATORS[name](*map(xp.asarray, (q, k, v)))
