@@ -78,13 +78,13 @@ def test_compare_end_to_end(tmp_path, npz, capsys):
 
 
 def test_default_caps_ra_samples(tmp_path, npz, capsys):
-    code, out, _ = run(capsys, "compare", "--input", npz, "--samples", "8,32",
+    code, out, _ = run(capsys, "compare", "--input", npz, "--samples", "8,64,128",
                        "--estimators", "ra", "--draws", 1, "--out", tmp_path)
     assert code == 0
     payload = json.loads((tmp_path / "compare.json").read_text())
-    assert [row["samples"] for row in payload["results"]] == [8]
-    assert payload["ra_max_samples"] == 16
-    assert "skipped at samples 32" in out
+    assert [row["samples"] for row in payload["results"]] == [8, 64]
+    assert payload["ra_max_samples"] == 64
+    assert "skipped at samples 128" in out
 
 
 def test_console_module_in_a_subprocess(tmp_path, npz):

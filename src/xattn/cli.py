@@ -918,9 +918,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare_parser.add_argument("--draws", type=_positive_int, default=4,
                                 help="independent draws per (estimator, samples) cell "
                                 "(default: 4)")
-    compare_parser.add_argument("--ra-max-samples", type=_nonnegative_int, default=16, metavar="S",
+    compare_parser.add_argument("--ra-max-samples", type=_nonnegative_int, default=64, metavar="S",
                                 help="run RA, whose cost is O(N M S D), only at sample counts "
-                                "<= S; 0 runs every count (default: 16)")
+                                "<= S; 0 runs every count (default: 64)")
     compare_parser.set_defaults(run=compare)
 
     bench_parser = commands.add_parser(
