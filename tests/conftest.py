@@ -65,6 +65,17 @@ class Backend:
             return jax.device_put(self.ns.asarray(x, dtype=dtype), self.device)
         return self.ns.asarray(x, dtype=dtype, device=self.device)
 
+    def half_dtype(self) -> Any:
+        """The half-precision dtype to test: bfloat16 where the library has it (torch,
+        JAX), else float16; skips the test where the namespace has neither."""
+        if not self.name.startswith(("numpy", "array_api_strict", "dask", "cupy")):
+            half = getattr(self.ns, "bfloat16", None) or getattr(self.ns, "float16", None)
+        else:
+            half = getattr(self.ns, "float16", None)
+        if half is None:
+            pytest.skip(f"{self.name} has no half-precision dtype")
+        return half
+
     def to_numpy(self, x: Any) -> np.ndarray:
         """A float64 (or bool) NumPy copy of a backend array."""
         if array_api_compat.is_torch_array(x):
