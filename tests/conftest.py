@@ -1,4 +1,9 @@
-"""The backend matrix: one ``xp`` fixture parametrized over array libraries.
+"""The backend matrix: one ``backend`` fixture parametrized over array libraries.
+
+``xp`` is the plain Array API namespace of the backend under test (as in scipy's and
+array-api-extra's suites); ``backend`` is the same backend with the test helpers
+(:meth:`Backend.asarray`, :meth:`Backend.check`, :meth:`Backend.to_numpy`, its ``name``
+and ``device``). A test asks for whichever it needs; both follow one parametrization.
 
 Select the backends with the environment variable ``XATTN_BACKENDS`` (comma-separated;
 default: every CPU and GPU backend below). CPU backends must be installed (the ``test``
@@ -38,17 +43,14 @@ def selected_backends() -> tuple[str, ...]:
 class Backend:
     """An array library on a device, as seen by the tests.
 
-    Attribute access falls through to the Array API namespace, so ``xp.float32`` and
-    ``xp.sum`` work; :meth:`asarray` places NumPy data on the backend's device.
+    ``ns`` is its Array API namespace; :meth:`asarray` places NumPy data on the backend's
+    device.
     """
 
     name: str
     ns: Any
     device: Any
     is_native: Any = field(repr=False)
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.ns, attr)
 
     def asarray(self, x: Any, dtype: Any = None) -> Any:
         x = np.asarray(x)
@@ -156,9 +158,15 @@ def _make_backend(name: str) -> Backend:
 
 
 @pytest.fixture(params=selected_backends())
-def xp(request) -> Backend:
-    """The backend under test (see the module docstring)."""
+def backend(request) -> Backend:
+    """The backend under test, with the test helpers (see the module docstring)."""
     return _make_backend(request.param)
+
+
+@pytest.fixture
+def xp(backend: Backend) -> Any:
+    """The Array API namespace of the backend under test."""
+    return backend.ns
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def softmax_attention(q, k, v, *, scale=None, key_mask=None, causal=False):
 
 def randomized_attention(q, k, v, uniforms=None, noise=None, *, biased=False, scale=None,
                          key_mask=None, causal=False):
-    """RA (DESIGN §3) for given draws, in float64 over full (..., N, S, M) arrays.
+    """RA (paper Algorithm 1) for given draws, in float64 over full (..., N, S, M) arrays.
 
     ``uniforms`` (..., N, S) in (0, 1] pick z_ns = #{m : cdf_nm < u} (clipped to the
     last allowed key) unless ``biased``; ``noise`` (..., N, S, D) is epsilon (None: 0)."""

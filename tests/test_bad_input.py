@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import xattn
-from xattn import diagnostics, features, mrf
+from xattn import balance_heuristic, diagnostics, features, lara_weights, mrf
 from xattn import random as xrandom
-from xattn.lara import balance_heuristic, lara_weights
 
 DATA = np.random.default_rng(0)
 Q, K, V = DATA.normal(size=(2, 5, 4)), DATA.normal(size=(2, 6, 4)), DATA.normal(size=(2, 6, 3))

@@ -179,14 +179,6 @@ def test_estimator_errors_are_one_line(tmp_path, npz, capsys):
     assert err.startswith("xattn compare: error: lara with num_samples=25:")
 
 
-def test_estimator_missing_from_this_version(tmp_path, capsys, monkeypatch):
-    spec = cli.EstimatorSpec("nystrom", "num_samples", cli._xattn_function("nystrom"))
-    monkeypatch.setitem(cli.ESTIMATORS, "nystrom", spec)
-    code, _, err = run(capsys, "compare", "--estimators", "nystrom", "--out", tmp_path)
-    assert code == 2
-    assert "estimator 'nystrom' is not available" in err
-
-
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_compare_on_other_backends(tmp_path, npz, capsys, backend):
     if importlib.util.find_spec(backend) is None:

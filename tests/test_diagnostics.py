@@ -23,15 +23,15 @@ def make_qkv(rng, batch=(2,), num_queries=12, num_keys=10, head_dim=6, value_dim
     return q, k, v
 
 
-def test_exact_softmax_has_zero_error(xp, rng):
-    arrays = tuple(map(xp.asarray, make_qkv(rng)))
+def test_exact_softmax_has_zero_error(backend, rng):
+    arrays = tuple(map(backend.asarray, make_qkv(rng)))
     error = estimator_error(xattn.softmax_attention, *arrays, draws=2, rng_keyword=None)
     assert (error.bias_squared, error.variance, error.mse, error.relative_error) == (0, 0, 0, 0)
     assert error.draws == 2 and error.seeds is None
 
 
-def test_constant_offset_is_pure_bias(xp, rng):
-    arrays = tuple(map(xp.asarray, make_qkv(rng)))
+def test_constant_offset_is_pure_bias(backend, rng):
+    arrays = tuple(map(backend.asarray, make_qkv(rng)))
 
     def shifted(q, k, v, *, rng):
         return xattn.softmax_attention(q, k, v) + 0.25
@@ -43,7 +43,7 @@ def test_constant_offset_is_pure_bias(xp, rng):
     assert error.seeds == (4, 5, 6)
 
 
-def test_matches_float64_reference_of_the_same_draws(xp, rng):
+def test_matches_float64_reference_of_the_same_draws(backend, rng):
     """Seeded noise: the running (Welford) sums equal the textbook formulas on stored draws."""
     q, k, v = make_qkv(rng)
     exact = reference.softmax_attention(q, k, v)
@@ -52,9 +52,9 @@ def test_matches_float64_reference_of_the_same_draws(xp, rng):
     def noisy(q, k, v, *, rng, amplitude):
         seen_seeds.append(rng)
         noise = np.random.default_rng(rng).normal(size=exact.shape) + 0.3
-        return xattn.softmax_attention(q, k, v) + xp.asarray(amplitude * noise)
+        return xattn.softmax_attention(q, k, v) + backend.asarray(amplitude * noise)
 
-    error = estimator_error(noisy, *map(xp.asarray, (q, k, v)), draws=5, seed=11,
+    error = estimator_error(noisy, *map(backend.asarray, (q, k, v)), draws=5, seed=11,
                             amplitude=0.1)
     assert seen_seeds == [11, 12, 13, 14, 15] == list(draw_seeds(11, 5))
     outputs = np.stack([exact + 0.1 * (np.random.default_rng(s).normal(size=exact.shape) + 0.3)
@@ -70,10 +70,10 @@ def test_matches_float64_reference_of_the_same_draws(xp, rng):
                                                  rel=1e-9)
 
 
-def test_int_seed_gives_the_same_figures_on_every_backend(xp, rng):
+def test_int_seed_gives_the_same_figures_on_every_backend(backend, rng):
     q, k, v = make_qkv(rng)
     on_numpy = estimator_error(xattn.rfa, q, k, v, draws=3, seed=2, num_features=8)
-    on_backend = estimator_error(xattn.rfa, *map(xp.asarray, (q, k, v)), draws=3, seed=2,
+    on_backend = estimator_error(xattn.rfa, *map(backend.asarray, (q, k, v)), draws=3, seed=2,
                                  num_features=8)
     assert on_numpy.mse > 0
     for field in ("bias_squared", "variance", "mse", "relative_error"):
@@ -112,27 +112,29 @@ def test_bad_arguments():
         kernel_mse_positive(np.zeros(3), np.zeros(3), num_features=0)
 
 
-def test_uniform_attention(xp, rng):
+def test_uniform_attention(backend, rng):
+    xp = backend.ns
     q, k, v = make_qkv(rng)
     key_mask = rng.random((2, 10)) < 0.5
     key_mask[1] = False  # batch 1 has no key: zero rows
-    out = uniform_attention(*map(xp.asarray, (q, k, v)), key_mask=xp.asarray(key_mask))
+    out = uniform_attention(*map(backend.asarray, (q, k, v)), key_mask=backend.asarray(key_mask))
     weights = key_mask[..., None].astype(float)
     mean = (weights * v).sum(axis=-2, keepdims=True) / np.maximum(weights.sum(axis=-2,
                                                                             keepdims=True), 1)
     expected = np.broadcast_to(mean, (2, 12, 5))
     assert np.all(expected[1] == 0)
-    xp.check(out, expected, dtype=xp.float64)
-    xp.check(uniform_attention(*map(xp.asarray, (q, k, v))),
+    backend.check(out, expected, dtype=xp.float64)
+    backend.check(uniform_attention(*map(backend.asarray, (q, k, v))),
              np.broadcast_to(v.mean(axis=-2, keepdims=True), (2, 12, 5)), dtype=xp.float64)
 
 
-def test_kernel_mse_formula(xp, rng):
+def test_kernel_mse_formula(backend, rng):
+    xp = backend.ns
     x = 0.4 * rng.normal(size=(3, 5))
     y = 0.4 * rng.normal(size=(3, 5))
     expected = np.exp(2 * np.sum(x * y, -1)) * (np.exp(np.sum((x + y) ** 2, -1)) - 1) / 16
-    out = kernel_mse_positive(xp.asarray(x), xp.asarray(y), num_features=16)
-    xp.check(out, expected, dtype=xp.float64)
+    out = kernel_mse_positive(backend.asarray(x), backend.asarray(y), num_features=16)
+    backend.check(out, expected, dtype=xp.float64)
 
 
 def test_kernel_mse_matches_monte_carlo(rng):

@@ -54,7 +54,7 @@ def _doctest_cases() -> list:
 
 def test_every_module_is_discovered():
     found = _module_names()
-    for expected in ("xattn.softmax", "xattn.random", "xattn.features"):
+    for expected in ("xattn._softmax", "xattn._lara", "xattn.random", "xattn.features"):
         assert expected in found
 
 

@@ -50,18 +50,19 @@ def make_inputs(batch, num_queries, num_keys, head_dim, value_dim, seed=0):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("name", list(ESTIMATORS))
-def test_degenerate_sizes(xp, name, shape):
+def test_degenerate_sizes(backend, name, shape):
     """Right shape, dtype and namespace; every row a convex combination of the allowed
     values (within their range); with one allowed key, exactly that value; softmax equals
     the float64 reference."""
-    if xp.name == "jax" and shape not in JAX_SHAPES:
+    xp = backend.ns
+    if backend.name == "jax" and shape not in JAX_SHAPES:
         pytest.skip("eager JAX compiles every operation per shape: two shapes on JAX")
     batch, num_queries, num_keys, _, value_dim = SHAPES[shape]
     q, k, v = make_inputs(*SHAPES[shape])
-    out = ESTIMATORS[name](*map(xp.asarray, (q, k, v)))
+    out = ESTIMATORS[name](*map(backend.asarray, (q, k, v)))
     expected_shape = (*batch, num_queries, value_dim)
-    assert xp.is_native(out) and out.dtype == xp.float64
-    host = xp.to_numpy(out)
+    assert backend.is_native(out) and out.dtype == xp.float64
+    host = backend.to_numpy(out)
     assert host.shape == expected_shape and np.all(np.isfinite(host))
     causal = name in CAUSAL
     for n in range(num_queries):
@@ -74,54 +75,56 @@ def test_degenerate_sizes(xp, name, shape):
     if num_keys == 1 or causal:  # one allowed key (query 0 under causal masking)
         np.testing.assert_allclose(host[..., 0, :], v[..., 0, :], rtol=1e-9, atol=1e-9)
     if name.startswith("softmax"):
-        xp.check(out, reference.softmax_attention(q, k, v, causal=causal), dtype=xp.float64)
+        backend.check(out, reference.softmax_attention(q, k, v, causal=causal), dtype=xp.float64)
 
 
 @pytest.mark.parametrize("name", list(ESTIMATORS))
-def test_empty_leading_dims(xp, name):
+def test_empty_leading_dims(backend, name):
+    xp = backend.ns
     q, k, v = make_inputs((0, 2), 3, 4, 2, 2)
-    out = ESTIMATORS[name](*map(xp.asarray, (q, k, v)))
+    out = ESTIMATORS[name](*map(backend.asarray, (q, k, v)))
     assert tuple(out.shape) == (0, 2, 3, 2) and out.dtype == xp.float64
 
 
 @pytest.mark.parametrize("name", list(ESTIMATORS))
-def test_no_queries_give_an_empty_result(xp, name):
+def test_no_queries_give_an_empty_result(backend, name):
+    xp = backend.ns
     q, k, v = make_inputs((2,), 0, 4, 3, 2)
-    out = ESTIMATORS[name](*map(xp.asarray, (q, k, v)))
-    assert xp.is_native(out) and out.dtype == xp.float64
+    out = ESTIMATORS[name](*map(backend.asarray, (q, k, v)))
+    assert backend.is_native(out) and out.dtype == xp.float64
     assert tuple(out.shape) == (2, 0, 2)
 
 
 @pytest.mark.parametrize("name", list(ESTIMATORS))
-def test_no_keys_is_an_error(xp, name):
+def test_no_keys_is_an_error(backend, name):
     q, k, v = make_inputs((2,), 3, 0, 3, 2)
     with pytest.raises(ValueError, match=r"k must hold at least one key \(M >= 1\)"):
-        ESTIMATORS[name](*map(xp.asarray, (q, k, v)))
+        ESTIMATORS[name](*map(backend.asarray, (q, k, v)))
 
 
 @pytest.mark.parametrize("proposal", ["segment", "key_attention", "landmark_attention",
                                       "standard"])
-def test_lara_with_one_proposal_per_query(xp, proposal):
+def test_lara_with_one_proposal_per_query(backend, proposal):
     """C = N: every query is its own segment. Finite, in the value range, and with
     ``weighting="balance"`` and the deterministic segment proposal exactly as with the
     segments reversed (the segment symmetry of tests/test_properties.py at its extreme)."""
     q, k, v = make_inputs((2,), 6, 6, 3, 2)
-    out = xattn.lara(*map(xp.asarray, (q, k, v)), num_samples=6, proposal=proposal, rng=0)
-    host = xp.to_numpy(out)
+    out = xattn.lara(*map(backend.asarray, (q, k, v)), num_samples=6, proposal=proposal, rng=0)
+    host = backend.to_numpy(out)
     assert host.shape == (2, 6, 2) and np.all(np.isfinite(host))
     low, high = v.min(axis=-2, keepdims=True), v.max(axis=-2, keepdims=True)
     assert np.all(host >= low - 1e-9) and np.all(host <= high + 1e-9)
     options = {"num_samples": 6, "proposal": proposal, "deterministic": True}
-    forward = xp.to_numpy(xattn.lara(*map(xp.asarray, (q, k, v)), **options))
-    backward = xp.to_numpy(xattn.lara(*(xp.asarray(a[:, ::-1].copy()) for a in (q, k, v)),
+    forward = backend.to_numpy(xattn.lara(*map(backend.asarray, (q, k, v)), **options))
+    backward = backend.to_numpy(xattn.lara(*(backend.asarray(a[:, ::-1].copy()) for a in (q, k, v)),
                                       **options))
     np.testing.assert_allclose(backward[:, ::-1], forward, rtol=1e-9, atol=1e-9)
 
 
-def test_lara_more_proposals_than_keys(xp):
+def test_lara_more_proposals_than_keys(backend):
     """C > M: key segments without keys get a zero mean; still finite, in range."""
     q, k, v = make_inputs((2,), 6, 2, 3, 2)
-    host = xp.to_numpy(xattn.lara(*map(xp.asarray, (q, k, v)), num_samples=5, rng=0))
+    host = backend.to_numpy(xattn.lara(*map(backend.asarray, (q, k, v)), num_samples=5, rng=0))
     assert host.shape == (2, 6, 2) and np.all(np.isfinite(host))
     low, high = v.min(axis=-2, keepdims=True), v.max(axis=-2, keepdims=True)
     assert np.all(host >= low - 1e-9) and np.all(host <= high + 1e-9)

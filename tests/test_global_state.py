@@ -48,12 +48,13 @@ def global_state():
     return state
 
 
-def test_estimators_leave_global_state_unchanged(xp):
-    if xp.name == "jax":
+def test_estimators_leave_global_state_unchanged(backend):
+    xp = backend.ns
+    if backend.name == "jax":
         pytest.skip("JAX inputs run in fresh interpreters below, with x64 off and on")
     data = np.random.default_rng(0)
-    q, k, v = (xp.asarray(data.normal(size=(2, 6, 4)), dtype=xp.float32) for _ in range(3))
-    embeddings = xp.asarray(0.3 * data.normal(size=(4, 3, 2)), dtype=xp.float32)
+    q, k, v = (backend.asarray(data.normal(size=(2, 6, 4)), dtype=xp.float32) for _ in range(3))
+    embeddings = backend.asarray(0.3 * data.normal(size=(4, 3, 2)), dtype=xp.float32)
     before = global_state()
     run_everything(q, k, v, embeddings)
     assert global_state() == before

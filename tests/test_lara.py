@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import xattn
-from xattn.lara import PROPOSALS, WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara_weights
+from xattn import PROPOSALS, WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara_weights
 
 import reference
 
 # ---------------------------------------------------------------------------------------
-# float64 NumPy reference: the unstabilized formula (paper eq. 28, DESIGN §3), with loops
+# float64 NumPy reference: the unstabilized formula (paper eq. 28), with loops
 
 
 def _segments(allowed, num_segments):
@@ -108,11 +108,11 @@ def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decou
     return out
 
 
-def run_lara(xp, *arrays, **options):
+def run_lara(backend, *arrays, **options):
     """``xattn.lara`` on the backend; on JAX compiled with :func:`jax.jit` (eager JAX compiles
     every operation for every new shape, which would dominate the suite's runtime; eager
     JAX runs in test_deterministic_needs_no_rng)."""
-    if xp.name.startswith("jax"):
+    if backend.name.startswith("jax"):
         import jax
 
         return jax.jit(functools.partial(xattn.lara, **options))(*arrays)
@@ -135,68 +135,76 @@ def make_qkv(rng, batch=(2,), num_queries=12, num_keys=10, head_dim=6, value_dim
     ("segment", "decoupled"), ("segment", "balance"), ("segment", "coupled"),
     ("key_attention", "coupled"), ("landmark_attention", "balance"), ("standard", "decoupled"),
 ])
-def test_matches_reference(xp, rng, proposal, weighting):
+def test_matches_reference(backend, rng, proposal, weighting):
+    xp = backend.ns
     q, k, v = make_qkv(rng)  # cross-attention: N = 12 queries, M = 10 keys, C = 4
-    out = run_lara(xp, *map(xp.asarray, (q, k, v)), num_samples=4, proposal=proposal,
+    out = run_lara(backend, *map(backend.asarray, (q, k, v)), num_samples=4, proposal=proposal,
                      weighting=weighting, beta=1.5, rng=7)
     expected = reference_lara(q, k, v, num_samples=4, proposal=proposal, weighting=weighting,
                               beta=1.5, seed=7)
-    xp.check(out, expected, dtype=xp.float64)
+    backend.check(out, expected, dtype=xp.float64)
 
 
 @pytest.mark.parametrize("num_samples", [1, 5, 12])
-def test_uneven_segments_float32_and_deterministic(xp, rng, num_samples):
+def test_uneven_segments_float32_and_deterministic(backend, rng, num_samples):
     # C does not divide N = 12 or M = 10, and C = 12 > M gives empty key segments
+    xp = backend.ns
     q, k, v = make_qkv(rng)
-    out = run_lara(xp, *(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)),
+    out = run_lara(backend, *(backend.asarray(a, dtype=xp.float32) for a in (q, k, v)),
                      num_samples=num_samples, deterministic=True, scale=0.5)
     expected = reference_lara(q, k, v, num_samples=num_samples, scale=0.5)
-    xp.check(out, expected, dtype=xp.float32, rtol=1e-4)
+    backend.check(out, expected, dtype=xp.float32, rtol=1e-4)
 
 
-def test_leading_dims_broadcast_and_masks(xp, rng):
+def test_leading_dims_broadcast_and_masks(backend, rng):
+    xp = backend.ns
     q = rng.normal(size=(2, 1, 9, 4))
     k = rng.normal(size=(1, 3, 7, 4))
     v = rng.normal(size=(7, 2))
     key_mask = rng.random((3, 7)) < 0.7
     query_mask = rng.random((2, 1, 9)) < 0.8
-    out = run_lara(xp, *map(xp.asarray, (q, k, v)), num_samples=3, key_mask=xp.asarray(key_mask),
-                     query_mask=xp.asarray(query_mask), proposal="key_attention", rng=3)
+    out = run_lara(backend, *map(backend.asarray, (q, k, v)), num_samples=3,
+                   key_mask=backend.asarray(key_mask),
+                     query_mask=backend.asarray(query_mask), proposal="key_attention", rng=3)
     assert tuple(out.shape) == (2, 3, 9, 2)
     expected = reference_lara(q, k, v, num_samples=3, key_mask=key_mask,
                               query_mask=query_mask, proposal="key_attention", seed=3)
-    xp.check(out, expected, dtype=xp.float64)
+    backend.check(out, expected, dtype=xp.float64)
 
 
-def test_deterministic_needs_no_rng(xp, rng):
-    arrays = tuple(map(xp.asarray, make_qkv(rng)))
+def test_deterministic_needs_no_rng(backend, rng):
+    xp = backend.ns
+    arrays = tuple(map(backend.asarray, make_qkv(rng)))
     first = xattn.lara(*arrays, num_samples=3, deterministic=True)
     second = xattn.lara(*arrays, num_samples=3, deterministic=True, rng=123)
-    xp.check(first, xp.to_numpy(second), dtype=xp.float64, rtol=0.0, atol=0.0)
+    backend.check(first, backend.to_numpy(second), dtype=xp.float64, rtol=0.0, atol=0.0)
 
 
-def test_half_precision_returns_input_dtype(xp, rng):
-    half = xp.half_dtype()
+def test_half_precision_returns_input_dtype(backend, rng):
+    half = backend.half_dtype()
     q, k, v = make_qkv(rng)
     # the reference gets the inputs rounded to half precision, as the estimator sees them
-    rounded = [xp.to_numpy(xp.asarray(a, dtype=half)) for a in (q, k, v)]
-    out = run_lara(xp, *(xp.asarray(a, dtype=half) for a in (q, k, v)), num_samples=4, rng=1)
-    xp.check(out, reference_lara(*rounded, num_samples=4, seed=1), dtype=half, rtol=3e-2)
+    rounded = [backend.to_numpy(backend.asarray(a, dtype=half)) for a in (q, k, v)]
+    out = run_lara(backend, *(backend.asarray(a, dtype=half) for a in (q, k, v)), num_samples=4,
+                   rng=1)
+    backend.check(out, reference_lara(*rounded, num_samples=4, seed=1), dtype=half, rtol=3e-2)
 
 
 # ---------------------------------------------------------------------------------------
 # test 1: standard proposal + balance heuristic is RFA with the same samples
 
 
-def test_standard_balance_equals_rfa(xp, rng):
+def test_standard_balance_equals_rfa(backend, rng):
+    xp = backend.ns
     q, k, v = make_qkv(rng, batch=(), num_queries=11, num_keys=13)
     num_samples, seed = 5, 11
-    out = run_lara(xp, *map(xp.asarray, (q, k, v)), num_samples=num_samples, proposal="standard",
+    out = run_lara(backend, *map(backend.asarray, (q, k, v)), num_samples=num_samples,
+                   proposal="standard",
                      weighting="balance", rng=seed)
     # an int seed draws default_rng(seed).standard_normal((C, D)): omega_c = 0 + eps_c
     omega = np.random.default_rng(seed).standard_normal((num_samples, q.shape[-1]))
     expected = xattn.rfa(q, k, v, feature_map="positive", omega=omega)
-    xp.check(out, expected, dtype=xp.float64, rtol=1e-10)
+    backend.check(out, expected, dtype=xp.float64, rtol=1e-10)
 
 
 # ---------------------------------------------------------------------------------------
@@ -204,20 +212,21 @@ def test_standard_balance_equals_rfa(xp, rng):
 
 
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
-def test_weights_sum_to_one(xp, rng, weighting):
+def test_weights_sum_to_one(backend, rng, weighting):
+    xp = backend.ns
     points = rng.normal(size=(2, 6, 5))  # P = 6 points omega_p
     means = 1.5 * rng.normal(size=(2, 4, 5))  # C = 4 proposals
     scores = 3.0 * rng.normal(size=(2, 9, 4))  # N = 9 queries
     affinity = np.exp(scores) / np.exp(scores).sum(axis=-2, keepdims=True)  # r_nc
-    balance = balance_heuristic(xp.asarray(points), xp.asarray(means))
-    xp.check(xp.sum(balance, axis=-1), np.ones((2, 6)), dtype=xp.float64)
+    balance = balance_heuristic(backend.asarray(points), backend.asarray(means))
+    backend.check(xp.sum(balance, axis=-1), np.ones((2, 6)), dtype=xp.float64)
     for point in range(6):  # the weight functions at one common point omega_p
-        alpha = lara_weights(balance[:, point, :], xp.asarray(affinity), weighting=weighting,
+        alpha = lara_weights(balance[:, point, :], backend.asarray(affinity), weighting=weighting,
                              beta=2.0)
         assert tuple(alpha.shape) == (2, 9, 4)
-        xp.check(xp.sum(alpha, axis=-1), np.ones((2, 9)), dtype=xp.float64)
+        backend.check(xp.sum(alpha, axis=-1), np.ones((2, 9)), dtype=xp.float64)
     if weighting != "balance":  # the corrections do change the weights (and can go negative)
-        assert np.ptp(xp.to_numpy(alpha), axis=-2).max() > 0.1
+        assert np.ptp(backend.to_numpy(alpha), axis=-2).max() > 0.1
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,36 +311,40 @@ def _insert_padding(x, positions, gen):
 
 
 @pytest.mark.parametrize("proposal", ["segment", "key_attention", "landmark_attention"])
-def test_padding_with_masked_entries_changes_nothing(xp, rng, proposal):
+def test_padding_with_masked_entries_changes_nothing(backend, rng, proposal):
+    xp = backend.ns
     q, k, v = make_qkv(rng, num_queries=10, num_keys=9)
-    plain = run_lara(xp, *map(xp.asarray, (q, k, v)), num_samples=3, proposal=proposal, rng=5)
+    plain = run_lara(backend, *map(backend.asarray, (q, k, v)), num_samples=3, proposal=proposal,
+                     rng=5)
     q_padded, query_kept = _insert_padding(q, [0, 4, 5, 13, 14], rng)
     k_padded, key_kept = _insert_padding(k, [2, 9, 10, 11], rng)
     v_padded, _ = _insert_padding(v, [2, 9, 10, 11], rng)
-    padded = run_lara(xp, *map(xp.asarray, (q_padded, k_padded, v_padded)), num_samples=3,
-                        proposal=proposal, key_mask=xp.asarray(key_kept),
-                        query_mask=xp.asarray(query_kept), rng=5)
+    padded = run_lara(backend, *map(backend.asarray, (q_padded, k_padded, v_padded)), num_samples=3,
+                        proposal=proposal, key_mask=backend.asarray(key_kept),
+                        query_mask=backend.asarray(query_kept), rng=5)
     expected = np.zeros((2, 15, 3))
-    expected[:, query_kept] = xp.to_numpy(plain)  # masked queries: zero rows
-    xp.check(padded, expected, dtype=xp.float64)
+    expected[:, query_kept] = backend.to_numpy(plain)  # masked queries: zero rows
+    backend.check(padded, expected, dtype=xp.float64)
 
 
-def test_per_batch_masks_and_degenerate_masks(xp, rng):
+def test_per_batch_masks_and_degenerate_masks(backend, rng):
+    xp = backend.ns
     q, k, v = make_qkv(rng, batch=(3,), num_queries=8, num_keys=8)
     key_mask = np.ones((3, 8), dtype=bool)
     key_mask[0, 5:] = False  # batch 0: 5 keys
     key_mask[1, :] = False  # batch 1: no key -> zero rows, not NaN
     query_mask = np.ones((3, 8), dtype=bool)
     query_mask[2, [1, 2, 3, 4, 6, 7]] = False  # batch 2: 2 queries < C = 4: empty segments
-    out = run_lara(xp, *map(xp.asarray, (q, k, v)), num_samples=4, deterministic=True,
-                     key_mask=xp.asarray(key_mask), query_mask=xp.asarray(query_mask))
+    out = run_lara(backend, *map(backend.asarray, (q, k, v)), num_samples=4, deterministic=True,
+                     key_mask=backend.asarray(key_mask), query_mask=backend.asarray(query_mask))
     expected = reference_lara(q, k, v, num_samples=4, key_mask=key_mask, query_mask=query_mask)
     assert np.all(expected[1] == 0.0)
-    xp.check(out, expected, dtype=xp.float64)
+    backend.check(out, expected, dtype=xp.float64)
     # batch 0 equals its unpadded problem (8 queries, its 5 allowed keys)
-    alone = run_lara(xp, xp.asarray(q[0]), xp.asarray(k[0, :5]), xp.asarray(v[0, :5]),
+    alone = run_lara(backend, backend.asarray(q[0]), backend.asarray(k[0, :5]),
+                     backend.asarray(v[0, :5]),
                        num_samples=4, deterministic=True)
-    xp.check(out[0, ...], xp.to_numpy(alone), dtype=xp.float64)
+    backend.check(out[0, ...], backend.to_numpy(alone), dtype=xp.float64)
 
 
 # ---------------------------------------------------------------------------------------
@@ -339,20 +352,22 @@ def test_per_batch_masks_and_degenerate_masks(xp, rng):
 
 
 @pytest.mark.parametrize("proposal", PROPOSALS)
-def test_large_scores_stay_finite_float32(xp, rng, proposal):
+def test_large_scores_stay_finite_float32(backend, rng, proposal):
+    xp = backend.ns
     q, k, v = make_qkv(rng, batch=(), num_queries=16, num_keys=16, head_dim=8)
     directions = rng.normal(size=(2, 8))
     directions /= np.linalg.norm(directions, axis=-1, keepdims=True)
     q = math.sqrt(80.0) * directions[np.arange(16) % 2] + 0.1 * q  # q^.k^ reaches ~80
     k = math.sqrt(80.0) * directions[np.arange(16) // 8] + 0.1 * k
     assert np.max(q @ k.T) > 79.0
-    out = run_lara(xp, *(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)), num_samples=4,
+    out = run_lara(backend, *(backend.asarray(a, dtype=xp.float32) for a in (q, k, v)),
+                   num_samples=4,
                      proposal=proposal, scale=1.0, rng=2)
-    result = xp.to_numpy(out)
+    result = backend.to_numpy(out)
     assert np.all(np.isfinite(result))
     expected = reference_lara(q, k, v, num_samples=4, proposal=proposal, scale=1.0, seed=2)
     assert np.all(np.isfinite(expected))
-    xp.check(out, expected, dtype=xp.float32, rtol=1e-3)
+    backend.check(out, expected, dtype=xp.float32, rtol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------

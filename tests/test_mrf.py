@@ -46,64 +46,70 @@ def make_embeddings(rng, batch=(2,), num_steps=4, num_states=3, embed_dim=5, spr
 
 @pytest.mark.parametrize("num_steps", [2, 3, 5])
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
-def test_exact_matches_enumeration(xp, rng, num_steps, dtype_name):
+def test_exact_matches_enumeration(backend, rng, num_steps, dtype_name):
+    xp = backend.ns
     embeddings = make_embeddings(rng, batch=(2, 3), num_steps=num_steps)
     dtype = getattr(xp, dtype_name)
-    out = log_partition(xp.asarray(embeddings, dtype=dtype))
-    xp.check(out, brute_force_log_partition(embeddings), dtype=dtype)
+    out = log_partition(backend.asarray(embeddings, dtype=dtype))
+    backend.check(out, brute_force_log_partition(embeddings), dtype=dtype)
 
 
-def test_exact_large_potentials_stay_finite(xp, rng):
+def test_exact_large_potentials_stay_finite(backend, rng):
     # potentials up to e^{±900}: the naive product overflows, the log-space pass does not
+    xp = backend.ns
     embeddings = make_embeddings(rng, batch=(), num_steps=3, num_states=3, spread=10.0)
-    out = log_partition(xp.asarray(embeddings))
-    xp.check(out, brute_force_log_partition(embeddings), dtype=xp.float64)
+    out = log_partition(backend.asarray(embeddings))
+    backend.check(out, brute_force_log_partition(embeddings), dtype=xp.float64)
 
 
-def test_sequence_of_positions_equals_stacked(xp, rng):
+def test_sequence_of_positions_equals_stacked(backend, rng):
+    xp = backend.ns
     embeddings = make_embeddings(rng, num_steps=4)
-    steps = [xp.asarray(embeddings[..., t, :, :]) for t in range(4)]
-    xp.check(log_partition(steps), brute_force_log_partition(embeddings), dtype=xp.float64)
+    steps = [backend.asarray(embeddings[..., t, :, :]) for t in range(4)]
+    backend.check(log_partition(steps), brute_force_log_partition(embeddings), dtype=xp.float64)
     expected = log_partition_rf(embeddings, num_features=7, rng=3)
-    xp.check(log_partition_rf(steps, num_features=7, rng=3), expected, dtype=xp.float64)
+    backend.check(log_partition_rf(steps, num_features=7, rng=3), expected, dtype=xp.float64)
 
 
 @pytest.mark.parametrize("num_steps", [2, 3, 4, 6, 7, 9])
-def test_sequential_and_parallel_agree_with_reference(xp, rng, num_steps):
+def test_sequential_and_parallel_agree_with_reference(backend, rng, num_steps):
     """Both evaluation orders of the same estimate (same int seed, hence the same omega on
     every backend) agree with each other and with the literal eq. 3 to float64 rounding;
     T covers no middle matrix (2), one (3) and odd/even counts for the pairwise reduction."""
+    xp = backend.ns
     embeddings = make_embeddings(rng, batch=(2, 3), num_steps=num_steps)
     omega = xattn.features.sample_omega(5, 16, 5, xp=np, dtype=np.float64)
     expected = reference_log_partition_rf(embeddings, omega)
     for method in ("sequential", "parallel"):
-        out = log_partition_rf(xp.asarray(embeddings), num_features=16, rng=5, method=method)
-        xp.check(out, expected, dtype=xp.float64)
+        out = log_partition_rf(backend.asarray(embeddings), num_features=16, rng=5, method=method)
+        backend.check(out, expected, dtype=xp.float64)
 
 
-def test_float32_follows_float64(xp, rng):
+def test_float32_follows_float64(backend, rng):
+    xp = backend.ns
     embeddings = make_embeddings(rng, num_steps=5)
     omega = rng.normal(size=(32, 5))
     expected = reference_log_partition_rf(embeddings, omega)
     for method in ("sequential", "parallel"):
-        out = log_partition_rf(xp.asarray(embeddings, dtype=xp.float32),
-                               omega=xp.asarray(omega, dtype=xp.float32), method=method)
-        xp.check(out, expected, dtype=xp.float32)
+        out = log_partition_rf(backend.asarray(embeddings, dtype=xp.float32),
+                               omega=backend.asarray(omega, dtype=xp.float32), method=method)
+        backend.check(out, expected, dtype=xp.float32)
 
 
-def test_large_embeddings_stay_finite(xp, rng):
+def test_large_embeddings_stay_finite(backend, rng):
     """Feature values up to e^{±60}: the log-space messages and the per-matrix log-scales
     keep log Z finite where the literal products would overflow in float32."""
+    xp = backend.ns
     embeddings = make_embeddings(rng, batch=(), num_steps=6, num_states=4, spread=3.0)
-    omega = xp.asarray(rng.normal(size=(64, 5)))
-    sequential = log_partition_rf(xp.asarray(embeddings), omega=omega)
-    parallel = log_partition_rf(xp.asarray(embeddings), omega=omega, method="parallel")
-    expected = xp.to_numpy(sequential)
+    omega = backend.asarray(rng.normal(size=(64, 5)))
+    sequential = log_partition_rf(backend.asarray(embeddings), omega=omega)
+    parallel = log_partition_rf(backend.asarray(embeddings), omega=omega, method="parallel")
+    expected = backend.to_numpy(sequential)
     assert np.all(np.isfinite(expected))
-    xp.check(parallel, expected, dtype=xp.float64)
+    backend.check(parallel, expected, dtype=xp.float64)
 
 
-def test_two_positions_unbiased_in_z(xp, rng):
+def test_two_positions_unbiased_in_z(backend, rng):
     """For T = 2 the estimate of Z is a mean over d iid rows of an unbiased kernel estimate,
     so E[Z_rf / Z] = 1. 400 independent omega (a batch of shape (400, d, n)) give the
     sample mean of Z_rf / Z and its standard error; the ratio is skewed (a sum of
@@ -111,15 +117,15 @@ def test_two_positions_unbiased_in_z(xp, rng):
     deviation 1.06 and maximum 4.4 over 200 random chains)."""
     embeddings = make_embeddings(rng, batch=(), num_steps=2, num_states=4, spread=0.4)
     omega = rng.normal(size=(400, 8, 5))
-    estimates = log_partition_rf(xp.asarray(embeddings), omega=xp.asarray(omega))
-    ratio = np.exp(xp.to_numpy(estimates) - brute_force_log_partition(embeddings))
+    estimates = log_partition_rf(backend.asarray(embeddings), omega=backend.asarray(omega))
+    ratio = np.exp(backend.to_numpy(estimates) - brute_force_log_partition(embeddings))
     assert ratio.shape == (400,)
     standard_error = ratio.std(ddof=1) / np.sqrt(ratio.size)
     assert standard_error > 0
     assert abs(ratio.mean() - 1.0) < 5 * standard_error
 
 
-def test_error_in_log_z_shrinks_with_num_features(xp, rng):
+def test_error_in_log_z_shrinks_with_num_features(backend, rng):
     """The error of log Z_rf is a/sqrt(d) + O(1/d) (fluctuation, then the bias of the shared
     features and of the log), so the mean absolute error over replicates should drop by
     about sqrt(256/16) = 4 from d = 16 to d = 256 (3.4 is the median ratio measured over 100
@@ -132,17 +138,17 @@ def test_error_in_log_z_shrinks_with_num_features(xp, rng):
     mean_abs_error = {}
     for num_features in (16, 256):
         omega = rng.normal(size=(200, num_features, 5))  # 200 independent replicates
-        estimates = log_partition_rf(xp.asarray(embeddings), omega=xp.asarray(omega))
-        mean_abs_error[num_features] = np.mean(np.abs(xp.to_numpy(estimates) - exact))
+        estimates = log_partition_rf(backend.asarray(embeddings), omega=backend.asarray(omega))
+        mean_abs_error[num_features] = np.mean(np.abs(backend.to_numpy(estimates) - exact))
     assert mean_abs_error[256] < mean_abs_error[16] / 2.0
 
 
-def test_seeds_reproduce_and_differ(xp, rng):
-    embeddings = xp.asarray(make_embeddings(rng))
-    first = xp.to_numpy(log_partition_rf(embeddings, num_features=8, rng=1))
-    again = xp.to_numpy(log_partition_rf(embeddings, num_features=8, rng=1))
-    other = xp.to_numpy(log_partition_rf(embeddings, num_features=8, rng=2))
-    iid = xp.to_numpy(log_partition_rf(embeddings, num_features=8, rng=1, orthogonal=False))
+def test_seeds_reproduce_and_differ(backend, rng):
+    embeddings = backend.asarray(make_embeddings(rng))
+    first = backend.to_numpy(log_partition_rf(embeddings, num_features=8, rng=1))
+    again = backend.to_numpy(log_partition_rf(embeddings, num_features=8, rng=1))
+    other = backend.to_numpy(log_partition_rf(embeddings, num_features=8, rng=2))
+    iid = backend.to_numpy(log_partition_rf(embeddings, num_features=8, rng=1, orthogonal=False))
     np.testing.assert_array_equal(first, again)
     assert np.all(first != other)
     assert np.all(first != iid)
@@ -170,21 +176,22 @@ def test_half_precision_returns_input_dtype():
     [((3, 4), "rank >= 3"), ((1, 3, 4), "T >= 2"), ((2, 5, 1, 3, 4), "T >= 2"),
      ((3, 0, 4), "|X| >= 1")],
 )
-def test_bad_embedding_shapes(xp, shape, message):
-    embeddings = xp.asarray(np.zeros(shape))
+def test_bad_embedding_shapes(backend, shape, message):
+    embeddings = backend.asarray(np.zeros(shape))
     with pytest.raises(ValueError, match=message):
         log_partition(embeddings)
     with pytest.raises(ValueError, match=message):
         log_partition_rf(embeddings, num_features=4, rng=0)
 
 
-def test_bad_embedding_sequences_and_dtypes(xp):
+def test_bad_embedding_sequences_and_dtypes(backend):
+    xp = backend.ns
     with pytest.raises(ValueError, match="one shape"):
-        log_partition([xp.asarray(np.zeros((3, 4))), xp.asarray(np.zeros((2, 4)))])
+        log_partition([backend.asarray(np.zeros((3, 4))), backend.asarray(np.zeros((2, 4)))])
     with pytest.raises(ValueError, match="T >= 2"):
-        log_partition([xp.asarray(np.zeros((3, 4)))])
+        log_partition([backend.asarray(np.zeros((3, 4)))])
     with pytest.raises(TypeError, match="real floating"):
-        log_partition(xp.asarray(np.zeros((2, 3, 4), dtype=np.int64), dtype=xp.int64))
+        log_partition(backend.asarray(np.zeros((2, 3, 4), dtype=np.int64), dtype=xp.int64))
     with pytest.raises(TypeError, match=r"embeddings\[0\] must be an array"):
         log_partition_rf(np.zeros((2, 3, 4)).tolist(), num_features=2)
     with pytest.raises(TypeError, match="embeddings must be an array"):
@@ -201,10 +208,10 @@ def test_bad_embedding_sequences_and_dtypes(xp):
      ({"omega": np.zeros((4, 3))}, ValueError, "omega must have shape"),
      ({"omega": np.zeros((4, 5)), "num_features": 3}, ValueError, "disagrees with omega")],
 )
-def test_bad_rf_arguments(xp, rng, kwargs, error, message):
-    embeddings = xp.asarray(make_embeddings(rng))
+def test_bad_rf_arguments(backend, rng, kwargs, error, message):
+    embeddings = backend.asarray(make_embeddings(rng))
     if "omega" in kwargs:
-        kwargs = {**kwargs, "omega": xp.asarray(kwargs["omega"])}
+        kwargs = {**kwargs, "omega": backend.asarray(kwargs["omega"])}
     with pytest.raises(error, match=message):
         log_partition_rf(embeddings, **kwargs)
 

@@ -10,7 +10,7 @@ import pytest
 
 import xattn
 from conftest import _make_backend, selected_backends
-from xattn.rfa import TrigonometricDenominatorWarning
+from xattn import TrigonometricDenominatorWarning
 
 import reference
 
@@ -46,39 +46,40 @@ def make_inputs(seed=0, batch=(2,), num_queries=8, num_keys=12, head_dim=8, valu
             data.normal(size=(*batch, num_keys, value_dim)))
 
 
-def to_backend(xp, arrays, dtype):
-    return tuple(xp.asarray(a, dtype=dtype) for a in arrays)
+def to_backend(backend, arrays, dtype):
+    return tuple(backend.asarray(a, dtype=dtype) for a in arrays)
 
 
 @pytest.fixture(params=HALF_BACKENDS)
-def half_xp(request):
+def half_backend(request):
     return _make_backend(request.param)
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", list(ALL))
-def test_half_precision_is_computed_in_float32(half_xp, name, dtype_name):
+def test_half_precision_is_computed_in_float32(half_backend, name, dtype_name):
     """Half inputs are computed in float32 and rounded once at the end.
 
     So the result equals the float32 result on the *same* (half-rounded) inputs, rounded
     to the half format: within one unit roundoff u of it (fp16 u = 2^-11, bf16 u = 2^-8,
     relative, plus u times the largest output for results near zero).
     """
-    xp, half = half_xp, getattr(half_xp.ns, dtype_name)
+    backend, half = half_backend, getattr(half_backend.ns, dtype_name)
     u = UNIT_ROUNDOFF[dtype_name]
-    half_inputs = to_backend(xp, make_inputs(), half)
+    half_inputs = to_backend(backend, make_inputs(), half)
     with warnings.catch_warnings():  # the trigonometric map may clamp: the same rows in both
         warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
         out = ALL[name](*half_inputs)
-        single = xp.to_numpy(ALL[name](*(xp.ns.astype(a, xp.float32) for a in half_inputs)))
+        single_inputs = (backend.ns.astype(a, backend.ns.float32) for a in half_inputs)
+        single = backend.to_numpy(ALL[name](*single_inputs))
     assert out.dtype == half, out.dtype
-    out = xp.to_numpy(out)
+    out = backend.to_numpy(out)
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, single, rtol=u, atol=u * np.max(np.abs(single)))
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-def test_half_precision_softmax_is_close_to_the_float32_result(half_xp, dtype_name):
+def test_half_precision_softmax_is_close_to_the_float32_result(half_backend, dtype_name):
     """Against float32 on the unrounded inputs, with the bound from the input rounding.
 
     Rounding q and k to the half format (unit roundoff u) moves each score s q.k by at
@@ -86,10 +87,10 @@ def test_half_precision_softmax_is_close_to_the_float32_result(half_xp, dtype_na
     total variation (first order; the factor 1.1 covers the second order), so the output
     by 2 max|delta| max|v|. Rounding v adds u max|v|, rounding the output u max|y|.
     """
-    xp, half, u = half_xp, getattr(half_xp.ns, dtype_name), UNIT_ROUNDOFF[dtype_name]
+    backend, half, u = half_backend, getattr(half_backend.ns, dtype_name), UNIT_ROUNDOFF[dtype_name]
     q, k, v = make_inputs()
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out = xp.to_numpy(xattn.softmax_attention(*to_backend(xp, (q, k, v), half)))
+    out = backend.to_numpy(xattn.softmax_attention(*to_backend(backend, (q, k, v), half)))
     exact = reference.softmax_attention(q, k, v)
     delta = scale * np.max(np.abs(q) @ np.swapaxes(np.abs(k), -1, -2)) * (2 * u + u * u)
     max_v = np.max(np.abs(v))
@@ -109,63 +110,66 @@ def large_score_inputs(num_tokens=16, head_dim=8, score=80.0, seed=1):
 
 
 @pytest.mark.parametrize("name", list(ESTIMATORS))
-def test_scores_up_to_80_stay_finite_in_float32(xp, name):
+def test_scores_up_to_80_stay_finite_in_float32(backend, name):
+    xp = backend.ns
     q, k, v = large_score_inputs()
     scores = (q @ k.T) / math.sqrt(q.shape[-1])
     assert math.isclose(scores.max(), 80.0)
-    out = ESTIMATORS[name](*to_backend(xp, (q, k, v), xp.float32))
+    out = ESTIMATORS[name](*to_backend(backend, (q, k, v), xp.float32))
     assert out.dtype == xp.float32
-    out = xp.to_numpy(out)
+    out = backend.to_numpy(out)
     assert np.all(np.isfinite(out)), out
     # every estimator here has non-negative weights: the output stays in the value range
     slack = 1e-4 * (np.max(v) - np.min(v))
     assert np.all(out >= v.min(axis=0) - slack) and np.all(out <= v.max(axis=0) + slack)
     if name == "softmax":
-        xp.check(xattn.softmax_attention(*to_backend(xp, (q, k, v), xp.float32)),
+        backend.check(xattn.softmax_attention(*to_backend(backend, (q, k, v), xp.float32)),
                  reference.softmax_attention(q, k, v), dtype=xp.float32, rtol=1e-4)
 
 
-def test_trigonometric_map_warns_instead_of_returning_inf(xp):
+def test_trigonometric_map_warns_instead_of_returning_inf(backend):
     """One key, one sample omega with omega.(q^ - k^) = pi: the estimated normalizer is
     w cos(pi) = -w < 0 for key weight w = e^{|k^|^2/2} = e^40 (score 80 = |k^|^2). The row
     is clamped (finite) and a TrigonometricDenominatorWarning is emitted (on Dask the
     warning may be left out: reading the flags computes the lazy graph; the clamp applies)."""
+    xp = backend.ns
     key_norm = math.sqrt(80.0)
     q = np.array([[key_norm + math.pi]])
     k = np.array([[key_norm]])
     v = np.array([[2.0]])
-    omega = xp.asarray(np.array([[1.0]]), dtype=xp.float32)
-    inputs = to_backend(xp, (q, k, v), xp.float32)
+    omega = backend.asarray(np.array([[1.0]]), dtype=xp.float32)
+    inputs = to_backend(backend, (q, k, v), xp.float32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = xattn.rfa(*inputs, omega=omega, feature_map="trigonometric", scale=1.0)
-    assert np.all(np.isfinite(xp.to_numpy(out)))
+    assert np.all(np.isfinite(backend.to_numpy(out)))
     warned = any(issubclass(w.category, TrigonometricDenominatorWarning) for w in caught)
-    if xp.name != "dask":
+    if backend.name != "dask":
         assert warned
 
 
-def test_trigonometric_map_with_scores_up_to_80_is_finite(xp):
+def test_trigonometric_map_with_scores_up_to_80_is_finite(backend):
+    xp = backend.ns
     q, k, v = large_score_inputs()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
-        out = TRIGONOMETRIC["rfa-trigonometric"](*to_backend(xp, (q, k, v), xp.float32))
-    assert np.all(np.isfinite(xp.to_numpy(out)))
+        out = TRIGONOMETRIC["rfa-trigonometric"](*to_backend(backend, (q, k, v), xp.float32))
+    assert np.all(np.isfinite(backend.to_numpy(out)))
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("name", list(ALL))
-def test_check_finite_names_the_array(xp, name, bad):
+def test_check_finite_names_the_array(backend, name, bad):
     q, k, v = make_inputs(num_queries=4, num_keys=5)
     for position, array in enumerate("qkv"):
         arrays = [q.copy(), k.copy(), v.copy()]
         arrays[position][1, 2, 0] = bad
         with pytest.raises(ValueError, match=rf"^{array} contains NaN or infinity"):
-            ALL[name](*map(xp.asarray, arrays), check_finite=True)
+            ALL[name](*map(backend.asarray, arrays), check_finite=True)
 
 
 @pytest.mark.parametrize("name", list(ALL))
-def test_unchecked_nan_never_becomes_a_finite_number(xp, name):
+def test_unchecked_nan_never_becomes_a_finite_number(backend, name):
     """check_finite=False (default): a NaN query row gives a NaN row (only that row for
     the row-wise estimators, whose other rows are unchanged; every row for LARA, whose
     segment means mix the queries); a NaN key or value coordinate reaches every row."""
@@ -173,10 +177,10 @@ def test_unchecked_nan_never_becomes_a_finite_number(xp, name):
     estimator = ALL[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
-        clean = xp.to_numpy(estimator(*map(xp.asarray, (q, k, v))))
+        clean = backend.to_numpy(estimator(*map(backend.asarray, (q, k, v))))
         bad_q = q.copy()
         bad_q[1, 2, 0] = math.nan
-        out = xp.to_numpy(estimator(*map(xp.asarray, (bad_q, k, v))))
+        out = backend.to_numpy(estimator(*map(backend.asarray, (bad_q, k, v))))
         finite_rows = np.all(np.isfinite(out), axis=-1)
         if name in ROW_WISE:
             expected_rows = np.ones_like(finite_rows)
@@ -188,7 +192,7 @@ def test_unchecked_nan_never_becomes_a_finite_number(xp, name):
         for position in (1, 2):  # k, v
             arrays = [q, k.copy(), v.copy()]
             arrays[position][1, 3, 0] = math.nan
-            out = xp.to_numpy(estimator(*map(xp.asarray, arrays)))
+            out = backend.to_numpy(estimator(*map(backend.asarray, arrays)))
             # a NaN key reaches every coordinate, a NaN value coordinate its own coordinate
             reached = out[1] if position == 1 else out[1, :, 0]
             assert not np.any(np.isfinite(reached)), (position, out[1])
@@ -196,15 +200,15 @@ def test_unchecked_nan_never_becomes_a_finite_number(xp, name):
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-def test_scores_up_to_80_stay_finite_in_half_precision(half_xp, dtype_name):
+def test_scores_up_to_80_stay_finite_in_half_precision(half_backend, dtype_name):
     """The same inputs in half precision (computed in float32): finite, in the input
     dtype, within the value range (up to the half rounding of the output, u max|v|)."""
-    xp, half, u = half_xp, getattr(half_xp.ns, dtype_name), UNIT_ROUNDOFF[dtype_name]
+    backend, half, u = half_backend, getattr(half_backend.ns, dtype_name), UNIT_ROUNDOFF[dtype_name]
     q, k, v = large_score_inputs()
     for name, estimator in ESTIMATORS.items():
-        out = estimator(*to_backend(xp, (q, k, v), half))
+        out = estimator(*to_backend(backend, (q, k, v), half))
         assert out.dtype == half, (name, out.dtype)
-        host = xp.to_numpy(out)
+        host = backend.to_numpy(out)
         assert np.all(np.isfinite(host)), name
         slack = 2 * u * np.max(np.abs(v))
         assert np.all(host >= v.min(axis=0) - slack) and np.all(host <= v.max(axis=0) + slack)

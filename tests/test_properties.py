@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) of every estimator on every CPU backend.
 
-Each property is an exact identity of the estimator's equations (DESIGN §3) for fixed
+Each property is an exact identity of the estimator's equations for fixed
 randomness, so it is checked to float64 rounding (relative 1e-8), not statistically —
 except the key-order freedom of unbiased RA, which holds in distribution only and is
 checked with a two-sample z-test.
@@ -42,9 +42,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import xattn
-from xattn.lara import PROPOSALS
+from xattn import PROPOSALS, TrigonometricDenominatorWarning
 from xattn.random import Generator
-from xattn.rfa import TrigonometricDenominatorWarning
 
 # fewer examples on the slower backends (Dask builds graphs); eager JAX compiles every
 # operation for each new shape, so on JAX the sizes are fixed and only the data vary
@@ -54,10 +53,10 @@ FIXED_SIZES = {"num_queries": 3, "num_keys": 4, "head_dim": 2, "extra": 2, "num_
 NUM_FEATURES = 16
 
 
-def run_property(xp, test, **strategies):
+def run_property(backend, test, **strategies):
     """Run ``test(**drawn)`` under hypothesis, derandomized (reproducible in CI)."""
-    examples = EXAMPLES.get(xp.name, 5)
-    if xp.name.startswith("jax"):
+    examples = EXAMPLES.get(backend.name, 5)
+    if backend.name.startswith("jax"):
         strategies = {name: st.just(FIXED_SIZES[name]) if name in FIXED_SIZES else strategy
                       for name, strategy in strategies.items()}
     settings(max_examples=examples, deadline=None, derandomize=True, database=None)(
@@ -90,8 +89,8 @@ def make_inputs(seed, num_queries, num_keys, head_dim, value_dim, batch=(), spre
     return q, k, v
 
 
-def fixed_omega(xp, head_dim):
-    return xp.asarray(np.random.default_rng(7).normal(size=(NUM_FEATURES, head_dim)))
+def fixed_omega(backend, head_dim):
+    return backend.asarray(np.random.default_rng(7).normal(size=(NUM_FEATURES, head_dim)))
 
 
 def ra_draws(seed, batch, num_queries, num_samples, head_dim):
@@ -158,52 +157,53 @@ sizes = st.integers(1, 6)
 seeds = st.integers(0, 2**16)
 
 
-def assert_close(xp, actual, expected, rtol=1e-8):
+def assert_close(backend, actual, expected, rtol=1e-8):
     expected = np.asarray(expected)
     scale = max(1.0, float(np.max(np.abs(expected), initial=0.0)))
-    np.testing.assert_allclose(xp.to_numpy(actual), expected, rtol=rtol, atol=rtol * scale)
+    np.testing.assert_allclose(backend.to_numpy(actual), expected, rtol=rtol, atol=rtol * scale)
 
 
-def call(xp, name, q, k, v, **options):
+def call(backend, name, q, k, v, **options):
     """Run an estimator on float64 backend copies of host arrays; return float64 NumPy.
 
     The trigonometric map must not clamp here (that would break the identities), so its
     warning is an error.
     """
+    xp = backend.ns
     mask = options.pop("key_mask", None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TrigonometricDenominatorWarning)
-        out = ESTIMATORS[name](xp, xp.asarray(q), xp.asarray(k), xp.asarray(v),
-                               key_mask=None if mask is None else xp.asarray(mask), **options)
-    return xp.to_numpy(out)
+        out = ESTIMATORS[name](xp, backend.asarray(q), backend.asarray(k), backend.asarray(v),
+                               key_mask=None if mask is None else backend.asarray(mask), **options)
+    return backend.to_numpy(out)
 
 
 @pytest.mark.parametrize("name", QUERY_ORDER_FREE)
-def test_permuting_queries_permutes_the_output(xp, name):
+def test_permuting_queries_permutes_the_output(backend, name):
     def check(seed, num_queries, num_keys, head_dim):
         q, k, v = make_inputs(seed, num_queries, num_keys, head_dim, 3, spread=0.5)
         draws = ra_draws(seed, (), num_queries, 2, head_dim)
         order = np.random.default_rng(seed).permutation(num_queries)
-        out = call(xp, name, q, k, v, draws=draws)
-        permuted = call(xp, name, q[order], k, v, draws=tuple(d[order] for d in draws))
-        assert_close(xp, permuted, out[order])
+        out = call(backend, name, q, k, v, draws=draws)
+        permuted = call(backend, name, q[order], k, v, draws=tuple(d[order] for d in draws))
+        assert_close(backend, permuted, out[order])
 
-    run_property(xp, check, seed=seeds, num_queries=sizes, num_keys=sizes, head_dim=sizes)
+    run_property(backend, check, seed=seeds, num_queries=sizes, num_keys=sizes, head_dim=sizes)
 
 
 @pytest.mark.parametrize("name", KEY_ORDER_FREE)
-def test_permuting_keys_and_values_leaves_the_output(xp, name):
+def test_permuting_keys_and_values_leaves_the_output(backend, name):
     def check(seed, num_queries, num_keys, head_dim):
         q, k, v = make_inputs(seed, num_queries, num_keys, head_dim, 3, spread=0.5)
         draws = ra_draws(seed, (), num_queries, 2, head_dim)
         order = np.random.default_rng(seed).permutation(num_keys)
-        out = call(xp, name, q, k, v, draws=draws)
-        assert_close(xp, call(xp, name, q, k[order], v[order], draws=draws), out)
+        out = call(backend, name, q, k, v, draws=draws)
+        assert_close(backend, call(backend, name, q, k[order], v[order], draws=draws), out)
 
-    run_property(xp, check, seed=seeds, num_queries=sizes, num_keys=sizes, head_dim=sizes)
+    run_property(backend, check, seed=seeds, num_queries=sizes, num_keys=sizes, head_dim=sizes)
 
 
-def test_unbiased_ra_is_key_order_free_in_distribution(xp):
+def test_unbiased_ra_is_key_order_free_in_distribution(backend):
     """Unbiased RA with keys and values permuted has the same output distribution.
 
     B = 2000 independent copies (a broadcast batch dim, fresh draws per copy) of each
@@ -216,14 +216,15 @@ def test_unbiased_ra_is_key_order_free_in_distribution(xp):
     order = np.array([3, 0, 4, 2, 1])
     means, variances = [], []
     for keys, values, seed in ((k, v, 1), (k[order], v[order], 2)):
-        batch_q = xp.asarray(np.tile(q, (copies, 1, 1)))
-        out = xp.to_numpy(xattn.ra(batch_q, xp.asarray(keys), xp.asarray(values), rng=seed))
+        batch_q = backend.asarray(np.tile(q, (copies, 1, 1)))
+        out = backend.to_numpy(xattn.ra(batch_q, backend.asarray(keys), backend.asarray(values),
+                                        rng=seed))
         means.append(out.mean(axis=0))
         variances.append(out.var(axis=0, ddof=1) / copies)
     z = np.abs(means[0] - means[1]) / np.sqrt(variances[0] + variances[1])
     assert np.all(z < 5.0), z
     # and the common mean is softmax attention (RA is unbiased), within 5 standard errors
-    exact = xp.to_numpy(xattn.softmax_attention(*map(xp.asarray, (q, k, v))))
+    exact = backend.to_numpy(xattn.softmax_attention(*map(backend.asarray, (q, k, v))))
     assert np.all(np.abs(means[0] - exact) < 5.0 * np.sqrt(variances[0])), (means[0], exact)
 
 
@@ -236,8 +237,9 @@ def segment_permutation(rng, length, num_segments, segment_order):
 
 @pytest.mark.parametrize("proposal", PROPOSALS)
 @pytest.mark.parametrize("weighting", ["decoupled", "balance", "coupled"])
-def test_lara_segment_respecting_permutations(xp, proposal, weighting):
-    if xp.name in ("dask", "jax", "array_api_strict") and (proposal, weighting) != (
+def test_lara_segment_respecting_permutations(backend, proposal, weighting):
+    xp = backend.ns
+    if backend.name in ("dask", "jax", "array_api_strict") and (proposal, weighting) != (
             "segment", "decoupled"):
         pytest.skip("the full proposal x weighting grid runs on numpy and torch")
 
@@ -251,71 +253,73 @@ def test_lara_segment_respecting_permutations(xp, proposal, weighting):
         key_order = segment_permutation(permute, num_keys, num_segments, segment_order)
 
         def run(q, k, v, noise):
-            q, k, v = (xp.asarray(x.copy()) for x in (q, k, v))
-            return xp.to_numpy(xattn.lara(
+            q, k, v = (backend.asarray(x.copy()) for x in (q, k, v))
+            return backend.to_numpy(xattn.lara(
                 q, k, v, num_samples=num_segments,
                 proposal=proposal, weighting=weighting, deterministic=deterministic,
                 rng=FixedDraws(xp, normal=noise)))
 
         out = run(q, k, v, noise)
         permuted = run(q[query_order], k[key_order], v[key_order], noise[segment_order])
-        assert_close(xp, permuted, out[query_order])
+        assert_close(backend, permuted, out[query_order])
         reversed_out = run(q[::-1], k[::-1], v[::-1], noise[::-1])
-        assert_close(xp, reversed_out, out[::-1])
+        assert_close(backend, reversed_out, out[::-1])
 
-    run_property(xp, check, seed=seeds, num_segments=st.integers(1, 3),
+    run_property(backend, check, seed=seeds, num_segments=st.integers(1, 3),
                  query_size=st.integers(1, 3), key_size=st.integers(1, 3),
                  head_dim=st.integers(1, 4), deterministic=st.booleans())
 
 
 @pytest.mark.parametrize("name", list(ESTIMATORS))
-def test_appending_masked_keys_changes_nothing(xp, name):
+def test_appending_masked_keys_changes_nothing(backend, name):
     def check(seed, num_queries, num_keys, extra, head_dim):
         q, k, v = make_inputs(seed, num_queries, num_keys + extra, head_dim, 3, spread=0.5)
         mask = np.arange(num_keys + extra) < num_keys
-        out = call(xp, name, q, k[:num_keys], v[:num_keys])
-        assert_close(xp, call(xp, name, q, k, v, key_mask=mask), out)
+        out = call(backend, name, q, k[:num_keys], v[:num_keys])
+        assert_close(backend, call(backend, name, q, k, v, key_mask=mask), out)
 
-    run_property(xp, check, seed=seeds, num_queries=sizes, num_keys=sizes,
+    run_property(backend, check, seed=seeds, num_queries=sizes, num_keys=sizes,
                  extra=st.integers(1, 3), head_dim=sizes)
 
 
-def test_lara_appending_masked_queries_changes_nothing(xp):
+def test_lara_appending_masked_queries_changes_nothing(backend):
     def check(seed, num_queries, extra, num_keys, head_dim):
         q, k, v = make_inputs(seed, num_queries + extra, num_keys, head_dim, 3)
-        query_mask = xp.asarray(np.arange(num_queries + extra) < num_queries)
+        query_mask = backend.asarray(np.arange(num_queries + extra) < num_queries)
         options = {"num_samples": min(2, num_queries), "rng": 5}
-        out = xp.to_numpy(xattn.lara(*map(xp.asarray, (q[:num_queries], k, v)), **options))
-        padded = xp.to_numpy(xattn.lara(*map(xp.asarray, (q, k, v)), query_mask=query_mask,
+        out = backend.to_numpy(xattn.lara(*map(backend.asarray, (q[:num_queries], k, v)),
+                                          **options))
+        padded = backend.to_numpy(xattn.lara(*map(backend.asarray, (q, k, v)),
+                                             query_mask=query_mask,
                                         **options))
-        assert_close(xp, padded[:num_queries], out)
+        assert_close(backend, padded[:num_queries], out)
         assert np.all(padded[num_queries:] == 0.0)
 
-    run_property(xp, check, seed=seeds, num_queries=sizes, extra=st.integers(1, 3),
+    run_property(backend, check, seed=seeds, num_queries=sizes, extra=st.integers(1, 3),
                  num_keys=sizes, head_dim=sizes)
 
 
 @pytest.mark.parametrize("name", NON_NEGATIVE)
-def test_output_within_the_range_of_the_values(xp, name):
+def test_output_within_the_range_of_the_values(backend, name):
     def check(seed, num_queries, num_keys, head_dim, spread):
         q, k, v = make_inputs(seed, num_queries, num_keys, head_dim, 3, spread=spread)
-        out = call(xp, name, q, k, v)
+        out = call(backend, name, q, k, v)
         low, high = v.min(axis=-2), v.max(axis=-2)
         slack = 1e-9 * (1.0 + high - low)
         assert np.all(out >= low - slack) and np.all(out <= high + slack), (out, low, high)
 
-    run_property(xp, check, seed=seeds, num_queries=sizes, num_keys=sizes, head_dim=sizes,
+    run_property(backend, check, seed=seeds, num_queries=sizes, num_keys=sizes, head_dim=sizes,
                  spread=st.sampled_from([0.1, 1.0, 3.0]))
 
 
 @pytest.mark.parametrize("name", list(ESTIMATORS))
-def test_linear_in_v_and_shift_equivariant(xp, name):
+def test_linear_in_v_and_shift_equivariant(backend, name):
     def check(seed, num_queries, num_keys, head_dim, factor):
         q, k, v = make_inputs(seed, num_queries, num_keys, head_dim, 3, spread=0.5)
         shift = np.random.default_rng(seed + 2).normal(size=3)
-        out = call(xp, name, q, k, v)
-        assert_close(xp, call(xp, name, q, k, factor * v), factor * out)
-        assert_close(xp, call(xp, name, q, k, v + shift), out + shift)
+        out = call(backend, name, q, k, v)
+        assert_close(backend, call(backend, name, q, k, factor * v), factor * out)
+        assert_close(backend, call(backend, name, q, k, v + shift), out + shift)
 
-    run_property(xp, check, seed=seeds, num_queries=sizes, num_keys=sizes, head_dim=sizes,
+    run_property(backend, check, seed=seeds, num_queries=sizes, num_keys=sizes, head_dim=sizes,
                  factor=st.sampled_from([-2.5, 0.0, 0.5, 3.0]))

@@ -109,18 +109,19 @@ def test_num_samples_averages_unbiased_draws():
 @pytest.mark.parametrize("mask_kind,dtype_name", [("none", "float64"), ("key_mask", "float32"),
                                                   ("causal", "float64"),
                                                   ("causal_and_key_mask", "float32")])
-def test_deterministic_equals_closed_form(xp, rng, dtype_name, mask_kind):
+def test_deterministic_equals_closed_form(backend, rng, dtype_name, mask_kind):
     """omega_n = q_n + sum_m pi_nm k_m, y_n = sum_m softmax_m(omega_n.k_m - |k_m|^2/2) v_m."""
+    xp = backend.ns
     q, k, v = make_qkv(rng, **BACKEND_CASE)
     key_mask = rng.random((2, 6)) < 0.7 if mask_kind.endswith("key_mask") else None
     causal = mask_kind.startswith("causal")
     dtype = getattr(xp, dtype_name)
-    out = xattn.ra(*(xp.asarray(a, dtype=dtype) for a in (q, k, v)), biased=True,
+    out = xattn.ra(*(backend.asarray(a, dtype=dtype) for a in (q, k, v)), biased=True,
                    deterministic=True, num_samples=3, key_mask=None if key_mask is None
-                   else xp.asarray(key_mask), causal=causal, chunk_size=CHUNK)
+                   else backend.asarray(key_mask), causal=causal, chunk_size=CHUNK)
     expected = reference.randomized_attention(q, k, v, biased=True, key_mask=key_mask,
                                               causal=causal)
-    xp.check(out, expected, dtype=dtype)
+    backend.check(out, expected, dtype=dtype)
 
 
 @pytest.mark.parametrize("biased", [False, True])
@@ -167,12 +168,13 @@ def test_masks_and_causal_unbiased_in_expectation(case):
         assert np.all(draws[:, 0, :] == 0.0)
 
 
-def test_all_masked_rows_are_zero_not_nan(xp, rng):
+def test_all_masked_rows_are_zero_not_nan(backend, rng):
     q, k, v = make_qkv(rng, **BACKEND_CASE)
     key_mask = np.ones((2, 6), dtype=bool)
     key_mask[1] = False
     for kwargs in ({}, {"biased": True}, {"biased": True, "deterministic": True}):
-        out = xp.to_numpy(xattn.ra(*map(xp.asarray, (q, k, v)), key_mask=xp.asarray(key_mask),
+        out = backend.to_numpy(xattn.ra(*map(backend.asarray, (q, k, v)),
+                                        key_mask=backend.asarray(key_mask),
                                    num_samples=2, chunk_size=CHUNK, rng=3, **kwargs))
         assert np.all(np.isfinite(out)) and np.all(out[1] == 0.0)
 
@@ -181,45 +183,48 @@ def test_all_masked_rows_are_zero_not_nan(xp, rng):
 
 
 @pytest.mark.parametrize("biased", [False, True])
-def test_same_int_seed_same_output_on_every_backend(xp, rng, biased):
+def test_same_int_seed_same_output_on_every_backend(backend, rng, biased):
     """An int seed draws on the host: every backend equals the float64 NumPy formula
     evaluated with those very draws (uniforms then normals)."""
+    xp = backend.ns
     q, k, v = make_qkv(rng, **BACKEND_CASE)
     key_mask = np.array([True, True, False, True, True, True])
-    out = xattn.ra(*map(xp.asarray, (q, k, v)), num_samples=2, biased=biased,
-                   key_mask=xp.asarray(key_mask), causal=True, chunk_size=CHUNK, rng=SEED)
+    out = xattn.ra(*map(backend.asarray, (q, k, v)), num_samples=2, biased=biased,
+                   key_mask=backend.asarray(key_mask), causal=True, chunk_size=CHUNK, rng=SEED)
     uniforms, noise = host_draws(SEED, (2,), 7, 2, 4, biased=biased)
     expected = reference.randomized_attention(q, k, v, uniforms, noise, biased=biased,
                                               key_mask=key_mask, causal=True)
-    xp.check(out, expected, dtype=xp.float64)
+    backend.check(out, expected, dtype=xp.float64)
 
 
-def test_float32_and_chunking(xp, rng):
+def test_float32_and_chunking(backend, rng):
+    xp = backend.ns
     q, k, v = make_qkv(rng, **BACKEND_CASE)
     uniforms, noise = host_draws(SEED, (2,), 7, 2, 4)
     expected = reference.randomized_attention(q, k, v, uniforms, noise)
     for chunk_size in (CHUNK, 100):  # 7 queries: chunks of 3, 3, 1; and one chunk
-        out = xattn.ra(*(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)), num_samples=2,
+        out = xattn.ra(*(backend.asarray(a, dtype=xp.float32) for a in (q, k, v)), num_samples=2,
                        chunk_size=chunk_size, rng=SEED)
-        xp.check(out, expected, dtype=xp.float32, rtol=1e-4)
+        backend.check(out, expected, dtype=xp.float32, rtol=1e-4)
 
 
-def test_leading_dims_broadcast(xp, rng):
+def test_leading_dims_broadcast(backend, rng):
+    xp = backend.ns
     q = rng.normal(size=(2, 1, 5, 4))
     k = rng.normal(size=(1, 3, 6, 4))
     v = rng.normal(size=(6, 2))
-    out = xattn.ra(*map(xp.asarray, (q, k, v)), rng=SEED)
+    out = xattn.ra(*map(backend.asarray, (q, k, v)), rng=SEED)
     assert tuple(out.shape) == (2, 3, 5, 2)
     uniforms, noise = host_draws(SEED, (2, 3), 5, 1, 4)
-    xp.check(out, reference.randomized_attention(q, k, v, uniforms, noise), dtype=xp.float64)
+    backend.check(out, reference.randomized_attention(q, k, v, uniforms, noise), dtype=xp.float64)
 
 
-def test_half_precision_returns_input_dtype(xp, rng):
-    half = xp.half_dtype()
+def test_half_precision_returns_input_dtype(backend, rng):
+    half = backend.half_dtype()
     q, k, v = make_qkv(rng, **BACKEND_CASE)
-    out = xattn.ra(*(xp.asarray(a, dtype=half) for a in (q, k, v)), biased=True,
+    out = xattn.ra(*(backend.asarray(a, dtype=half) for a in (q, k, v)), biased=True,
                    deterministic=True, chunk_size=CHUNK)
-    xp.check(out, reference.randomized_attention(q, k, v, biased=True), dtype=half, rtol=3e-2)
+    backend.check(out, reference.randomized_attention(q, k, v, biased=True), dtype=half, rtol=3e-2)
 
 
 @pytest.mark.parametrize("biased", [False, True])

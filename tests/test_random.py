@@ -10,38 +10,41 @@ from xattn.random import Generator, as_generator, default_rng
 
 
 @pytest.mark.parametrize("draw", ["normal", "uniform"])
-def test_int_seed_gives_identical_draws_on_every_backend(xp, draw):
+def test_int_seed_gives_identical_draws_on_every_backend(backend, draw):
+    xp = backend.ns
     host = getattr(np.random.default_rng(7), "standard_normal" if draw == "normal" else "random")(
         (4, 5))
-    values = getattr(as_generator(7), draw)(xp.ns, (4, 5), dtype=xp.float64, device=xp.device)
-    xp.check(values, host, dtype=xp.float64, rtol=0, atol=0)  # exact in float64
-    values32 = getattr(default_rng(7), draw)(xp.ns, (4, 5), dtype=xp.float32, device=xp.device)
-    xp.check(values32, host.astype(np.float32).astype(np.float64), dtype=xp.float32,
+    values = getattr(as_generator(7), draw)(xp, (4, 5), dtype=xp.float64, device=backend.device)
+    backend.check(values, host, dtype=xp.float64, rtol=0, atol=0)  # exact in float64
+    values32 = getattr(default_rng(7), draw)(xp, (4, 5), dtype=xp.float32, device=backend.device)
+    backend.check(values32, host.astype(np.float32).astype(np.float64), dtype=xp.float32,
              rtol=0, atol=0)  # equal up to the rounding of the cast
 
 
-def test_successive_draws_differ_and_stream_is_reproducible(xp):
+def test_successive_draws_differ_and_stream_is_reproducible(backend):
+    xp = backend.ns
     first = as_generator(3)
-    a = xp.to_numpy(first.normal(xp.ns, (6,), dtype=xp.float64, device=xp.device))
-    b = xp.to_numpy(first.normal(xp.ns, (6,), dtype=xp.float64, device=xp.device))
+    a = backend.to_numpy(first.normal(xp, (6,), dtype=xp.float64, device=backend.device))
+    b = backend.to_numpy(first.normal(xp, (6,), dtype=xp.float64, device=backend.device))
     assert not np.array_equal(a, b)
     again = as_generator(3)
     np.testing.assert_array_equal(
-        xp.to_numpy(again.normal(xp.ns, (6,), dtype=xp.float64, device=xp.device)), a)
+        backend.to_numpy(again.normal(xp, (6,), dtype=xp.float64, device=backend.device)), a)
 
 
-def test_native_generator_reproduces_with_its_own_seed(xp):
-    like = xp.asarray(np.zeros(1))
+def test_native_generator_reproduces_with_its_own_seed(backend):
+    xp = backend.ns
+    like = backend.asarray(np.zeros(1))
     draws = [
-        xp.to_numpy(default_rng(11, like=like).normal(xp.ns, (3, 4), dtype=xp.float64,
-                                                      device=xp.device))
+        backend.to_numpy(default_rng(11, like=like).normal(xp, (3, 4), dtype=xp.float64,
+                                                      device=backend.device))
         for _ in range(2)
     ]
     np.testing.assert_array_equal(draws[0], draws[1])
-    other = default_rng(12, like=like).normal(xp.ns, (3, 4), dtype=xp.float64, device=xp.device)
-    assert not np.array_equal(xp.to_numpy(other), draws[0])
-    uniform = xp.to_numpy(default_rng(11, like=like).uniform(xp.ns, (1000,), dtype=xp.float32,
-                                                             device=xp.device))
+    other = default_rng(12, like=like).normal(xp, (3, 4), dtype=xp.float64, device=backend.device)
+    assert not np.array_equal(backend.to_numpy(other), draws[0])
+    uniform = backend.to_numpy(default_rng(11, like=like).uniform(xp, (1000,), dtype=xp.float32,
+                                                             device=backend.device))
     assert uniform.min() >= 0.0 and uniform.max() < 1.0
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import xattn
+from xattn import TrigonometricDenominatorWarning
 from xattn.features import sample_omega
-from xattn.rfa import TrigonometricDenominatorWarning
 
 MAPS = ("positive", "hyperbolic", "trigonometric")
 
@@ -59,12 +59,12 @@ def omega_for(rng, num_features=16, head_dim=8):
                         dtype=np.float64)
 
 
-def attend(xp, q, k, v, **kwargs):
+def attend(backend, q, k, v, **kwargs):
     """``xattn.rfa`` on the backend; on JAX compiled with :func:`jax.jit` (arrays traced,
     other keywords static), which also checks that every code path traces. Eager JAX
     compiles each small op separately, which is slow; eager JAX is covered by the seed,
     generator, half-precision and warning tests."""
-    if not xp.name.startswith("jax"):
+    if not backend.name.startswith("jax"):
         return xattn.rfa(q, k, v, **kwargs)
 
     arrays = {name: value for name, value in kwargs.items() if hasattr(value, "shape")}
@@ -90,7 +90,8 @@ def spread_for(feature_map):
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_matches_explicit_formula(xp, rng, feature_map, causal, masked):
+def test_matches_explicit_formula(backend, rng, feature_map, causal, masked):
+    xp = backend.ns
     q, k, v = make_qkv(rng, num_queries=10, num_keys=10, spread=spread_for(feature_map))
     omega = omega_for(rng)
     key_mask = None
@@ -98,63 +99,67 @@ def test_matches_explicit_formula(xp, rng, feature_map, causal, masked):
         key_mask = rng.random((2, 1, 10)) < 0.6
         key_mask[:, :, 0] = True
         key_mask[1, 0, :] = False  # a whole batch row without keys: zero outputs
-    out = attend(xp, *map(xp.asarray, (q, k, v)), omega=xp.asarray(omega),
+    out = attend(backend, *map(backend.asarray, (q, k, v)), omega=backend.asarray(omega),
                  feature_map=feature_map, causal=causal, block_size=5,
-                 key_mask=None if key_mask is None else xp.asarray(key_mask))
+                 key_mask=None if key_mask is None else backend.asarray(key_mask))
     expected = explicit_rfa(q, k, v, omega, feature_map, key_mask=key_mask, causal=causal)
     if masked:
         assert np.all(expected[1, 0] == 0.0)
-    xp.check(out, expected, dtype=xp.float64)
+    backend.check(out, expected, dtype=xp.float64)
 
 
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("num_queries,num_keys", [(6, 11), (11, 6)])
-def test_cross_attention_causal_and_not(xp, rng, feature_map, num_queries, num_keys):
+def test_cross_attention_causal_and_not(backend, rng, feature_map, num_queries, num_keys):
+    xp = backend.ns
     q, k, v = make_qkv(rng, num_queries=num_queries, num_keys=num_keys,
                        spread=spread_for(feature_map))
     omega = omega_for(rng)
     for causal in (False, True):
-        out = attend(xp, *map(xp.asarray, (q, k, v)), omega=xp.asarray(omega),
+        out = attend(backend, *map(backend.asarray, (q, k, v)), omega=backend.asarray(omega),
                      feature_map=feature_map, causal=causal, block_size=4, scale=0.5)
         expected = explicit_rfa(q, k, v, omega, feature_map, causal=causal, scale=0.5)
-        xp.check(out, expected, dtype=xp.float64)
+        backend.check(out, expected, dtype=xp.float64)
 
 
 @pytest.mark.parametrize("feature_map", MAPS)
-def test_float32_and_broadcast_leading_dims(xp, rng, feature_map):
+def test_float32_and_broadcast_leading_dims(backend, rng, feature_map):
+    xp = backend.ns
     spread = spread_for(feature_map)
     q = spread * rng.normal(size=(2, 1, 6, 4))
     k = spread * rng.normal(size=(1, 3, 7, 4))
     v = rng.normal(size=(7, 2))
     omega = omega_for(rng, num_features=8, head_dim=4)
     for causal in (False, True):
-        out = attend(xp, *(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)),
-                     omega=xp.asarray(omega, dtype=xp.float32), feature_map=feature_map,
+        out = attend(backend, *(backend.asarray(a, dtype=xp.float32) for a in (q, k, v)),
+                     omega=backend.asarray(omega, dtype=xp.float32), feature_map=feature_map,
                      causal=causal, block_size=4)
         assert tuple(out.shape) == (2, 3, 6, 2)
-        xp.check(out, explicit_rfa(q, k, v, omega, feature_map, causal=causal),
+        backend.check(out, explicit_rfa(q, k, v, omega, feature_map, causal=causal),
                  dtype=xp.float32, rtol=1e-4)
 
 
-def test_half_precision_returns_input_dtype(xp, rng):
-    if xp.name in ("array_api_strict", "dask") or xp.name.startswith("cupy"):
-        pytest.skip(f"{xp.name}: half precision matmul is not offered")
+def test_half_precision_returns_input_dtype(backend, rng):
+    xp = backend.ns
+    if backend.name in ("array_api_strict", "dask") or backend.name.startswith("cupy"):
+        pytest.skip(f"{backend.name}: half precision matmul is not offered")
     q, k, v = make_qkv(rng, batch=(2,), head_dim=4)
     omega = omega_for(rng, num_features=8, head_dim=4)
-    for dtype in (xp.float16, getattr(xp.ns, "bfloat16", None)):
+    for dtype in (xp.float16, getattr(xp, "bfloat16", None)):
         if dtype is None:
             continue
-        arrays = [xp.asarray(a, dtype=dtype) for a in (q, k, v)]
-        out = xattn.rfa(*arrays, omega=xp.asarray(omega))
-        rounded = [xp.to_numpy(a) for a in arrays]  # the inputs as the estimator sees them
-        xp.check(out, explicit_rfa(*rounded, omega, "positive"), dtype=dtype, rtol=2e-2)
+        arrays = [backend.asarray(a, dtype=dtype) for a in (q, k, v)]
+        out = xattn.rfa(*arrays, omega=backend.asarray(omega))
+        rounded = [backend.to_numpy(a) for a in arrays]  # the inputs as the estimator sees them
+        backend.check(out, explicit_rfa(*rounded, omega, "positive"), dtype=dtype, rtol=2e-2)
 
 
 # 4: large scores stay finite in float32 -------------------------------------------------
 
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_scores_of_80_stay_finite_in_float32(xp, rng, feature_map, causal):
+def test_scores_of_80_stay_finite_in_float32(backend, rng, feature_map, causal):
+    xp = backend.ns
     head_dim = 8
     direction = rng.normal(size=head_dim)
     direction /= np.linalg.norm(direction)
@@ -164,10 +169,10 @@ def test_scores_of_80_stay_finite_in_float32(xp, rng, feature_map, causal):
     q_dot_k = q @ np.swapaxes(k, -1, -2)
     assert q_dot_k.max() > 80.0  # scale=1: q_hat.k_hat reaches 80
     omega = omega_for(rng, num_features=32, head_dim=head_dim)
-    out = attend(xp, *(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)),
-                 omega=xp.asarray(omega, dtype=xp.float32), feature_map=feature_map,
+    out = attend(backend, *(backend.asarray(a, dtype=xp.float32) for a in (q, k, v)),
+                 omega=backend.asarray(omega, dtype=xp.float32), feature_map=feature_map,
                  scale=1.0, causal=causal, block_size=4)
-    result = xp.to_numpy(out)
+    result = backend.to_numpy(out)
     assert np.all(np.isfinite(result))
     # the unstabilized formula overflows here (e^{|w||q|} ~ e^{100}); the float64 reference
     # of the same estimator is still finite, and float32 agrees with it
@@ -179,15 +184,15 @@ def test_scores_of_80_stay_finite_in_float32(xp, rng, feature_map, causal):
 # 5: no look-ahead -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("feature_map", MAPS)
-def test_causal_no_look_ahead(xp, rng, feature_map):
+def test_causal_no_look_ahead(backend, rng, feature_map):
     spread = spread_for(feature_map)
     num_tokens, cut = 12, 6  # positions 0..5 kept; block_size 4 splits block 4..7
     q, k, v = make_qkv(rng, batch=(2,), num_queries=num_tokens, num_keys=num_tokens,
                        spread=spread)
-    omega = xp.asarray(omega_for(rng))
+    omega = backend.asarray(omega_for(rng))
 
     def run(q, k, v):
-        return xp.to_numpy(attend(xp, *map(xp.asarray, (q, k, v)), omega=omega,
+        return backend.to_numpy(attend(backend, *map(backend.asarray, (q, k, v)), omega=omega,
                                   feature_map=feature_map, causal=True, block_size=4))
 
     base = run(q, k, v)[..., : cut + 1, :]
@@ -208,37 +213,40 @@ def test_causal_no_look_ahead(xp, rng, feature_map):
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 5, 64])
-def test_causal_block_size_does_not_change_result(xp, rng, block_size):
+def test_causal_block_size_does_not_change_result(backend, rng, block_size):
+    xp = backend.ns
     q, k, v = make_qkv(rng)
     omega = omega_for(rng)
-    out = attend(xp, *map(xp.asarray, (q, k, v)), omega=xp.asarray(omega), causal=True,
+    out = attend(backend, *map(backend.asarray, (q, k, v)), omega=backend.asarray(omega),
+                 causal=True,
                  block_size=block_size)
-    xp.check(out, explicit_rfa(q, k, v, omega, "positive", causal=True), dtype=xp.float64)
+    backend.check(out, explicit_rfa(q, k, v, omega, "positive", causal=True), dtype=xp.float64)
 
 
 # 6: seeds, gradients, jit ------------------------------------------------------------------
 
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("orthogonal", [True, False])
-def test_int_seed_same_output_on_every_backend(xp, rng, feature_map, orthogonal):
+def test_int_seed_same_output_on_every_backend(backend, rng, feature_map, orthogonal):
+    xp = backend.ns
     q, k, v = make_qkv(rng, spread=spread_for(feature_map))
     kwargs = dict(num_features=12, feature_map=feature_map, orthogonal=orthogonal, rng=123)
     expected = xattn.rfa(q, k, v, **kwargs)  # NumPy
-    out = attend(xp, *map(xp.asarray, (q, k, v)), **kwargs)
-    xp.check(out, expected, dtype=xp.float64, rtol=1e-9)
+    out = attend(backend, *map(backend.asarray, (q, k, v)), **kwargs)
+    backend.check(out, expected, dtype=xp.float64, rtol=1e-9)
     omega = sample_omega(123, 12, 8, xp=np, dtype=np.float64, orthogonal=orthogonal)
     np.testing.assert_allclose(expected, explicit_rfa(q, k, v, omega, feature_map), rtol=1e-10)
 
 
-def test_native_generator_and_default_features(xp, rng):
+def test_native_generator_and_default_features(backend, rng):
     q, k, v = make_qkv(rng, batch=(2,))
-    arrays = tuple(map(xp.asarray, (q, k, v)))
+    arrays = tuple(map(backend.asarray, (q, k, v)))
     generator = xattn.random.default_rng(0, like=arrays[0])
     out = xattn.rfa(*arrays, rng=generator)
     assert tuple(out.shape) == (2, 9, 5)
-    assert np.all(np.isfinite(xp.to_numpy(out)))
+    assert np.all(np.isfinite(backend.to_numpy(out)))
     fresh = xattn.rfa(*arrays)  # rng=None: fresh entropy, default S = max(D, D ln D)
-    assert np.all(np.isfinite(xp.to_numpy(fresh)))
+    assert np.all(np.isfinite(backend.to_numpy(fresh)))
 
 
 @pytest.mark.parametrize("feature_map", MAPS)
@@ -316,17 +324,17 @@ def negative_denominator_case():
     return q, k, v, np.array([[np.pi]])
 
 
-def test_trigonometric_negative_denominator_warns_and_stays_finite(xp):
+def test_trigonometric_negative_denominator_warns_and_stays_finite(backend):
     q, k, v, omega = negative_denominator_case()
     for causal in (False, True):
-        arguments = dict(omega=xp.asarray(omega), feature_map="trigonometric", scale=1.0,
+        arguments = dict(omega=backend.asarray(omega), feature_map="trigonometric", scale=1.0,
                          causal=causal)
-        if xp.name == "dask":  # lazy: reading the flags would compute the graph twice
-            out = xattn.rfa(*map(xp.asarray, (q, k, v)), **arguments)
+        if backend.name == "dask":  # lazy: reading the flags would compute the graph twice
+            out = xattn.rfa(*map(backend.asarray, (q, k, v)), **arguments)
         else:
             with pytest.warns(TrigonometricDenominatorWarning, match="not positive"):
-                out = xattn.rfa(*map(xp.asarray, (q, k, v)), **arguments)
-        assert np.all(np.isfinite(xp.to_numpy(out)))
+                out = xattn.rfa(*map(backend.asarray, (q, k, v)), **arguments)
+        assert np.all(np.isfinite(backend.to_numpy(out)))
 
 
 def test_trigonometric_guard_under_jit_is_finite():

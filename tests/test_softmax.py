@@ -18,80 +18,90 @@ def make_qkv(rng, batch=(2, 3), num_queries=9, num_keys=11, head_dim=8, value_di
 
 
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
-def test_matches_naive_formula(xp, rng, dtype_name):
+def test_matches_naive_formula(backend, rng, dtype_name):
+    xp = backend.ns
     q, k, v = make_qkv(rng)
     dtype = getattr(xp, dtype_name)
-    out = xattn.softmax_attention(*(xp.asarray(a, dtype=dtype) for a in (q, k, v)))
-    xp.check(out, reference.softmax_attention(q, k, v), dtype=dtype)
+    out = xattn.softmax_attention(*(backend.asarray(a, dtype=dtype) for a in (q, k, v)))
+    backend.check(out, reference.softmax_attention(q, k, v), dtype=dtype)
 
 
-def test_scale(xp, rng):
+def test_scale(backend, rng):
+    xp = backend.ns
     q, k, v = make_qkv(rng)
-    out = xattn.softmax_attention(*map(xp.asarray, (q, k, v)), scale=0.7)
-    xp.check(out, reference.softmax_attention(q, k, v, scale=0.7), dtype=xp.float64)
+    out = xattn.softmax_attention(*map(backend.asarray, (q, k, v)), scale=0.7)
+    backend.check(out, reference.softmax_attention(q, k, v, scale=0.7), dtype=xp.float64)
 
 
 @pytest.mark.parametrize("num_queries,num_keys", [(9, 9), (6, 11), (11, 6)])
-def test_causal(xp, rng, num_queries, num_keys):
+def test_causal(backend, rng, num_queries, num_keys):
+    xp = backend.ns
     q, k, v = make_qkv(rng, num_queries=num_queries, num_keys=num_keys)
-    out = xattn.softmax_attention(*map(xp.asarray, (q, k, v)), causal=True, chunk_size=4)
-    xp.check(out, reference.softmax_attention(q, k, v, causal=True), dtype=xp.float64)
+    out = xattn.softmax_attention(*map(backend.asarray, (q, k, v)), causal=True, chunk_size=4)
+    backend.check(out, reference.softmax_attention(q, k, v, causal=True), dtype=xp.float64)
 
 
-def test_key_mask_and_all_masked_row(xp, rng):
+def test_key_mask_and_all_masked_row(backend, rng):
+    xp = backend.ns
     q, k, v = make_qkv(rng)
     key_mask = rng.random((2, 1, 11)) < 0.6
     key_mask[1, 0, :] = False  # every query of batch 1 has no key: zero rows, not NaN
-    out = xattn.softmax_attention(*map(xp.asarray, (q, k, v)), key_mask=xp.asarray(key_mask),
+    out = xattn.softmax_attention(*map(backend.asarray, (q, k, v)),
+                                  key_mask=backend.asarray(key_mask),
                                   chunk_size=3)
     expected = reference.softmax_attention(q, k, v, key_mask=key_mask)
     assert np.all(expected[1] == 0.0)
-    xp.check(out, expected, dtype=xp.float64)
+    backend.check(out, expected, dtype=xp.float64)
 
 
-def test_causal_with_key_mask_first_key_masked(xp, rng):
+def test_causal_with_key_mask_first_key_masked(backend, rng):
+    xp = backend.ns
     q, k, v = make_qkv(rng, num_queries=7, num_keys=7)
     key_mask = np.ones(7, dtype=bool)
     key_mask[0] = False  # query 0 sees no key under causal masking
-    out = xattn.softmax_attention(*map(xp.asarray, (q, k, v)), key_mask=xp.asarray(key_mask),
+    out = xattn.softmax_attention(*map(backend.asarray, (q, k, v)),
+                                  key_mask=backend.asarray(key_mask),
                                   causal=True, chunk_size=2)
     expected = reference.softmax_attention(q, k, v, key_mask=key_mask, causal=True)
     assert np.all(expected[..., 0, :] == 0.0)
-    xp.check(out, expected, dtype=xp.float64)
+    backend.check(out, expected, dtype=xp.float64)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 11, 64])
-def test_chunked_equals_unchunked(xp, rng, chunk_size):
+def test_chunked_equals_unchunked(backend, rng, chunk_size):
+    xp = backend.ns
     q, k, v = make_qkv(rng)
-    arrays = tuple(map(xp.asarray, (q, k, v)))
-    whole = xp.to_numpy(xattn.softmax_attention(*arrays, chunk_size=10_000))
+    arrays = tuple(map(backend.asarray, (q, k, v)))
+    whole = backend.to_numpy(xattn.softmax_attention(*arrays, chunk_size=10_000))
     out = xattn.softmax_attention(*arrays, chunk_size=chunk_size)
-    xp.check(out, whole, dtype=xp.float64)
+    backend.check(out, whole, dtype=xp.float64)
 
 
-def test_leading_dims_broadcast(xp, rng):
+def test_leading_dims_broadcast(backend, rng):
+    xp = backend.ns
     q = rng.normal(size=(2, 1, 6, 4))
     k = rng.normal(size=(1, 3, 7, 4))
     v = rng.normal(size=(7, 2))
-    out = xattn.softmax_attention(*map(xp.asarray, (q, k, v)))
+    out = xattn.softmax_attention(*map(backend.asarray, (q, k, v)))
     assert tuple(out.shape) == (2, 3, 6, 2)
-    xp.check(out, reference.softmax_attention(q, k, v), dtype=xp.float64)
+    backend.check(out, reference.softmax_attention(q, k, v), dtype=xp.float64)
 
 
-def test_large_scores_stay_finite(xp, rng):
+def test_large_scores_stay_finite(backend, rng):
+    xp = backend.ns
     q, k, v = make_qkv(rng, batch=())
     q, k = 40 * q / np.linalg.norm(q, axis=-1, keepdims=True), 40 * k / np.linalg.norm(
         k, axis=-1, keepdims=True)
-    out = xattn.softmax_attention(*(xp.asarray(a, dtype=xp.float32) for a in (q, k, v)),
+    out = xattn.softmax_attention(*(backend.asarray(a, dtype=xp.float32) for a in (q, k, v)),
                                   scale=1.0, chunk_size=4)
-    xp.check(out, reference.softmax_attention(q, k, v, scale=1.0), dtype=xp.float32, rtol=1e-3)
+    backend.check(out, reference.softmax_attention(q, k, v, scale=1.0), dtype=xp.float32, rtol=1e-3)
 
 
-def test_half_precision_returns_input_dtype(xp, rng):
-    half = xp.half_dtype()
+def test_half_precision_returns_input_dtype(backend, rng):
+    half = backend.half_dtype()
     q, k, v = make_qkv(rng, batch=())
-    out = xattn.softmax_attention(*(xp.asarray(a, dtype=half) for a in (q, k, v)))
-    xp.check(out, reference.softmax_attention(q, k, v), dtype=half, rtol=3e-2)
+    out = xattn.softmax_attention(*(backend.asarray(a, dtype=half) for a in (q, k, v)))
+    backend.check(out, reference.softmax_attention(q, k, v), dtype=half, rtol=3e-2)
 
 
 def test_gradients_torch_match_finite_differences(rng):

@@ -1,21 +1,64 @@
 """xattn: randomized attention estimators for any Array API library.
 
-Public names:
+Estimators (each a function of ``q (..., N, D)``, ``k (..., M, D)``, ``v (..., M, Dv)``):
 
 - :func:`softmax_attention`: exact softmax attention (the reference);
 - :func:`rfa`: random feature attention (RFA / Performer FAVOR+: positive, hyperbolic,
   trigonometric maps; orthogonal samples; causal mode);
 - :func:`ra`: randomized attention (unbiased, biased and deterministic forms);
-- :func:`lara`: linear randomized attention (multiple-importance sampling, linear cost);
-- :mod:`xattn.mrf`: linear-chain MRF log-partition functions, exact and random-feature;
-- :mod:`xattn.random`: the random-number adapter (:func:`xattn.random.default_rng`).
+- :func:`lara`: linear randomized attention (multiple-importance sampling, linear cost).
+
+Helpers of the estimators: :func:`default_num_features`,
+:class:`TrigonometricDenominatorWarning`, :func:`lara_weights`, :func:`balance_heuristic`
+and the constants :data:`PROPOSALS`, :data:`WEIGHTINGS`, :data:`WEIGHT_FLOOR`.
+
+Submodules, reachable after ``import xattn`` (loaded on first use, so that a framework is
+imported only when its layer is asked for): :mod:`xattn.random` (the random-number
+adapter), :mod:`xattn.features` (random feature maps and samples),
+:mod:`xattn.diagnostics` (bias, variance and MSE against exact attention),
+:mod:`xattn.mrf` (linear-chain MRF partition functions), :mod:`xattn.torch` and
+:mod:`xattn.flax` (attention layers).
 """
 
-from xattn import mrf, random
-from xattn.lara import lara
-from xattn.ra import ra
-from xattn.rfa import rfa
-from xattn.softmax import softmax_attention
+from __future__ import annotations
 
-__all__ = ["lara", "mrf", "ra", "random", "rfa", "softmax_attention"]
+import importlib
+from typing import Any
+
+from xattn._lara import PROPOSALS, WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara, lara_weights
+from xattn._ra import ra
+from xattn._rfa import TrigonometricDenominatorWarning, default_num_features, rfa
+from xattn._softmax import softmax_attention
+
+__all__ = [
+    "PROPOSALS",
+    "WEIGHTINGS",
+    "WEIGHT_FLOOR",
+    "TrigonometricDenominatorWarning",
+    "balance_heuristic",
+    "default_num_features",
+    "diagnostics",
+    "features",
+    "flax",
+    "lara",
+    "lara_weights",
+    "mrf",
+    "ra",
+    "random",
+    "rfa",
+    "softmax_attention",
+    "torch",
+]
 __version__ = "0.1.0.dev0"
+
+_SUBMODULES = ("diagnostics", "features", "flax", "mrf", "random", "torch")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"xattn.{name}")
+    raise AttributeError(f"module 'xattn' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

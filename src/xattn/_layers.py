@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import xattn
+from xattn._array import Array
 from xattn.features import sample_omega
 
 __all__ = [
@@ -16,7 +17,6 @@ __all__ = [
     "draw_features",
 ]
 
-Array = Any
 
 ESTIMATORS = ("softmax", "rfa", "ra", "lara")
 """Estimator names the layers accept."""

@@ -34,8 +34,8 @@ import numpy as np
 
 import xattn
 from xattn._array import broadcast_shapes
+from xattn._softmax import softmax_attention
 from xattn.diagnostics import EstimatorError, estimator_error, uniform_attention
-from xattn.softmax import softmax_attention
 
 __all__ = ["ESTIMATORS", "EstimatorSpec", "main", "structured_attention_inputs"]
 
@@ -86,25 +86,11 @@ class EstimatorSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def _xattn_function(name: str) -> Callable[[], Callable[..., Any]]:
-    def load() -> Callable[..., Any]:
-        try:
-            module = importlib.import_module(f"xattn.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"xattn.{name}":
-                raise
-            raise CommandError(f"estimator {name!r} is not available in xattn "
-                               f"{xattn.__version__}") from None
-        return getattr(module, name)
-
-    return load
-
-
 ESTIMATORS: dict[str, EstimatorSpec] = {
-    "rfa": EstimatorSpec("rfa", "num_features", _xattn_function("rfa"), bench_samples=64),
-    "ra": EstimatorSpec("ra", "num_samples", _xattn_function("ra"), bench_samples=1,
+    "rfa": EstimatorSpec("rfa", "num_features", lambda: xattn.rfa, bench_samples=64),
+    "ra": EstimatorSpec("ra", "num_samples", lambda: xattn.ra, bench_samples=1,
                         quadratic=True),
-    "lara": EstimatorSpec("lara", "num_samples", _xattn_function("lara"), bench_samples=64),
+    "lara": EstimatorSpec("lara", "num_samples", lambda: xattn.lara, bench_samples=64),
 }
 SOFTMAX = EstimatorSpec("softmax", None, lambda: softmax_attention)
 

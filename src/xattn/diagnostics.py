@@ -7,7 +7,7 @@ backend the estimators run on. Two tools:
   independent seeds and measures, against exact softmax attention, its squared bias,
   variance and mean squared error, averaged over the output elements;
 * :func:`kernel_mse_positive` is the closed-form MSE of the positive random-feature
-  estimate of the exponential kernel (DESIGN §3; Choromanski et al., *Rethinking
+  estimate of the exponential kernel (Choromanski et al., *Rethinking
   Attention with Performers*, Lemma 2).
 
 :func:`uniform_attention` is the trivial baseline every query of which receives the mean
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from xattn._array import array_namespace, check_positive_int
-from xattn.softmax import softmax_attention
+from xattn._array import Array, array_namespace, check_positive_int
+from xattn._softmax import softmax_attention
 
 __all__ = [
     "EstimatorError",
@@ -32,7 +32,6 @@ __all__ = [
     "uniform_attention",
 ]
 
-Array = Any
 
 # options of the estimators that also change what exact softmax attention computes
 _REFERENCE_OPTIONS = ("scale", "key_mask", "causal")
@@ -313,7 +312,7 @@ def kernel_mse_positive(x: Array, y: Array, num_features: int) -> Array:
         \mathrm{MSE} = \frac1S \exp(2\, x \cdot y)
         \left(\exp(\lVert x + y \rVert^2) - 1\right)
 
-    (DESIGN §3; Choromanski et al., *Rethinking Attention with Performers*, ICLR 2021,
+    (Choromanski et al., *Rethinking Attention with Performers*, ICLR 2021,
     Lemma 2). It grows like :math:`\exp(\lVert x + y\rVert^2)`: large norms make positive
     random features noisy. ``x`` and ``y`` are the *scaled* inputs
     :math:`\hat q, \hat k` when studying attention.

@@ -1,6 +1,6 @@
 r"""Randomized mappings of the exponential kernel and their stabilized statistics.
 
-The positive randomized mapping (DESIGN §3) is
+The positive randomized mapping (Choromanski et al., ICLR 2021) is
 
 .. math:: \xi(x, \omega) = \exp(\omega \cdot x - \lVert x \rVert^2 / 2),
    \qquad \mathbb{E}_{\omega \sim N(0, I)}[\xi(x, \omega)\, \xi(y, \omega)] = \exp(x \cdot y).
@@ -29,9 +29,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import check_choice, check_positive_int, qr
+from xattn._array import Array, check_choice, check_positive_int, qr
+from xattn._primitives import finite_shift
 from xattn.random import as_generator
-from xattn.softmax import finite_shift
 
 __all__ = [
     "FEATURE_MAPS",
@@ -49,7 +49,6 @@ FEATURE_MAPS = ("positive", "hyperbolic", "trigonometric")
 SAMPLE_NORMS = ("chi", "sqrt_dim")
 """Row norms of orthogonal samples: an independent chi(D) draw, or exactly sqrt(D)."""
 
-Array = Any
 
 
 def log_positive_features(xp: Any, x: Array, omega: Array) -> Array:
@@ -75,7 +74,7 @@ def log_positive_features(xp: Any, x: Array, omega: Array) -> Array:
 def positive_key_statistics(
     xp: Any, k_hat: Array, v: Array, omega: Array, key_mask: Array | None = None
 ) -> tuple[Array, Array, Array]:
-    r"""Stabilized key-side sums of the positive mapping (DESIGN §3, RFA).
+    r"""Stabilized key-side sums of the positive mapping (RFA, stabilized form).
 
     .. math::
 
@@ -175,7 +174,7 @@ def sample_omega(
     r"""Draw an ``(S, D)`` matrix of random-feature samples :math:`\omega_s` (as rows).
 
     * ``orthogonal=False``: iid rows :math:`\omega_s \sim N(0, I_D)`.
-    * ``orthogonal=True`` (Performer's ORF, DESIGN §3): :math:`\lceil S/D \rceil` blocks of
+    * ``orthogonal=True`` (Performer's ORF): :math:`\lceil S/D \rceil` blocks of
       ``D`` rows, each block the orthogonal factor of the QR decomposition of a ``D x D``
       standard Gaussian matrix (signs fixed by :math:`\operatorname{sign} R_{ii}`, so the
       block is Haar-distributed), stacked and cut to ``S`` rows. Rows within a block are

@@ -41,7 +41,7 @@ from xattn._layers import (
     check_estimator,
     draw_features,
 )
-from xattn.rfa import default_num_features
+from xattn._rfa import default_num_features
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "FeatureState", "MultiHeadAttention"]
 

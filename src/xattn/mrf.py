@@ -1,7 +1,7 @@
 r"""Partition functions of linear-chain Markov random fields, exact and linearized.
 
 A linear-chain MRF over variables :math:`x_0, \dots, x_{T-1} \in \mathcal X` with
-embeddings :math:`e_t(x) \in \mathbb R^n` (seed 003, §2.1; DESIGN §3) has pairwise
+embeddings :math:`e_t(x) \in \mathbb R^n` ("RFF for MRFs", 2020, §2.1) has pairwise
 potentials only,
 
 .. math::
@@ -17,7 +17,8 @@ exactly as in the seed's example for :math:`T = 3` (its eq. 3).
   :math:`O(T |\mathcal X|^2 n)`.
 * :func:`log_partition_rf` replaces every potential by positive random features,
   :math:`\psi_t(a, b) \approx \phi(e_{t-1}(a)) \cdot \phi(e_t(b))` with
-  :math:`\phi(e) = \exp(\omega e - \lVert e \rVert^2 / 2) / \sqrt d` (DESIGN §3), and
+  :math:`\phi(e) = \exp(\omega e - \lVert e \rVert^2 / 2) / \sqrt d`
+  (Choromanski et al., ICLR 2021), and
   reorders the sums (seed eq. 3):
 
   .. math::
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from xattn._array import (
+    Array,
     _is_real_floating,
     array_namespace,
     check_choice,
@@ -46,21 +48,13 @@ from xattn._array import (
     compute_dtype,
     device_of,
 )
+from xattn._primitives import logsumexp
 from xattn.features import log_positive_features, sample_omega
 
 __all__ = ["log_partition", "log_partition_rf"]
 
-Array = Any
 
 _SHAPE = "(..., T, |X|, n)"
-
-
-def _logsumexp(xp: Any, x: Array, axis: int) -> Array:
-    """:math:`\\log \\sum \\exp` over ``axis`` with the max shift (finite shift only)."""
-    shift = xp.max(x, axis=axis, keepdims=True)
-    shift = xp.where(xp.isfinite(shift), shift, xp.zeros_like(shift))
-    total = xp.sum(xp.exp(x - shift), axis=axis, keepdims=True)
-    return xp.squeeze(xp.log(total) + shift, axis=axis)
 
 
 def _prepare_embeddings(embeddings: Any) -> tuple[Any, Array, Any]:
@@ -115,7 +109,7 @@ def log_partition(embeddings: Array) -> Array:
         \log Z = \log \sum_{x_0, \dots, x_{T-1}} \prod_{t=1}^{T-1}
         \exp\big(e_{t-1}(x_{t-1}) \cdot e_t(x_t)\big)
 
-    (no unary potentials, weight 1 for every :math:`x_0`; seed 003 §2.1), by the forward
+    (no unary potentials, weight 1 for every :math:`x_0`; "RFF for MRFs" §2.1), by the forward
     recursion in log space, :math:`\log\alpha_0 = 0`,
 
     .. math::
@@ -148,7 +142,7 @@ def log_partition(embeddings: Array) -> Array:
 
     References
     ----------
-    Seed 003, "RFF for MRFs" (2020), §2.1; DESIGN §3, linear-chain MRF.
+    "RFF for MRFs" (technical note, 2020), §2.1.
 
     Examples
     --------
@@ -166,9 +160,9 @@ def log_partition(embeddings: Array) -> Array:
     scores = embeddings[..., :-1, :, :] @ xp.matrix_transpose(embeddings[..., 1:, :, :])
     log_alpha = xp.zeros_like(embeddings[..., 0, :, 0])  # (..., |X|): log alpha_0 = 0
     for step in range(1, num_steps):
-        log_alpha = _logsumexp(xp, log_alpha[..., :, None] + scores[..., step - 1, :, :],
+        log_alpha = logsumexp(xp, log_alpha[..., :, None] + scores[..., step - 1, :, :],
                                axis=-2)
-    return _finish(xp, _logsumexp(xp, log_alpha, axis=-1), dtype)
+    return _finish(xp, logsumexp(xp, log_alpha, axis=-1), dtype)
 
 
 def _sequential_log_partition(xp: Any, log_features: Array) -> Array:
@@ -187,15 +181,15 @@ def _sequential_log_partition(xp: Any, log_features: Array) -> Array:
         \quad \log Z = \operatorname{logsumexp}_x \log w_{T-1}(x).
     """
     num_steps = log_features.shape[-3]
-    log_message = _logsumexp(xp, log_features[..., 0, :, :], axis=-2)  # (..., d)
+    log_message = logsumexp(xp, log_features[..., 0, :, :], axis=-2)  # (..., d)
     for step in range(1, num_steps):
         step_features = log_features[..., step, :, :]  # (..., |X|, d)
         # log w_t(x): log of beta_{t-1} . phi(e_t(x)), the summed potential into state x
-        log_weights = _logsumexp(xp, log_message[..., None, :] + step_features, axis=-1)
+        log_weights = logsumexp(xp, log_message[..., None, :] + step_features, axis=-1)
         if step == num_steps - 1:
-            return _logsumexp(xp, log_weights, axis=-1)
+            return logsumexp(xp, log_weights, axis=-1)
         # beta_t = sum_x w_t(x) phi(e_t(x)) = beta_{t-1} M_t, M_t = sum_x phi phi^T
-        log_message = _logsumexp(xp, log_weights[..., :, None] + step_features, axis=-2)
+        log_message = logsumexp(xp, log_weights[..., :, None] + step_features, axis=-2)
     raise AssertionError("unreachable: T >= 2 is validated")
 
 
@@ -217,10 +211,10 @@ def _parallel_log_partition(xp: Any, log_features: Array) -> Array:
     """
     num_steps, dim = log_features.shape[-3], log_features.shape[-1]
     # end vectors sum_x phi(e_0(x)) and sum_x phi(e_{T-1}(x)), in log space
-    log_first = _logsumexp(xp, log_features[..., 0, :, :], axis=-2)  # (..., d)
-    log_last = _logsumexp(xp, log_features[..., -1, :, :], axis=-2)  # (..., d)
+    log_first = logsumexp(xp, log_features[..., 0, :, :], axis=-2)  # (..., d)
+    log_last = logsumexp(xp, log_features[..., -1, :, :], axis=-2)  # (..., d)
     if num_steps == 2:
-        return _logsumexp(xp, log_first + log_last, axis=-1)
+        return logsumexp(xp, log_first + log_last, axis=-1)
 
     middle = log_features[..., 1:-1, :, :]  # (..., T - 2, |X|, d)
     shift = xp.max(middle, axis=(-2, -1))  # (..., T - 2)
@@ -262,7 +256,7 @@ def log_partition_rf(
 ) -> Array:
     r"""Random-feature (linearized) estimate of the log-partition function of a linear chain.
 
-    Every potential is replaced by positive random features (DESIGN §3),
+    Every potential is replaced by positive random features,
 
     .. math::
 
@@ -273,7 +267,7 @@ def log_partition_rf(
     with one sample matrix :math:`\omega` (rows :math:`\omega_k`) shared by every position,
     as in the seed, drawn by :func:`xattn.features.sample_omega` (block-orthogonal rows
     with chi norms by default, so every row is marginally :math:`N(0, I_n)`).
-    The sums are then reordered (seed 003, eq. 3):
+    The sums are then reordered ("RFF for MRFs", eq. 3):
 
     .. math::
 
@@ -326,8 +320,8 @@ def log_partition_rf(
 
     References
     ----------
-    Seed 003, "RFF for MRFs" (2020), eq. 3; Choromanski et al., "Rethinking attention with
-    Performers" (2021), positive random features; DESIGN §3.
+    "RFF for MRFs" (technical note, 2020), eq. 3; Choromanski et al., "Rethinking attention with
+    Performers" (2021), positive random features.
 
     Examples
     --------

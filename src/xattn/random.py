@@ -27,7 +27,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from xattn._array import host_to_device
+from xattn._array import Array, host_to_device
 
 __all__ = [
     "CupyGenerator",
@@ -40,7 +40,6 @@ __all__ = [
     "default_rng",
 ]
 
-Array = Any
 
 
 class Generator:

@@ -39,8 +39,8 @@ from xattn._layers import (
     check_estimator,
     draw_features,
 )
+from xattn._rfa import default_num_features
 from xattn.random import Generator, TorchGenerator
-from xattn.rfa import default_num_features
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "MultiheadAttention"]
 

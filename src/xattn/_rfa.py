@@ -1,7 +1,7 @@
 r"""Random feature attention (RFA / Performer FAVOR+).
 
 With samples :math:`\omega_1, \dots, \omega_S` (rows of ``omega``) and a randomized
-mapping :math:`\xi` (DESIGN §3),
+mapping :math:`\xi` (Choromanski et al., ICLR 2021),
 
 .. math::
 
@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 from xattn._array import (
+    Array,
     array_namespace,
     check_choice,
     check_positive_int,
@@ -29,6 +30,7 @@ from xattn._array import (
     device_of,
     prepare_attention,
 )
+from xattn._primitives import causal_allowed, finite_shift
 from xattn.features import (
     FEATURE_MAPS,
     SAMPLE_NORMS,
@@ -37,11 +39,9 @@ from xattn.features import (
     sample_omega,
     weighted_readout,
 )
-from xattn.softmax import causal_allowed, finite_shift
 
 __all__ = ["TrigonometricDenominatorWarning", "default_num_features", "rfa"]
 
-Array = Any
 
 
 class TrigonometricDenominatorWarning(RuntimeWarning):
@@ -52,11 +52,43 @@ class TrigonometricDenominatorWarning(RuntimeWarning):
     total key weight, the largest value :math:`|\\hat Z_n|` can take). Those rows are
     computed with the denominator clamped to that floor: finite, but not trustworthy.
     Use more features, the positive map, or smaller scores.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> import numpy as np
+    >>> import xattn
+    >>> q = k = 3.0 * np.eye(4)[None, :, :]
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     out = xattn.rfa(q, k, np.ones((1, 4, 1)), num_features=2,
+    ...                     feature_map="trigonometric", rng=0)
+    >>> bool(np.all(np.isfinite(out)))
+    True
+    >>> issubclass(xattn.TrigonometricDenominatorWarning, RuntimeWarning)
+    True
     """
 
 
 def default_num_features(head_dim: int) -> int:
-    """Performer's default number of samples, ``max(D, int(D ln D))``."""
+    """Performer's default number of samples, ``max(D, int(D ln D))``.
+
+    Parameters
+    ----------
+    head_dim : int
+        The head dimension ``D`` of the queries and keys.
+
+    Returns
+    -------
+    int
+        The number of random features ``S`` used when ``num_features=None``.
+
+    Examples
+    --------
+    >>> import xattn
+    >>> xattn.default_num_features(64)
+    266
+    """
     return max(head_dim, int(head_dim * math.log(head_dim)))
 
 
@@ -96,8 +128,8 @@ def rfa(
       \rVert^2/2}`. Evaluated in the log domain: :math:`a_{ms} = \omega_s \cdot \hat k_m -
       \lVert \hat k_m \rVert^2/2`, :math:`K_s = \max_m a_{ms}`, :math:`c_{ns} = \omega_s
       \cdot \hat q_n + K_s`, :math:`Q_n = \max_s c_{ns}`; both shifts cancel exactly and no
-      epsilon enters an exponent (DESIGN §3), so scores of 80 and more stay finite in
-      float32.
+      epsilon enters an exponent (see the stabilization theory page), so scores of 80 and more
+      stay finite in float32.
     * ``"hyperbolic"``: the samples :math:`\omega_s` and :math:`-\omega_s` (``2S``
       features); its :math:`2^{-1/2}` factor cancels, the rest is the positive map.
     * ``"trigonometric"``: :math:`\xi(x, \omega) = e^{\lVert x \rVert^2/2} [\sin \omega
@@ -286,7 +318,7 @@ def _block_allowed(xp: Any, query_start: int, query_stop: int, key_start: int, k
 def _causal_positive(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: Array,
                      key_mask: Array | None, batch_shape: tuple[int, ...],
                      block_size: int) -> Array:
-    """Causal positive-map RFA over blocks of positions (DESIGN §3, causal)."""
+    """Causal positive-map RFA over blocks of positions (stabilized causal form)."""
     num_queries, num_keys = q_hat.shape[-2], k_hat.shape[-2]
     num_samples, value_dim = omega.shape[0], v.shape[-1]
     work, device = q_hat.dtype, device_of(q_hat)

@@ -1,6 +1,6 @@
 r"""Linear randomized attention (LARA): multiple-importance sampling with C proposals.
 
-LARA (Zheng et al., ICML 2022, §4 and Appendix G.3; DESIGN §3) estimates softmax
+LARA (Zheng et al., ICML 2022, §4 and Appendix G.3) estimates softmax
 attention with C Gaussian proposals :math:`q_c(\omega) = N(\omega; \mu_c, I)`, one sample
 :math:`\omega_c \sim q_c` each, combined per query by multiple-importance weights
 :math:`\alpha_{nc}` and self-normalized (eq. 10, 28):
@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 from xattn._array import (
+    Array,
     array_namespace,
     check_choice,
     check_positive_int,
@@ -33,14 +34,13 @@ from xattn._array import (
     one_chunk_along,
     prepare_attention,
 )
+from xattn._primitives import masked_softmax
 from xattn.features import positive_key_statistics, weighted_readout
 from xattn.random import as_generator
-from xattn.softmax import masked_softmax
 
 __all__ = ["PROPOSALS", "WEIGHTINGS", "WEIGHT_FLOOR", "balance_heuristic", "lara",
            "lara_weights"]
 
-Array = Any
 
 PROPOSALS = ("segment", "key_attention", "landmark_attention", "standard")
 WEIGHTINGS = ("balance", "decoupled", "coupled")
@@ -126,7 +126,7 @@ def _segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int,
 
 def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
                     key_segment_sizes: Array, k_hat: Array, key_mask: Array | None) -> Array:
-    r""":math:`\mu_c` (..., C, D) for each proposal family (DESIGN §3, Appendix G.3.1)."""
+    r""":math:`\mu_c` (..., C, D) for each proposal family (Appendix G.3.1)."""
     if proposal == "standard":  # mu_c = 0: LARA reduces to RFA
         return xp.zeros_like(query_landmarks)
     if proposal == "segment":  # eq. 34
@@ -166,7 +166,7 @@ def balance_heuristic(points: Array, proposal_means: Array) -> Array:
     Examples
     --------
     >>> import numpy as np
-    >>> from xattn.lara import balance_heuristic
+    >>> from xattn._lara import balance_heuristic
     >>> rng = np.random.default_rng(0)
     >>> weights = balance_heuristic(rng.normal(size=(3, 4)), rng.normal(size=(5, 4)))
     >>> weights.shape, np.allclose(weights.sum(axis=-1), 1.0)
@@ -213,7 +213,7 @@ def lara_weights(proposal_weights: Array, query_affinity: Array, *,
     Examples
     --------
     >>> import numpy as np
-    >>> from xattn.lara import lara_weights
+    >>> from xattn._lara import lara_weights
     >>> w = np.array([0.5, 0.3, 0.2])
     >>> r = np.array([[0.6, 0.1, 0.3], [0.0, 0.5, 0.5]])
     >>> alpha = lara_weights(w, r, weighting="decoupled", beta=2.0)
@@ -263,7 +263,7 @@ def lara(
     (sizes differ by at most one), takes their means :math:`\tilde q_c, \tilde k_c` of
     the scaled inputs :math:`\hat q = \sqrt{s}\,q`, :math:`\hat k = \sqrt{s}\,k`, builds
     one proposal :math:`N(\mu_c, I)` per segment, draws :math:`\omega_c = \mu_c +
-    \epsilon_c` and evaluates, in the stabilized form of DESIGN §3,
+    \epsilon_c` and evaluates, in the stabilized form of the theory pages,
 
     .. math::
 
@@ -416,7 +416,7 @@ def lara(
                                beta=1.0 if weighting == "decoupled" else beta)
         weights = xp.maximum(weights, floor)
 
-    # Stabilized estimator (eq. 28, DESIGN §3): key side exactly as RFA ...
+    # Stabilized estimator (eq. 28): key side exactly as RFA ...
     key_max, numerator, denominator = positive_key_statistics(xp, k_hat, v, omega, key_mask)
     # ... and e_nc = omega_c . q^_n + K_c - |omega_c|^2/2 + |omega_c - mu_c|^2/2, where the
     # last two terms are log N(omega_c; 0, I) - log q_c(omega_c).

@@ -2,50 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from xattn._array import Array, check_positive_int, prepare_attention, sequence_positions
+from xattn._primitives import causal_allowed, finite_shift
 
-from xattn._array import check_positive_int, prepare_attention, sequence_positions
+__all__ = ["softmax_attention"]
 
-__all__ = ["causal_allowed", "finite_shift", "masked_softmax", "softmax_attention"]
-
-Array = Any
-
-
-def finite_shift(xp: Any, maxima: Array) -> Array:
-    """The stabilizing shift of a log-sum-exp: ``maxima`` with ``-inf`` replaced by 0.
-
-    A maximum is ``-inf`` when every entry it covers is masked; shifting by 0 then keeps
-    ``exp(logit - shift)`` at ``exp(-inf) = 0`` for those entries instead of NaN.
-    """
-    return xp.where(maxima == -xp.inf, xp.zeros_like(maxima), maxima)
-
-
-def masked_softmax(xp: Any, logits: Array, allowed: Array | None = None, *, axis: int = -1,
-                   scale: float = 1.0) -> Array:
-    """``scale`` times the softmax of ``logits`` along ``axis`` over the ``allowed`` entries.
-
-    Entries where ``allowed`` is False get weight 0; a slice with no allowed entry gets
-    all zeros (never NaN). ``scale`` is folded into the normalization (one pass fewer
-    than scaling afterwards).
-    """
-    if allowed is not None:
-        logits = xp.where(allowed, logits, xp.full_like(logits, -xp.inf))
-    top = finite_shift(xp, xp.max(logits, axis=axis, keepdims=True))
-    weights = xp.exp(logits - top)  # entries not allowed: exp(-inf) = 0
-    total = xp.sum(weights, axis=axis, keepdims=True)
-    return weights * (scale / xp.where(total > 0, total, xp.ones_like(total)))
-
-
-def causal_allowed(xp: Any, query_positions: Array, key_start: int, key_stop: int,
-                   device: Any) -> Array:
-    """Boolean ``(N, key_stop - key_start)``: True where key ``m <= n`` (query ``n``).
-
-    ``query_positions`` holds ``0 .. N - 1`` (:func:`xattn._array.sequence_positions`).
-    Causal attention in xattn is aligned top-left, as in PyTorch's
-    ``scaled_dot_product_attention(is_causal=True)``: query ``n`` sees keys ``0..n``.
-    """
-    keys = xp.arange(key_start, key_stop, device=device)
-    return query_positions[:, None] >= xp.astype(keys, query_positions.dtype)[None, :]
 
 
 def softmax_attention(

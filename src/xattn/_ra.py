@@ -1,7 +1,7 @@
 r"""Randomized attention (RA): an unbiased Monte Carlo estimator of softmax attention.
 
 Paper: Zheng et al., *Linear Complexity Randomized Self-attention Mechanism*, ICML 2022
-(``seeds/002``), §3.2, Proposition 3.2 and Appendix G.2 (Algorithm 1). With the
+§3.2, Proposition 3.2 and Appendix G.2 (Algorithm 1). With the
 positive randomized mapping :math:`\xi(x, \omega) = \exp(\omega \cdot x - \lVert x
 \rVert^2 / 2)`, softmax attention is an expectation over the Gaussian mixture (eqs. 5, 29)
 
@@ -32,13 +32,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import check_positive_int, prepare_attention
+from xattn._array import Array, check_positive_int, prepare_attention
+from xattn._primitives import causal_allowed, masked_softmax
 from xattn.random import as_generator
-from xattn.softmax import causal_allowed, masked_softmax
 
 __all__ = ["ra"]
 
-Array = Any
 
 
 def _check_bool(value: Any, name: str) -> bool:
@@ -78,7 +77,7 @@ def ra(
     r"""Randomized attention (RA): unbiased (or biased) Monte Carlo softmax attention.
 
     For every query :math:`n` and each of its ``num_samples`` samples :math:`s`
-    (paper Algorithm 1, eqs. 29-30, Prop. 3.2 / eq. 7; DESIGN §3 RA):
+    (paper Algorithm 1, eqs. 29-30, Prop. 3.2 / eq. 7):
 
     .. math::
 
