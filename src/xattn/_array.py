@@ -99,6 +99,17 @@ def check_positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """Return ``value`` as a Python bool if it is a bool or a NumPy bool, else raise.
+
+    NumPy bools (``np.True_``) are accepted, as NumPy's own functions accept them; any
+    other type, ints included, is a ``TypeError``.
+    """
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``, else raise ``ValueError``."""
     if value not in choices:
@@ -253,8 +264,7 @@ def prepare_attention(
                          "attention over an empty key set is undefined")
     if q.shape[-1] == 0:
         raise ValueError(f"q and k must have a feature dim D >= 1, got q shape {tuple(q.shape)}")
-    if not isinstance(check_finite, bool):
-        raise TypeError(f"check_finite must be a bool, got {type(check_finite).__name__}")
+    check_finite = check_bool(check_finite, "check_finite")
     if check_finite:
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not bool(xp.all(xp.isfinite(x))):

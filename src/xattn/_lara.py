@@ -23,11 +23,13 @@ weights from the balance heuristic plus a query-specific correction (Appendix G.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from xattn._array import (
     Array,
     array_namespace,
+    check_bool,
     check_choice,
     check_positive_int,
     index_sizes,
@@ -234,7 +236,7 @@ def lara_weights(proposal_weights: Array, query_affinity: Array, *,
 
 
 def _check_beta(beta: Any) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, int | float):
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
         raise TypeError(f"beta must be a real number, got {type(beta).__name__} {beta!r}")
     if not math.isfinite(beta):
         raise ValueError(f"beta must be finite, got {beta}")
@@ -371,8 +373,7 @@ def lara(
     check_choice(proposal, "proposal", PROPOSALS)
     check_choice(weighting, "weighting", WEIGHTINGS)
     beta = _check_beta(beta)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    deterministic = check_bool(deterministic, "deterministic")
     if inputs.num_queries == 0:  # N = 0: an empty result, whatever C
         return inputs.finish(xp.zeros((*inputs.batch_shape, 0, inputs.v.shape[-1]),
                                       dtype=inputs.compute_dtype, device=inputs.device))

@@ -32,18 +32,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import Array, check_positive_int, prepare_attention
+from xattn._array import Array, check_bool, check_positive_int, prepare_attention
 from xattn._primitives import causal_allowed, masked_softmax
 from xattn.random import as_generator
 
 __all__ = ["ra"]
 
-
-
-def _check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
 
 
 def _allowed_keys(xp: Any, key_mask: Array | None, causal: bool, query_start: int,
@@ -180,9 +174,9 @@ def ra(
     """
     num_samples = check_positive_int(num_samples, "num_samples")
     chunk_size = check_positive_int(chunk_size, "chunk_size")
-    biased = _check_bool(biased, "biased")
-    deterministic = _check_bool(deterministic, "deterministic")
-    causal = _check_bool(causal, "causal")
+    biased = check_bool(biased, "biased")
+    deterministic = check_bool(deterministic, "deterministic")
+    causal = check_bool(causal, "causal")
     if deterministic and not biased:
         raise ValueError(
             "deterministic=True requires biased=True: unbiased RA draws a random mixture "

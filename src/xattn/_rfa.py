@@ -24,6 +24,7 @@ from typing import Any
 from xattn._array import (
     Array,
     array_namespace,
+    check_bool,
     check_choice,
     check_positive_int,
     concrete_count,
@@ -236,10 +237,8 @@ def rfa(
                                check_finite=check_finite)
     check_choice(feature_map, "feature_map", FEATURE_MAPS)
     check_choice(sample_norm, "sample_norm", SAMPLE_NORMS)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(orthogonal, bool):
-        raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
+    causal = check_bool(causal, "causal")
+    orthogonal = check_bool(orthogonal, "orthogonal")
     block_size = check_positive_int(block_size, "block_size")
     if num_features is not None:
         num_features = check_positive_int(num_features, "num_features")

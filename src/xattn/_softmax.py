@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from xattn._array import Array, check_positive_int, prepare_attention, sequence_positions
+from xattn._array import (
+    Array,
+    check_bool,
+    check_positive_int,
+    prepare_attention,
+    sequence_positions,
+)
 from xattn._primitives import causal_allowed, finite_shift
 
 __all__ = ["softmax_attention"]
@@ -70,8 +76,7 @@ def softmax_attention(
     """
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
                                check_finite=check_finite)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    causal = check_bool(causal, "causal")
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     xp, q, k, v = inputs.xp, inputs.q, inputs.k, inputs.v
     num_queries, num_keys = inputs.num_queries, inputs.num_keys

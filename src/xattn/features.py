@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import Array, check_choice, check_positive_int, qr
+from xattn._array import Array, check_bool, check_choice, check_positive_int, qr
 from xattn._primitives import finite_shift
 from xattn.random import as_generator
 
@@ -225,8 +225,7 @@ def sample_omega(
     """
     num_features = check_positive_int(num_features, "num_features")
     dim = check_positive_int(dim, "dim")
-    if not isinstance(orthogonal, bool):
-        raise TypeError(f"orthogonal must be a bool, got {type(orthogonal).__name__}")
+    orthogonal = check_bool(orthogonal, "orthogonal")
     check_choice(norm, "norm", SAMPLE_NORMS)
     generator = as_generator(rng)
     if not orthogonal:
