@@ -13,15 +13,15 @@ import pytest
 
 import xattn
 from xattn import cli
-from xattn.diagnostics import estimator_error
+from xattn.diagnostics import estimator_error, structured_attention_inputs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SAMPLE_KEYWORDS = {"rfa": "num_features", "ra": "num_samples", "lara": "num_samples"}
 
 
 def small_inputs(seed=0, heads=2, length=24, head_dim=8):
-    q, k, v = cli.structured_attention_inputs(num_heads=heads, length=length,
-                                              head_dim=head_dim, num_clusters=4, seed=seed)
+    q, k, v = structured_attention_inputs(num_heads=heads, length=length,
+                                          head_dim=head_dim, num_clusters=4, seed=seed)
     return q, k, v
 
 

@@ -1,8 +1,9 @@
 """Run the docstring examples of every xattn module as doctests.
 
-Modules are discovered with :func:`pkgutil.iter_modules`, so modules added later are
-picked up automatically. The framework and command-line modules (``torch``, ``flax``,
-``cli``) are skipped only when an optional dependency they need is not installed.
+Modules (and the modules of subpackages such as ``xattn.cli``) are discovered with
+:func:`pkgutil.walk_packages`, so modules added later are picked up automatically. The
+framework and command-line modules (``torch``, ``flax``, ``cli``) are skipped only when
+an optional dependency they need is not installed.
 Each docstring with examples is one test, so a failure names the function.
 """
 
@@ -23,7 +24,8 @@ OPTION_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 def _module_names() -> list[str]:
     names = ["xattn"]
-    names += [f"xattn.{info.name}" for info in pkgutil.iter_modules(xattn.__path__)]
+    names += [info.name for info in pkgutil.walk_packages(xattn.__path__, "xattn.")
+              if not info.name.endswith(".__main__")]  # __main__ would run the command
     return sorted(names)
 
 
@@ -31,8 +33,8 @@ def _import(name: str):
     try:
         return importlib.import_module(name)
     except ImportError as error:
-        short_name = name.rpartition(".")[2]
-        if short_name in OPTIONAL_MODULES and name not in str(error):
+        optional = OPTIONAL_MODULES.intersection(name.split(".")[1:])  # xattn.cli.bench too
+        if optional and name not in str(error):
             return error  # an optional dependency of the module is missing
         raise
 

@@ -15,7 +15,7 @@ estimator with independent int seeds and splits its mean squared error (MSE) aga
 
 Two kinds of inputs are measured: iid Gaussian queries and keys (flat attention with no
 structure), and the structured inputs of ``xattn compare``
-(:func:`xattn.cli.structured_attention_inputs`: tokens in contiguous clusters, so
+(:func:`xattn.diagnostics.structured_attention_inputs`: tokens in contiguous clusters, so
 attention is sharp and local, closer to trained models). The sizes are small so the
 documentation builds fast: one realization of each input, 8 draws per point. Run this
 script with your own ``q, k, v`` to measure the estimators on your data.
@@ -26,8 +26,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import xattn
-from xattn.cli import structured_attention_inputs
-from xattn.diagnostics import estimator_error
+from xattn.diagnostics import estimator_error, structured_attention_inputs
 
 num_tokens, head_dim = 128, 32
 rng = np.random.default_rng(0)

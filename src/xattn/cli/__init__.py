@@ -1,0 +1,31 @@
+"""The ``xattn`` command: ``xattn compare`` and ``xattn bench``.
+
+``xattn compare`` measures how well each randomized estimator approximates exact softmax
+attention (MSE, relative error, time, peak memory) as the number of samples grows, next
+to the trivial uniform-attention baseline, and writes a table, a PNG and a JSON file.
+``xattn bench`` measures time and peak memory against sequence length for every
+estimator, exact softmax included, and reports where each linear-time estimator
+overtakes exact softmax. Run ``xattn compare --help`` for the options.
+
+This package is the application around the library: it may import array libraries
+(lazily, only the chosen backend), synchronize devices for timing and read their memory
+counters. Figures are drawn with Matplotlib's Agg canvas (no display, no pyplot state).
+
+Modules, one concern each:
+
+* :mod:`xattn.cli.registry`: the estimators the command knows (:class:`EstimatorSpec`);
+* :mod:`xattn.cli.measure`: backends, moving arrays onto them, synchronizing, timing,
+  peak memory and the log-log figures (also used by ``benchmarks/``);
+* :mod:`xattn.cli.inputs`: reading and validating ``--input`` files;
+* :mod:`xattn.cli.compare`, :mod:`xattn.cli.bench`: the sub-commands, each with
+  ``add_parser(subparsers)`` and ``run(args)``;
+* :mod:`xattn.cli.parser`: the argument parser and :func:`main`.
+"""
+
+from __future__ import annotations
+
+from xattn.cli.bench import crossover_length
+from xattn.cli.parser import build_parser, main
+from xattn.cli.registry import ESTIMATORS, EstimatorSpec
+
+__all__ = ["ESTIMATORS", "EstimatorSpec", "build_parser", "crossover_length", "main"]

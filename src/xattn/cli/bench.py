@@ -1,0 +1,240 @@
+"""``xattn bench``: time and peak memory against sequence length, crossover with softmax."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from xattn.cli.common import (
+    CommandError,
+    advance,
+    environment,
+    format_bytes,
+    output_dir,
+    progress_bar,
+    write_json,
+)
+from xattn.cli.measure import Backend, Measurement, load_backend, measured, new_figure
+from xattn.cli.options import (
+    add_common_options,
+    int_list,
+    nonnegative_float,
+    positive_int,
+)
+from xattn.cli.registry import EstimatorSpec, estimator_specs
+
+__all__ = ["add_parser", "crossover_length", "run"]
+
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``bench`` sub-command to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "bench", help="time and peak memory vs sequence length",
+        description="Time (median of --repeats calls after a warm-up call) and peak memory "
+        "(of the warm-up call: NumPy/Dask host allocations, CUDA allocator counters; n/a "
+        "for torch and JAX on CPU) of exact softmax and each estimator at each sequence "
+        "length N = M, on standard normal inputs; report the crossover length from which "
+        "each estimator is faster than exact softmax; write DIR/bench.png and "
+        "DIR/bench.json.")
+    add_common_options(parser, "rfa,ra,lara")
+    parser.add_argument("--lengths", type=int_list, default=list(DEFAULT_LENGTHS),
+                        metavar="LIST", help="comma-separated sequence lengths "
+                        "(default: 1024,2048,...,65536)")
+    parser.add_argument("--samples", default=None, metavar="SPEC",
+                        help="samples per estimator: an int for all, or name=int pairs, "
+                        "capped at N (default: rfa=64,ra=1,lara=64)")
+    parser.add_argument("--heads", type=positive_int, default=1,
+                        help="number of heads (default: 1)")
+    parser.add_argument("--head-dim", type=positive_int, default=64,
+                        help="D = Dv (default: 64)")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="timed calls after the warm-up call (default: 1)")
+    parser.add_argument("--time-limit", type=nonnegative_float, default=60.0,
+                        metavar="SECONDS",
+                        help="stop running an estimator at larger lengths once one of its "
+                        "calls took longer than this (0: no limit; default: 60)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``xattn bench``."""
+    specs = estimator_specs(["softmax", *args.estimators], allow_softmax=True)
+    functions = {spec.name: spec.load() for spec in specs}
+    samples = _bench_samples(args.samples, specs)
+    backend = load_backend(args.backend, args.device, args.dtype)
+    out_dir = output_dir(args.out)
+    host_rng = np.random.default_rng(args.seed)
+
+    lengths = sorted(set(args.lengths))
+    results: dict[str, list[dict[str, Any]]] = {spec.name: [] for spec in specs}
+    too_slow: set[str] = set()
+    print(f"xattn bench: {backend.describe()}, {args.dtype}, {args.heads} heads, "
+          f"D = {args.head_dim}, lengths {', '.join(map(str, lengths))}")
+    with progress_bar(len(specs) * len(lengths), "xattn bench", args.progress) as bar:
+        for length in lengths:
+            shape = (args.heads, length, args.head_dim)
+            q, k, v = (backend.to_backend(host_rng.normal(size=shape)) for _ in range(3))
+            for spec in specs:
+                if spec.name in too_slow:
+                    results[spec.name].append({"length": length, "samples": None,
+                                               "time_s": None, "peak_memory_bytes": None,
+                                               "skipped": f"a call took over --time-limit "
+                                                          f"{args.time_limit:g} s at a "
+                                                          "shorter length"})
+                    advance(bar, f"{spec.name} N={length} skipped")
+                    continue
+                measurement = Measurement()
+                call = measured(functions[spec.name], backend, measurement)
+                options = dict(spec.options)
+                used_samples = None
+                if spec.sample_keyword is not None:
+                    used_samples = min(samples[spec.name], length)  # LARA needs C <= N
+                    options[spec.sample_keyword] = used_samples
+                    options["rng"] = args.seed
+                try:
+                    for _ in range(1 + args.repeats):
+                        call(q, k, v, **options)
+                except ValueError as problem:
+                    raise CommandError(f"{spec.name} at length {length}: {problem}") from None
+                results[spec.name].append({"length": length, "samples": used_samples,
+                                           "time_s": measurement.time_s,
+                                           "peak_memory_bytes": measurement.peak_memory_bytes})
+                if args.time_limit and max(measurement.first_time,
+                                           measurement.time_s) > args.time_limit:
+                    too_slow.add(spec.name)
+                advance(bar, f"{spec.name} N={length}")
+            del q, k, v
+
+    crossover = {spec.name: crossover_length(results["softmax"], results[spec.name])
+                 for spec in specs if spec.name != "softmax"}
+    _print_bench_table(results, crossover, lengths)
+    payload = {
+        "command": "bench",
+        "environment": environment(backend),
+        "dtype": args.dtype,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "lengths": lengths,
+        "time_limit_s": args.time_limit,
+        "samples": {spec.name: samples.get(spec.name) for spec in specs},
+        "results": results,
+        "crossover_length": crossover,
+        "crossover_rule": "the smallest measured length from which on the estimator is "
+                          "faster than exact softmax at every larger measured length "
+                          "(where softmax was skipped as too slow, its last measured time "
+                          "is the bound; a skipped estimator is not faster); null if it "
+                          "never is",
+    }
+    json_path = out_dir / "bench.json"
+    png_path = out_dir / "bench.png"
+    write_json(json_path, payload)
+    _plot_bench(png_path, results, crossover, backend)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _bench_samples(text: str, specs: list[EstimatorSpec]) -> dict[str, int]:
+    samples = {spec.name: spec.bench_samples for spec in specs if spec.sample_keyword}
+    if text is None:
+        return samples
+    for item in text.split(","):
+        name, _, count = item.strip().rpartition("=")
+        try:
+            value = int(count)
+        except ValueError:
+            value = 0
+        if value < 1 or (name and name not in samples):
+            raise CommandError(f"--samples: expected an int >= 1 or name=int pairs for "
+                               f"{', '.join(samples)}, got {item.strip()!r}")
+        for key in [name] if name else list(samples):
+            samples[key] = value
+    return samples
+
+
+def crossover_length(softmax_rows: list[dict[str, Any]],
+                     estimator_rows: list[dict[str, Any]]) -> int | None:
+    """Smallest length from which on the estimator beats softmax at every larger length.
+
+    Rows are sorted by length; ``time_s`` is ``None`` where a run was skipped for taking
+    too long. A skipped estimator is not faster; where softmax was skipped, its last
+    measured time (a lower bound, its cost grows with the length) is compared.
+
+    Examples
+    --------
+    >>> from xattn.cli import crossover_length
+    >>> exact = [{"length": n, "time_s": t} for n, t in [(1, 1.0), (2, 4.0), (4, 16.0)]]
+    >>> linear = [{"length": n, "time_s": t} for n, t in [(1, 3.0), (2, 6.0), (4, 12.0)]]
+    >>> crossover_length(exact, linear)
+    4
+    """
+    faster = []
+    softmax_bound = None
+    for exact, row in zip(softmax_rows, estimator_rows, strict=True):
+        if exact["time_s"] is not None:
+            softmax_bound = exact["time_s"]
+        faster.append(row["time_s"] is not None and softmax_bound is not None
+                      and row["time_s"] < softmax_bound)
+    crossover = None
+    for index in range(len(faster) - 1, -1, -1):
+        if not faster[index]:
+            break
+        crossover = estimator_rows[index]["length"]
+    return crossover
+
+
+def _print_bench_table(results: dict[str, list[dict[str, Any]]],
+                       crossover: dict[str, int | None], lengths: Sequence[int]) -> None:
+    names = list(results)
+    print(f"{'length':>7} " + " ".join(f"{name + ' [ms]':>13} {'[MiB]':>8}" for name in names))
+    for index, length in enumerate(lengths):
+        cells = []
+        for name in names:
+            row = results[name][index]
+            time_ms = "skipped" if row["time_s"] is None else f"{1e3 * row['time_s']:.2f}"
+            cells.append(f"{time_ms:>13} {format_bytes(row['peak_memory_bytes']):>8}")
+        print(f"{length:>7} " + " ".join(cells))
+    for name, length in crossover.items():
+        verdict = (f"faster than exact softmax from N = {length} on" if length is not None
+                   else "not faster than exact softmax at the measured lengths")
+        print(f"{name}: {verdict}")
+
+
+def _plot_bench(path: Path, results: dict[str, list[dict[str, Any]]],
+                crossover: dict[str, int | None], backend: Backend) -> None:
+    figure, (time_axes, memory_axes) = new_figure(ncols=2)
+    for name, rows in results.items():
+        timed = [(row["length"], row["time_s"]) for row in rows if row["time_s"] is not None]
+        label = name if name == "softmax" else name.upper()
+        line, = time_axes.plot(*zip(*timed, strict=True), marker="o", label=label)
+        if crossover.get(name) is not None:
+            time_axes.axvline(crossover[name], color=line.get_color(), linestyle=":",
+                              alpha=0.6)
+        memory = [(row["length"], row["peak_memory_bytes"] / 2**20) for row in rows
+                  if row["peak_memory_bytes"] is not None]
+        if memory:
+            memory_axes.plot(*zip(*memory, strict=True), marker="o", label=label,
+                             color=line.get_color())
+    for axes, ylabel in ((time_axes, "time [s]"), (memory_axes, "peak memory [MiB]")):
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("sequence length N = M")
+        axes.set_ylabel(ylabel)
+        axes.grid(True, which="both", alpha=0.3)
+    time_axes.legend(title="dotted: crossover")
+    time_axes.set_title(f"xattn bench: {backend.describe()}", fontsize="small")
+    if memory_axes.lines:
+        memory_axes.legend()
+    else:
+        memory_axes.text(0.5, 0.5, f"no peak-memory counter for {backend.name} on "
+                         f"{backend.device}", ha="center", va="center",
+                         transform=memory_axes.transAxes)
+    figure.savefig(path, dpi=120)

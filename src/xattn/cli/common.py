@@ -1,0 +1,73 @@
+"""What every sub-command shares: the usage-error exception and the output helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import xattn
+
+__all__ = ["DEFAULT_OUT", "EXIT_USAGE", "CommandError", "advance", "environment",
+           "format_bytes", "output_dir", "progress_bar", "write_json"]
+
+DEFAULT_OUT = "xattn-out"
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """A problem with the user's input: reported as one line on stderr, exit code 2."""
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, description: str, enabled: bool | None) -> Iterator[Any]:
+    """A tqdm bar on stderr (shown on a terminal unless ``enabled`` says otherwise)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a nicety: run without it
+        tqdm = None
+    if tqdm is None or enabled is False:
+        yield None
+        return
+    with tqdm(total=total, desc=description, file=sys.stderr, leave=False,
+              disable=None if enabled is None else False, unit="run") as bar:
+        yield bar
+
+
+def advance(bar: Any, label: str) -> None:
+    """Advance the progress bar (if any) by one run labelled ``label``."""
+    if bar is not None:
+        bar.set_postfix_str(label, refresh=False)
+        bar.update(1)
+
+
+def format_bytes(value: int | None) -> str:
+    """Bytes as MiB with one decimal, ``n/a`` for ``None``."""
+    return "n/a" if value is None else f"{value / 2**20:.1f}"
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON."""
+    path.write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
+
+
+def environment(backend: Any) -> dict[str, Any]:
+    """Versions and platform, for the JSON outputs."""
+    return {"xattn": xattn.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "backend": backend.name,
+            "backend_version": backend.version, "device": backend.device}
+
+
+def output_dir(path: str) -> Path:
+    """Create the ``--out`` directory (raises CommandError when it cannot be created)."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CommandError(f"--out {path}: cannot create the directory "
+                           f"({error.strerror})") from None
+    return out

@@ -1,0 +1,370 @@
+"""Backends and measurement: arrays onto a device, synchronizing, timing, peak memory, figures.
+
+Used by ``xattn compare``, ``xattn bench`` and the scripts in ``benchmarks/``:
+
+* :func:`load_backend` imports one array library lazily and returns a :class:`Backend`
+  that moves NumPy arrays onto its device (through :func:`xattn._array.host_to_device`),
+  synchronizes it for timing and measures the peak memory of a call;
+* :class:`Measurement` and :func:`measured` time the calls of a function (the first call
+  warms up and measures memory);
+* :func:`tracemalloc_peak` and :func:`rss_peak` measure host memory;
+  :func:`best_time`, :func:`interleaved_best_times` and :func:`loglog_slope` are the
+  benchmark scripts' timing helpers;
+* :func:`new_figure` and :func:`loglog_axes` draw on Matplotlib's Agg canvas, without
+  pyplot state.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import math
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from xattn._array import host_to_device
+from xattn.cli.common import CommandError
+
+__all__ = ["BACKENDS", "Backend", "Measurement", "best_time", "interleaved_best_times",
+           "load_backend", "loglog_axes", "loglog_slope", "measured", "new_figure",
+           "rss_peak", "tracemalloc_peak"]
+
+BACKENDS = ("numpy", "torch", "jax", "cupy", "dask")
+
+PeakMemory = Callable[[Callable[[], Any]], tuple[Any, "int | None"]]
+
+
+@dataclass
+class Backend:
+    """An array library on a device, as the command uses it.
+
+    Attributes
+    ----------
+    name, device, version : str
+        Backend name (``"torch"``), device (``"cpu"``, ``"cuda:0"``) and library version.
+    namespace : module
+        The Array API namespace the inputs live in.
+    to_backend : callable
+        A NumPy array onto the device, in the chosen dtype.
+    sync : callable
+        Waits until a result is computed (CUDA streams, JAX dispatch, Dask graphs).
+    peak_memory : callable
+        ``peak_memory(run) -> (run(), peak bytes or None)``.
+    """
+
+    name: str
+    device: str
+    namespace: Any
+    to_backend: Callable[[np.ndarray], Any]
+    sync: Callable[[Any], Any]
+    peak_memory: PeakMemory
+    version: str = ""
+
+    def describe(self) -> str:
+        return f"{self.name} {self.version} on {self.device}"
+
+
+def tracemalloc_peak(run: Callable[[], Any]) -> tuple[Any, int]:
+    """``run()`` and the peak host memory it allocated above what was allocated before.
+
+    NumPy (and so Dask's NumPy chunks) reports its buffers to :mod:`tracemalloc`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.cli.measure import tracemalloc_peak
+    >>> out, peak = tracemalloc_peak(lambda: np.ones(2**20))
+    >>> peak >= 8 * 2**20
+    True
+    """
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        baseline = tracemalloc.get_traced_memory()[0]
+        result = run()
+        peak = tracemalloc.get_traced_memory()[1] - baseline
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    return result, max(int(peak), 0)
+
+
+def _proc_status_kib(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_high_water_mark() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # Linux: reset VmHWM to the current resident size
+        return True
+    except OSError:
+        return False
+
+
+def rss_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
+    """``run()`` and the growth of the resident high-water mark during it (Linux).
+
+    Counts every page the call touched, whatever allocated it (torch's CPU allocator,
+    BLAS workspaces); resolution is a page, noise a few MB. ``None`` where
+    ``/proc/self/clear_refs`` is unavailable.
+    """
+    gc.collect()
+    if not _reset_high_water_mark() or _proc_status_kib("VmHWM") is None:
+        return run(), None
+    before = _proc_status_kib("VmRSS")
+    _reset_high_water_mark()
+    result = run()
+    high_water = _proc_status_kib("VmHWM")
+    if before is None or high_water is None:
+        return result, None
+    return result, max(high_water - before, 0) * 1024
+
+
+def _no_peak(run: Callable[[], Any]) -> tuple[Any, None]:
+    return run(), None
+
+
+def _import_backend(module: str, backend: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise CommandError(f"backend {backend!r} needs {module.split('.')[0]}, which is not "
+                           f"installed (pip install 'xattn[{backend}]')") from None
+
+
+def load_backend(name: str, device: str, dtype: str) -> Backend:
+    """Import the backend ``name`` lazily and check that ``device`` and ``dtype`` work."""
+    if name not in BACKENDS:
+        raise CommandError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+    if device not in ("cpu", "cuda"):
+        raise CommandError(f"unknown device {device!r}; choose from cpu, cuda")
+    if name in ("numpy", "dask") and device != "cpu":
+        raise CommandError(f"backend {name!r} runs on the CPU only; use --device cpu")
+    if name == "cupy" and device != "cuda":
+        raise CommandError("backend 'cupy' runs on CUDA only; use --device cuda")
+    loader = {"numpy": _numpy, "torch": _torch, "jax": _jax, "cupy": _cupy, "dask": _dask}
+    return loader[name](device, dtype)
+
+
+def _converter(xp: Any, dtype: Any, device: Any) -> Callable[[np.ndarray], Any]:
+    return lambda host: host_to_device(xp, host, dtype=dtype, device=device)
+
+
+def _numpy(device: str, dtype: str) -> Backend:
+    import array_api_compat.numpy as xp
+
+    return Backend("numpy", device, xp, _converter(xp, getattr(xp, dtype), "cpu"),
+                   lambda out: out, tracemalloc_peak, np.__version__)
+
+
+def _torch(device: str, dtype: str) -> Backend:
+    torch = _import_backend("torch", "torch")
+    import array_api_compat.torch as xp
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CommandError("--device cuda: torch sees no CUDA device")
+    torch_device = torch.device("cuda:0" if device == "cuda" else "cpu")
+
+    def torch_sync(out: Any) -> Any:
+        if torch_device.type == "cuda":
+            torch.cuda.synchronize(torch_device)
+        return out
+
+    def torch_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
+        if torch_device.type != "cuda":
+            return run(), None  # torch's CPU allocator keeps no counters
+        torch.cuda.synchronize(torch_device)
+        torch.cuda.reset_peak_memory_stats(torch_device)
+        baseline = torch.cuda.memory_allocated(torch_device)
+        result = run()
+        return result, int(torch.cuda.max_memory_allocated(torch_device) - baseline)
+
+    return Backend("torch", str(torch_device), xp,
+                   _converter(xp, getattr(torch, dtype), torch_device),
+                   torch_sync, torch_peak, torch.__version__)
+
+
+def _jax(device: str, dtype: str) -> Backend:
+    jax = _import_backend("jax", "jax")
+    jnp = importlib.import_module("jax.numpy")
+    try:
+        jax_device = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    except RuntimeError:
+        raise CommandError(f"--device {device}: JAX sees no such device") from None
+    if dtype == "float64" and not jax.config.jax_enable_x64:
+        raise CommandError("--dtype float64 with JAX needs the environment variable "
+                           "JAX_ENABLE_X64=1")
+    return Backend("jax", str(jax_device), jnp,
+                   _converter(jnp, getattr(jnp, dtype), jax_device),
+                   lambda out: out.block_until_ready(), _no_peak, jax.__version__)
+
+
+def _cupy(device: str, dtype: str) -> Backend:
+    cupy = _import_backend("cupy", "cupy")
+    import array_api_compat.cupy as xp
+
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        raise CommandError("--device cuda: CuPy sees no CUDA device") from None
+
+    def cupy_sync(out: Any) -> Any:
+        cupy.cuda.get_current_stream().synchronize()
+        return out
+
+    def cupy_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
+        hook = _cupy_peak_hook(cupy)
+        with hook:
+            result = run()
+        return result, hook.peak
+
+    return Backend("cupy", "cuda:0", xp, _converter(xp, getattr(xp, dtype), None),
+                   cupy_sync, cupy_peak, cupy.__version__)
+
+
+def _dask(device: str, dtype: str) -> Backend:
+    dask = _import_backend("dask", "dask")
+    import array_api_compat.dask.array as xp
+
+    convert = _converter(xp, getattr(xp, dtype), "cpu")
+
+    def to_dask(host: np.ndarray) -> Any:
+        chunks = (1,) * (host.ndim - 2) + host.shape[-2:]  # one chunk per batch-head
+        return convert(host).rechunk(chunks)
+
+    return Backend("dask", device, xp, to_dask, lambda out: out.persist(), tracemalloc_peak,
+                   dask.__version__)
+
+
+def _cupy_peak_hook(cupy: Any) -> Any:
+    """A CuPy memory hook that records the peak of bytes handed out by the memory pool."""
+
+    class PeakHook(cupy.cuda.MemoryHook):
+        name = "xattn_peak"
+
+        def __init__(self) -> None:
+            self.current = 0
+            self.peak = 0
+
+        def malloc_postprocess(self, **kwargs: Any) -> None:
+            self.current += int(kwargs.get("mem_size", 0))
+            self.peak = max(self.peak, self.current)
+
+        def free_postprocess(self, **kwargs: Any) -> None:
+            self.current -= int(kwargs.get("mem_size", 0))
+
+    return PeakHook()
+
+
+@dataclass
+class Measurement:
+    """Wall time and peak memory of the calls of one function.
+
+    The first call (a warm-up: JAX compiles, caches fill) measures the peak memory; the
+    others are timed without memory tracing. ``time_s`` is the median of the timed calls,
+    or the first call's time when there is only one.
+    """
+
+    first_time: float | None = None
+    times: list[float] = field(default_factory=list)
+    peak_memory_bytes: int | None = None
+
+    @property
+    def time_s(self) -> float:
+        return statistics.median(self.times) if self.times else float(self.first_time)
+
+
+def measured(function: Callable[..., Any], backend: Backend,
+             measurement: Measurement) -> Callable[..., Any]:
+    """Wrap ``function`` so that each call is synchronized, timed and (first) memory-traced."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        if measurement.first_time is None:
+            out, peak = backend.peak_memory(lambda: backend.sync(function(*args, **kwargs)))
+            measurement.first_time = time.perf_counter() - start
+            measurement.peak_memory_bytes = peak
+        else:
+            out = backend.sync(function(*args, **kwargs))
+            measurement.times.append(time.perf_counter() - start)
+        return out
+
+    return call
+
+
+def best_time(call: Callable[[], Any], repeats: int) -> float:
+    """Best wall time of ``repeats`` calls of ``call()`` after one warm-up call."""
+    return interleaved_best_times({"call": call}, repeats)["call"]
+
+
+def interleaved_best_times(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Best time of each call over ``repeats`` rounds, after one warm-up call each.
+
+    Rounds interleave the calls (one call of each per round), so that a change of load
+    on a shared machine affects all of them alike instead of whichever ran at the time.
+    """
+    for call in calls.values():
+        call()  # warm-up
+    best = dict.fromkeys(calls, math.inf)
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def loglog_slope(lengths: Sequence[float], values: Sequence[float | None]) -> float | None:
+    """Least-squares slope of log(value) against log(length) (1: linear); ``None`` with
+    fewer than two positive values.
+
+    Examples
+    --------
+    >>> from xattn.cli.measure import loglog_slope
+    >>> round(loglog_slope([1, 2, 4], [3.0, 12.0, 48.0]), 6)
+    2.0
+    """
+    points = [(math.log(n), math.log(t)) for n, t in zip(lengths, values, strict=True)
+              if t is not None and t > 0]
+    if len(points) < 2:
+        return None
+    x, y = np.array(points).T
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def new_figure(ncols: int = 1, width: float = 6.4, height: float = 4.4) -> tuple[Any, Any]:
+    """A Matplotlib figure on the Agg canvas with ``ncols`` axes (no pyplot state)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CommandError("writing the PNG needs matplotlib: pip install 'xattn[cli]'") from None
+    figure = Figure(figsize=(width * ncols, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, ncols)
+    return figure, axes
+
+
+def loglog_axes(axes: Any, xlabel: str, ylabel: str, *, xbase: int = 2) -> None:
+    """Log-log scales, labels and a light grid."""
+    axes.set_xscale("log", base=xbase)
+    axes.set_yscale("log")
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.grid(True, which="both", alpha=0.3)

@@ -1,0 +1,83 @@
+"""Argument types and the options every sub-command shares."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from xattn.cli.common import DEFAULT_OUT
+from xattn.cli.measure import BACKENDS
+from xattn.cli.registry import ESTIMATORS
+
+__all__ = ["add_common_options", "int_at_least", "int_list", "name_list",
+           "nonnegative_float", "nonnegative_int", "positive_int"]
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated ints >= 1."""
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {text!r}")
+    return values
+
+
+def name_list(text: str) -> list[str]:
+    """An argparse type: comma-separated names."""
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated names")
+    return names
+
+
+def int_at_least(minimum: int):
+    """An argparse type: an int >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+
+
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def add_common_options(parser: argparse.ArgumentParser, default_estimators: str) -> None:
+    """--backend, --device, --dtype, --estimators, --seed, --out, --(no-)progress."""
+    parser.add_argument("--backend", default="numpy", metavar="NAME",
+                        help=f"array library: {', '.join(BACKENDS)} (default: numpy)")
+    parser.add_argument("--device", default="cpu", metavar="cpu|cuda",
+                        help="device (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                        help="dtype of the inputs (default: float32)")
+    parser.add_argument("--estimators", type=name_list, metavar="LIST",
+                        default=name_list(default_estimators),
+                        help=f"comma-separated estimators among {', '.join(ESTIMATORS)} "
+                             f"(default: {default_estimators})")
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
+                        help="seed of the random draws (default: 0)")
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                        help=f"output directory (default: {DEFAULT_OUT})")
+    progress = parser.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
+                          help="always show the progress bar (default: on a terminal)")
+    progress.add_argument("--no-progress", dest="progress", action="store_false",
+                          help="never show the progress bar")
