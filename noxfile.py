@@ -47,3 +47,4 @@ def docs(session: nox.Session) -> None:
     # the gallery runs examples on torch, JAX and Dask: install the backends too
     session.install(*CONSTRAINTS, "-e", ".[docs,cli,torch,jax,dask]")
     session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
+    session.run("python", "docs/_scripts/check_offline.py", "docs/_build/html")

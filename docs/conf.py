@@ -7,6 +7,7 @@ No extension here needs the network: intersphinx is deliberately off so CI build
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import xattn
@@ -80,4 +81,17 @@ html_theme_options = {
     "navbar_align": "left",
 }
 html_context = {"default_mode": "auto"}
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+
+# -- math offline -----------------------------------------------------------------------
+# MathJax 3.2.2 (Apache-2.0, files from the npm package ``mathjax``, ``es5/`` folder) is
+# vendored in ``_static/mathjax``: the full TeX build plus its CHTML web fonts, so that
+# formulas render with no network. ``.ci/run`` checks that no page loads anything remote.
+mathjax_path = "mathjax/tex-chtml-full.js"
+# sphinx-gallery's timing pages load a sortable-table widget from CDNs: drop it (see there).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_scripts"))
+from check_offline import strip_remote_table_assets
+
+
+def setup(app):
+    app.connect("source-read", strip_remote_table_assets)
