@@ -23,13 +23,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import gc
 import json
 import math
 import os
 import platform
-import time
-import tracemalloc
 from pathlib import Path
 
 # One thread per library by default (BENCH_THREADS to change): on a small shared machine,
@@ -41,36 +38,16 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 import xattn  # noqa: E402
+from xattn.cli.measure import (  # noqa: E402
+    best_time,
+    loglog_axes,
+    loglog_slope,
+    new_figure,
+    rss_peak,
+    tracemalloc_peak,
+)
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def _read_high_water_kib() -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_high_water() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _current_rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
 
 
 def use_mmap_for_large_blocks() -> None:
@@ -83,17 +60,10 @@ def use_mmap_for_large_blocks() -> None:
 
 def peak_memory_mib(call) -> tuple[float, str]:
     """Memory a call adds at its peak, in MiB, and how it was measured."""
-    gc.collect()
-    if _reset_high_water() and _read_high_water_kib() is not None:
-        before = _current_rss_kib()
-        _reset_high_water()
-        call()
-        return (_read_high_water_kib() - before) / 1024, "rss-high-water"
-    tracemalloc.start()
-    call()
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return peak / 2**20, "tracemalloc"
+    _, peak = rss_peak(call)
+    if peak is not None:
+        return peak / 2**20, "rss-high-water"
+    return tracemalloc_peak(call)[1] / 2**20, "tracemalloc"
 
 
 def make_inputs(backend: str, length: int, head_dim: int, seed: int = 0):
@@ -115,21 +85,6 @@ def estimators(num_samples: int, weightings):
     }
     chosen["rfa"] = lambda q, k, v: xattn.rfa(q, k, v, num_features=num_samples, rng=1)
     return chosen
-
-
-def best_time(call, repeats: int) -> float:
-    call()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def slope(lengths, times) -> float:
-    """Least-squares slope of log(time) against log(N): 1 means linear."""
-    return float(np.polyfit(np.log(lengths), np.log(times), 1)[0])
 
 
 def run(backends, samples, lengths, head_dim, repeats, weightings):
@@ -173,19 +128,15 @@ def summarize(rows):
                          a["peak_mib"] / b["peak_mib"] if b["peak_mib"] > 0 else math.nan
                          for a, b in zip(lara_rows, rfa_rows, strict=True)])
         if len(lengths) >= 2:
-            entry["log_log_slope"] = slope(lengths, [r["seconds"] for r in lara_rows])
-            entry["log_log_slope_rfa"] = slope(lengths, [r["seconds"] for r in rfa_rows])
+            entry["log_log_slope"] = loglog_slope(lengths, [r["seconds"] for r in lara_rows])
+            entry["log_log_slope_rfa"] = loglog_slope(lengths,
+                                                      [r["seconds"] for r in rfa_rows])
         summary.append(entry)
     return summary
 
 
 def plot(rows, summary, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (time_axis, ratio_axis, memory_axis) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (time_axis, ratio_axis, memory_axis) = new_figure(ncols=3, width=5.3, height=4.5)
     curves = sorted({(r["backend"], r["num_samples"], r["estimator"]) for r in rows})
     for backend, num_samples, name in curves:
         chosen = sorted((r for r in rows if (r["backend"], r["num_samples"], r["estimator"])
@@ -201,13 +152,14 @@ def plot(rows, summary, path: Path) -> None:
                             label=f"{entry['estimator']} {entry['backend']} "
                                   f"C=S={entry['num_samples']}")
     ratio_axis.axhline(1.2, color="gray", linestyle=":", label="target 1.2")
-    time_axis.set(xlabel="N = M", ylabel="seconds (best)", title="time")
+    loglog_axes(time_axis, "N = M", "seconds (best)", xbase=10)
+    loglog_axes(memory_axis, "N = M", "MiB", xbase=10)
+    time_axis.set_title("time")
+    memory_axis.set_title("peak memory added by a call")
     ratio_axis.set(xlabel="N = M", ylabel="LARA time / RFA time", title="time ratio")
-    memory_axis.set(xlabel="N = M", ylabel="MiB", title="peak memory added by a call")
+    ratio_axis.grid(True, which="both", alpha=0.3)
     for axis in (time_axis, ratio_axis, memory_axis):
         axis.legend(fontsize=7)
-        axis.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 

@@ -17,16 +17,15 @@ projection buffer), D^-1/2 score scaling, one batch-head, torch under ``no_grad`
 
 Time: best of ``--repeats`` rounds after one warm-up call (``time.perf_counter``); each
 round calls every method once, interleaved, so load changes hit all methods alike.
-Peak memory, above what the inputs and the imports already hold:
+Peak memory, above what the inputs and the imports already hold (the measurement helpers
+of ``xattn bench``, :mod:`xattn.cli.measure`):
 
 * NumPy: :mod:`tracemalloc` peak during one call (NumPy reports its buffers to it);
 * torch CPU: a fresh subprocess per (method, N) builds the inputs, resets the kernel's
   peak-RSS mark (``/proc/self/clear_refs``, Linux), runs one call and reports
   ``VmHWM - VmRSS`` (peak resident memory during the call minus resident memory before
   it). This counts every page the call touched (allocator caching included); resolution
-  is a page, noise a few MB. Where ``/proc`` is missing it falls back to the growth of
-  ``resource.getrusage().ru_maxrss``, which reads 0 when the call stays below the
-  process's earlier high-water mark.
+  is a page, noise a few MB. Where ``/proc`` is missing the figure is not available.
 
 Threads: the machine this was written for is small and shared, so every library runs
 single-threaded by default (``XATTN_BENCH_THREADS``, default 1, sets OMP/OpenBLAS/MKL
@@ -43,14 +42,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
-import resource
 import subprocess
 import sys
-import time
-import tracemalloc
 from pathlib import Path
 
 THREADS = os.environ.get("XATTN_BENCH_THREADS", "1")
@@ -58,6 +53,15 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, THREADS)  # before NumPy loads its BLAS
 
 import numpy as np  # noqa: E402
+
+from xattn.cli.measure import (  # noqa: E402
+    interleaved_best_times,
+    loglog_axes,
+    loglog_slope,
+    new_figure,
+    rss_peak,
+    tracemalloc_peak,
+)
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_LENGTHS = (1024, 2048, 4096)
@@ -114,49 +118,10 @@ def make_call(method: str, length: int, args: argparse.Namespace):
     return no_grad_call
 
 
-def time_calls(calls: dict, repeats: int) -> dict:
-    """Best time of each call over ``repeats`` rounds, after one warm-up call each.
-
-    Rounds interleave the methods (one call of each per round), so that a change of load
-    on a shared machine affects all of them alike instead of whichever ran at the time.
-    """
-    for call in calls.values():
-        call()  # warm-up
-    best = dict.fromkeys(calls, math.inf)
-    for _ in range(repeats):
-        for method, call in calls.items():
-            start = time.perf_counter()
-            call()
-            best[method] = min(best[method], time.perf_counter() - start)
-    return best
-
-
-def max_rss_bytes() -> int:
-    scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
-def proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{field} not in /proc/self/status")
-
-
 def memory_worker(method: str, length: int, args: argparse.Namespace) -> None:
     """Subprocess entry: one call in a fresh process, print its peak resident growth."""
     call = make_call(method, length, args)
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")  # reset VmHWM to the current RSS
-        before = proc_status_bytes("VmRSS")
-        call()
-        peak = proc_status_bytes("VmHWM") - before
-    except OSError:
-        before = max_rss_bytes()
-        call()
-        peak = max_rss_bytes() - before
+    _, peak = rss_peak(call)
     print(json.dumps({"peak_bytes": peak}))
 
 
@@ -164,24 +129,13 @@ def peak_memory(method: str, length: int, args: argparse.Namespace) -> tuple[int
     if method.startswith("numpy/"):
         call = make_call(method, length, args)
         call()
-        tracemalloc.start()
-        call()
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        return peak, "tracemalloc"
+        return tracemalloc_peak(call)[1], "tracemalloc"
     command = [sys.executable, __file__, "--_memory-worker", method, str(length),
                "--head-dim", str(args.head_dim), "--num-features", str(args.num_features),
                "--block-size", str(args.block_size)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"], "max_rss_subprocess"
-
-
-def loglog_slope(lengths, values) -> float | None:
-    points = [(math.log(n), math.log(t)) for n, t in zip(lengths, values, strict=True) if t]
-    if len(points) < 2:
-        return None
-    x, y = np.array(points).T
-    return float(np.polyfit(x, y, 1)[0])
+    peak = json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"]
+    return (0, "unavailable") if peak is None else (peak, "rss_high_water_subprocess")
 
 
 def summarize(results: list[dict]) -> dict:
@@ -209,12 +163,7 @@ def summarize(results: list[dict]) -> dict:
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
+    figure, (time_axis, memory_axis) = new_figure(ncols=2, width=6.0, height=4.5)
     for method in dict.fromkeys(row["method"] for row in results):
         rows = sorted((r for r in results if r["method"] == method), key=lambda r: r["length"])
         lengths = [r["length"] for r in rows]
@@ -222,15 +171,10 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         time_axis.plot(lengths, [r["time_s"] for r in rows], style, marker="o", label=method)
         memory_axis.plot(lengths, [max(r["peak_bytes"], 1) / 2**20 for r in rows], style,
                          marker="o", label=method)
-    for axis, label in ((time_axis, "time per call (s)"), (memory_axis, "peak memory (MiB)")):
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xlabel("sequence length N (= M)")
-        axis.set_ylabel(label)
-        axis.grid(True, which="both", alpha=0.3)
+    loglog_axes(time_axis, "sequence length N (= M)", "time per call (s)")
+    loglog_axes(memory_axis, "sequence length N (= M)", "peak memory (MiB)")
     time_axis.legend(fontsize=8)
     figure.suptitle(title)
-    figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
@@ -272,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
                     if not ("softmax" in m and length > args.softmax_max_length)
                     and not (m == "torch/performer-causal"
                              and length > args.performer_causal_max_length)]
-        seconds = time_calls({m: make_call(m, length, args) for m in measured}, repeats)
+        seconds = interleaved_best_times({m: make_call(m, length, args) for m in measured},
+                                         repeats)
         for method in measured:
             peak, how = (0, "skipped") if args.no_memory else peak_memory(method, length, args)
             results.append({"method": method, "length": length, "time_s": seconds[method],
