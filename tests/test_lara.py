@@ -14,6 +14,8 @@ from xattn import PROPOSALS, WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara_w
 
 import reference
 
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
 # ---------------------------------------------------------------------------------------
 # float64 NumPy reference: the unstabilized formula (paper eq. 28), with loops
 
@@ -30,11 +32,31 @@ def _gaussian(x, mean):
     return np.exp(-0.5 * np.sum((x - mean) ** 2, axis=-1)) / (2 * np.pi) ** (x.shape[-1] / 2)
 
 
-def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting, beta):
+def _grid_segments(allowed, grid, pools):
+    """Index arrays of the c_h x c_w bins of adaptive average pooling on an H x W grid
+    (row-major), bin (i, j) = rows floor(i H / c_h) .. ceil((i + 1) H / c_h) - 1 and the
+    matching columns, each without its masked tokens."""
+    (height, width), (pool_h, pool_w) = grid, pools
+    segments = []
+    for i in range(pool_h):
+        rows = range(math.floor(i * height / pool_h), math.ceil((i + 1) * height / pool_h))
+        for j in range(pool_w):
+            columns = range(math.floor(j * width / pool_w), math.ceil((j + 1) * width / pool_w))
+            tokens = np.array([r * width + c for r in rows for c in columns])
+            segments.append(tokens[allowed[tokens]])
+    return segments
+
+
+def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting, beta,
+                 grid=None, pools=None):
     num_samples, dim = noise.shape
-    q_segments = [q[s].mean(0) if len(s) else np.zeros(dim)
-                  for s in _segments(query_allowed, num_samples)]
-    k_segment_idx = _segments(key_allowed, num_samples)
+    if grid is None:
+        q_segment_idx = _segments(query_allowed, num_samples)
+        k_segment_idx = _segments(key_allowed, num_samples)
+    else:
+        q_segment_idx = _grid_segments(query_allowed, grid, pools)
+        k_segment_idx = _grid_segments(key_allowed, grid, pools)
+    q_segments = [q[s].mean(0) if len(s) else np.zeros(dim) for s in q_segment_idx]
     k_segments = [k[s].mean(0) if len(s) else np.zeros(dim) for s in k_segment_idx]
     q_tilde, k_tilde = np.array(q_segments), np.array(k_segments)
     if proposal == "standard":
@@ -83,9 +105,13 @@ def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting
 
 
 def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decoupled",
-                   beta=2.0, scale=None, key_mask=None, query_mask=None, seed=None):
+                   beta=2.0, scale=None, key_mask=None, query_mask=None, seed=None, grid=None):
     """LARA in float64 with explicit densities; ``seed=None`` is the deterministic mode.
-    The noise is what an int seed draws: ``default_rng(seed).standard_normal((*batch, C, D))``."""
+    The noise is what an int seed draws: ``default_rng(seed).standard_normal((*batch, C, D))``.
+    With ``grid=(H, W)``, ``num_samples`` is the pair (c_h, c_w)."""
+    pools = None
+    if grid is not None:
+        pools, num_samples = num_samples, num_samples[0] * num_samples[1]
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     num_queries, num_keys, dim = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
@@ -104,7 +130,8 @@ def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decou
     out = np.zeros((*batch, num_queries, v.shape[-1]))
     for index in np.ndindex(*batch):
         out[index] = _lara_single(q[index], k[index], v[index], key_mask[index],
-                                  query_mask[index], noise[index], proposal, weighting, beta)
+                                  query_mask[index], noise[index], proposal, weighting, beta,
+                                  grid, pools)
     return out
 
 
@@ -395,6 +422,96 @@ def test_bad_input(rng):
         xattn.lara(q, k, v, num_samples=2, deterministic=1)
     with pytest.raises(ValueError, match="k and v must have the same number of keys"):
         xattn.lara(q, k, v[..., :4, :], num_samples=2)
+
+
+# ---------------------------------------------------------------------------------------
+# 2-D segments on an image grid (grid=(H, W)): the bins of adaptive average pooling
+
+
+@pytest.mark.parametrize("grid", [(14, 14), (7, 9)])
+@pytest.mark.parametrize("pools", [(7, 7), (3, 4)])
+def test_grid_segment_means_equal_adaptive_avg_pool2d(backend, rng, grid, pools):
+    torch = pytest.importorskip("torch")
+    from xattn._array import array_namespace
+    from xattn._segments import segment_means
+
+    xp = backend.ns
+    (height, width), (pool_h, pool_w) = grid, pools
+    x = rng.normal(size=(2, height * width, 5))
+    x_backend = backend.asarray(x)
+    means, sizes = segment_means(array_namespace(x_backend), x_backend, None, pool_h * pool_w,
+                                 backend.device, grid=grid, pools=pools)
+    image = torch.tensor(x).reshape(2, height, width, 5).permute(0, 3, 1, 2)  # (B, D, H, W)
+    pooled = torch.nn.functional.adaptive_avg_pool2d(image, pools)  # (B, D, c_h, c_w)
+    expected = pooled.permute(0, 2, 3, 1).reshape(2, pool_h * pool_w, 5).numpy()
+    backend.check(means, expected, dtype=xp.float64, rtol=1e-13)
+    counts = [(b - a) * (d - c) for a, b in _bounds(height, pool_h) for c, d in
+              _bounds(width, pool_w)]
+    backend.check(sizes, np.asarray(counts, dtype=np.float64), dtype=xp.float64)
+
+
+def _bounds(length, parts):
+    return [(math.floor(i * length / parts), math.ceil((i + 1) * length / parts))
+            for i in range(parts)]
+
+
+@pytest.mark.parametrize("grid,pools", [((7, 9), (3, 4)), ((4, 4), (2, 2))])
+@pytest.mark.parametrize("proposal", ["segment", "landmark_attention"])
+def test_grid_matches_reference_with_masks(backend, rng, grid, pools, proposal):
+    xp = backend.ns
+    tokens = grid[0] * grid[1]
+    q, k, v = make_qkv(rng, num_queries=tokens, num_keys=tokens)
+    key_mask = rng.random((2, tokens)) < 0.7
+    query_mask = rng.random((2, tokens)) < 0.8
+    key_mask[1, : grid[1] * 2] = False  # batch 1: the top rows of keys masked out
+    out = run_lara(backend, *map(backend.asarray, (q, k, v)), num_samples=pools, grid=grid,
+                   proposal=proposal, key_mask=backend.asarray(key_mask),
+                   query_mask=backend.asarray(query_mask), rng=3)
+    expected = reference_lara(q, k, v, num_samples=pools, grid=grid, proposal=proposal,
+                              key_mask=key_mask, query_mask=query_mask, seed=3)
+    backend.check(out, expected, dtype=xp.float64)
+    unmasked = run_lara(backend, *map(backend.asarray, (q, k, v)), num_samples=pools,
+                        grid=grid, deterministic=True)
+    backend.check(unmasked, reference_lara(q, k, v, num_samples=pools, grid=grid),
+                  dtype=xp.float64)
+
+
+@pytest.mark.parametrize("grid,pools,num_samples", [((1, 12), (1, 4), 4), ((12, 1), (3, 1), 3),
+                                                    ((1, 10), (1, 10), 10)])
+def test_one_row_grid_equals_1d_lara(backend, rng, grid, pools, num_samples):
+    # a 1 x W (or H x 1) grid whose pool size divides the side: the adaptive bins are the
+    # equal contiguous segments of 1-D LARA, so every output matches for the same seed
+    xp = backend.ns
+    arrays = tuple(map(backend.asarray, make_qkv(rng, num_queries=12 if 12 in grid else 10,
+                                                 num_keys=12 if 12 in grid else 10)))
+    for options in ({"rng": 5}, {"deterministic": True, "proposal": "key_attention"}):
+        two_d = run_lara(backend, *arrays, num_samples=pools, grid=grid, **options)
+        one_d = run_lara(backend, *arrays, num_samples=num_samples, **options)
+        backend.check(two_d, backend.to_numpy(one_d), dtype=xp.float64, rtol=1e-12)
+
+
+def test_grid_bad_input(rng):
+    q, k, v = make_qkv(rng, num_queries=12, num_keys=12)
+    with pytest.raises(TypeError, match=r"with grid=\(H, W\), num_samples must be a pair "
+                                        r"\(c_h, c_w\)"):
+        xattn.lara(q, k, v, num_samples=4, grid=(3, 4))
+    with pytest.raises(TypeError, match=r"the pair form \(c_h, c_w\) needs grid=\(H, W\)"):
+        xattn.lara(q, k, v, num_samples=(2, 2))
+    with pytest.raises(ValueError, match=r"grid \(H, W\) = \(3, 5\) needs N = M = H \* W = 15 "
+                                         r"queries and keys.*got N = 12, M = 12"):
+        xattn.lara(q, k, v, num_samples=(2, 2), grid=(3, 5))
+    with pytest.raises(ValueError, match=r"N = 12, M = 11"):
+        xattn.lara(q, k[..., :11, :], v[..., :11, :], num_samples=(2, 2), grid=(3, 4))
+    with pytest.raises(ValueError, match=r"1 <= c_h <= H and 1 <= c_w <= W"):
+        xattn.lara(q, k, v, num_samples=(4, 2), grid=(3, 4))
+    with pytest.raises(ValueError, match=r"1 <= c_h <= H"):
+        xattn.lara(q, k, v, num_samples=(0, 2), grid=(3, 4))
+    with pytest.raises(TypeError, match=r"grid must be a pair \(H, W\) of ints"):
+        xattn.lara(q, k, v, num_samples=(2, 2), grid=12)
+    with pytest.raises(TypeError, match=r"num_samples must be a pair"):
+        xattn.lara(q, k, v, num_samples=(2.0, 2), grid=(3, 4))
+    with pytest.raises(ValueError, match=r"grid \(H, W\) must hold positive ints"):
+        xattn.lara(q, k, v, num_samples=(1, 1), grid=(0, 4))
 
 
 # ---------------------------------------------------------------------------------------

@@ -31,12 +31,10 @@ from xattn._array import (
     array_namespace,
     check_bool,
     check_choice,
-    check_positive_int,
-    index_sizes,
-    one_chunk_along,
     prepare_attention,
 )
 from xattn._primitives import masked_softmax
+from xattn._segments import check_segments, segment_means
 from xattn.features import positive_key_statistics, weighted_readout
 from xattn.random import as_generator
 
@@ -54,76 +52,6 @@ WEIGHTINGS = ("balance", "decoupled", "coupled")
 #: total, and positive weights keep each output a convex combination of the per-proposal
 #: estimates A'_c / b'_c (a denominator that cannot cancel to zero).
 WEIGHT_FLOOR = 1e-8
-
-
-def _segment_membership(xp: Any, mask: Array, length: int, num_segments: int,
-                        *, dtype: Any, device: Any) -> Array:
-    """Float (..., C, L) indicator: entry l is allowed and lies in segment c.
-
-    Segments are contiguous runs of the *allowed* entries (ranked in order), with sizes
-    differing by at most one (the first ``count % C`` segments get one more,
-    as :func:`xattn._array.index_sizes`). Masked entries belong to no segment, so padding
-    a sequence with masked entries leaves every segment unchanged. Built from integer
-    array arithmetic (a cumulative sum of the mask), with no Python control flow on values.
-    """
-    allowed = xp.astype(mask, xp.int32)
-    rank = xp.cumulative_sum(allowed, axis=-1) - allowed  # position among allowed entries
-    count = xp.sum(allowed, axis=-1, keepdims=True)
-    base = count // num_segments
-    extra = count % num_segments
-    in_long_segments = extra * (base + 1)  # the first `extra` segments have base + 1 entries
-    segment = xp.where(
-        rank < in_long_segments,
-        rank // (base + 1),
-        extra + (rank - in_long_segments) // xp.maximum(base, xp.ones_like(base)),
-    )
-    segment_ids = xp.arange(num_segments, device=device)
-    member = (segment[..., None, :] == xp.astype(segment_ids, segment.dtype)[:, None]) & (
-        allowed[..., None, :] > 0)
-    return xp.astype(member, dtype)
-
-
-def _contiguous_segment_means(xp: Any, x: Array, num_segments: int,
-                              device: Any) -> tuple[Array, Array]:
-    """Means (..., C, D) of C contiguous segments of all L rows of x, and their sizes (C,).
-
-    Without a mask the segments are static slices (sizes from
-    :func:`xattn._array.index_sizes`), so two reshapes give the means in O(L D).
-    Segments left empty when C > L get a zero mean.
-    """
-    length, dim, batch = x.shape[-2], x.shape[-1], x.shape[:-2]
-    base, extra = divmod(length, num_segments)
-    in_long_segments = extra * (base + 1)
-    means = []
-    if extra:  # the first `extra` segments have base + 1 rows
-        means.append(xp.mean(xp.reshape(x[..., :in_long_segments, :],
-                                        (*batch, extra, base + 1, dim)), axis=-2))
-    if base:
-        means.append(xp.mean(xp.reshape(x[..., in_long_segments:, :],
-                                        (*batch, num_segments - extra, base, dim)), axis=-2))
-    else:
-        means.append(xp.zeros((*batch, num_segments - extra, dim), dtype=x.dtype,
-                              device=device))
-    sizes = xp.asarray(index_sizes(length, num_segments), dtype=x.dtype, device=device)
-    segment_means = xp.concat(means, axis=-2) if len(means) > 1 else means[0]
-    # Dask: the reshapes leave one chunk per segment; keep the C means in one chunk
-    return one_chunk_along(segment_means, -2), sizes
-
-
-def _segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int,
-                   device: Any) -> tuple[Array, Array]:
-    """Segment means (..., C, D) of the allowed rows of x, and the segment sizes (..., C).
-
-    With a mask, through the (..., C, L) membership matrix, O(L C D). A segment without
-    members (all its entries masked, or C > L) gets a zero mean.
-    """
-    if mask is None:
-        return _contiguous_segment_means(xp, x, num_segments, device)
-    membership = _segment_membership(xp, mask, x.shape[-2], num_segments, dtype=x.dtype,
-                                     device=device)
-    sizes = xp.sum(membership, axis=-1)
-    safe_sizes = xp.where(sizes > 0, sizes, xp.ones_like(sizes))
-    return (membership @ x) / safe_sizes[..., None], sizes
 
 
 def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
@@ -248,7 +176,8 @@ def lara(
     k: Array,
     v: Array,
     *,
-    num_samples: int,
+    num_samples: int | tuple[int, int],
+    grid: tuple[int, int] | None = None,
     proposal: str = "segment",
     weighting: str = "decoupled",
     beta: float = 2.0,
@@ -262,10 +191,12 @@ def lara(
     r"""Linear randomized attention (LARA), O((N + M) C) in time and memory.
 
     Splits the allowed queries and the allowed keys into C contiguous segments each
-    (sizes differ by at most one), takes their means :math:`\tilde q_c, \tilde k_c` of
-    the scaled inputs :math:`\hat q = \sqrt{s}\,q`, :math:`\hat k = \sqrt{s}\,k`, builds
-    one proposal :math:`N(\mu_c, I)` per segment, draws :math:`\omega_c = \mu_c +
-    \epsilon_c` and evaluates, in the stabilized form of the theory pages,
+    (sizes differ by at most one) or, with ``grid=(H, W)``, into the ``c_h x c_w`` bins of
+    2-D adaptive average pooling of the image grid, takes their means
+    :math:`\tilde q_c, \tilde k_c` of the scaled inputs :math:`\hat q = \sqrt{s}\,q`,
+    :math:`\hat k = \sqrt{s}\,k`, builds one proposal :math:`N(\mu_c, I)` per segment,
+    draws :math:`\omega_c = \mu_c + \epsilon_c` and evaluates, in the stabilized form of
+    the theory pages,
 
     .. math::
 
@@ -298,10 +229,21 @@ def lara(
     v : array, shape (..., M, Dv)
         Queries, keys, values; leading dims broadcast. Half precision is computed in
         float32 and returned in the input dtype.
-    num_samples : int
+    num_samples : int or (int, int)
         C, the number of proposals (one sample each), 1 <= C <= N. C may exceed M:
         key segments without keys then have a zero mean. With N = 0 queries the result
-        is empty, whatever C.
+        is empty, whatever C. With ``grid``, a pair ``(c_h, c_w)`` (1 <= c_h <= H,
+        1 <= c_w <= W) and C = c_h c_w.
+    grid : (int, int), optional
+        ``(H, W)``: the N queries and the M keys are H x W images (patch grids) in
+        row-major order, N = M = H W. The segments are then the bins of 2-D adaptive
+        average pooling, as in the paper's vision models (Appendix G.3.1, H): segment
+        c = i c_w + j covers the rows :math:`\lfloor iH/c_h \rfloor \dots \lceil (i+1)
+        H/c_h \rceil - 1` and the matching columns, so the landmarks equal PyTorch's
+        ``adaptive_avg_pool2d`` of the grid (neighbouring bins share a row or column when
+        c_h does not divide H). Masked tokens belong to no bin. On a 1 x W grid with c_w
+        dividing W this is 1-D LARA; otherwise the bins differ from the 1-D segments (they
+        may overlap, the 1-D segments partition). See the theory page on LARA for a figure.
     proposal : {"segment", "key_attention", "landmark_attention", "standard"}
     weighting : {"decoupled", "balance", "coupled"}
     beta : float
@@ -341,7 +283,11 @@ def lara(
     ------
     ValueError
         If ``num_samples < 1`` or ``num_samples > N``, or ``proposal`` / ``weighting``
-        is not one of the names above.
+        is not one of the names above; with ``grid``, if N or M is not H W or a pool size
+        exceeds its grid side.
+    TypeError
+        If ``num_samples`` is not an int (a pair ``(c_h, c_w)`` without ``grid``, or an
+        int with ``grid``), or ``grid`` is not a pair of ints.
 
     References
     ----------
@@ -362,14 +308,19 @@ def lara(
     >>> evaluation = xattn.lara(q, k, v, num_samples=8, deterministic=True)
     >>> bool(np.mean((evaluation - exact) ** 2) < np.mean(exact ** 2))
     True
+
+    A 14 x 14 patch grid with 7 x 7 = 49 two-dimensional segments:
+
+    >>> q, k, v = (rng.normal(size=(3, 196, 8)) for _ in range(3))
+    >>> xattn.lara(q, k, v, num_samples=(7, 7), grid=(14, 14), rng=0).shape
+    (3, 196, 8)
     """
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
                                check_finite=check_finite)
     xp = inputs.xp
-    num_samples = check_positive_int(num_samples, "num_samples")
-    if 0 < inputs.num_queries < num_samples:
-        raise ValueError(f"num_samples (C = {num_samples}) must be <= the number of queries "
-                         f"N = {inputs.num_queries} of q with shape {tuple(inputs.q.shape)}")
+    shapes = f"q shape {tuple(inputs.q.shape)}, k shape {tuple(inputs.k.shape)}"
+    num_samples, grid, pools = check_segments(num_samples, grid, inputs.num_queries,
+                                              inputs.num_keys, shapes)
     check_choice(proposal, "proposal", PROPOSALS)
     check_choice(weighting, "weighting", WEIGHTINGS)
     beta = _check_beta(beta)
@@ -383,10 +334,12 @@ def lara(
     q_hat, k_hat, v = root_scale * inputs.q, root_scale * inputs.k, inputs.v
     key_mask, query_mask = inputs.key_mask, inputs.query_mask
 
-    # Landmarks: means of C contiguous segments of the allowed queries and keys (G.3.1).
-    query_landmarks, _ = _segment_means(xp, q_hat, query_mask, num_samples, device)  # q~_c
-    key_landmarks, key_segment_sizes = _segment_means(xp, k_hat, key_mask, num_samples,
-                                                      device)  # k~_c
+    # Landmarks: means of C segments of the allowed queries and keys (G.3.1): contiguous
+    # runs, or the bins of 2-D adaptive average pooling on an image grid (Appendix H).
+    query_landmarks, _ = segment_means(xp, q_hat, query_mask, num_samples, device,
+                                       grid=grid, pools=pools)  # q~_c
+    key_landmarks, key_segment_sizes = segment_means(xp, k_hat, key_mask, num_samples,
+                                                     device, grid=grid, pools=pools)  # k~_c
     proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
                                      key_segment_sizes, k_hat, key_mask)  # mu_c
 

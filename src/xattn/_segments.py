@@ -1,0 +1,197 @@
+r"""Segments of a sequence or of an image grid and their means (LARA's landmarks).
+
+LARA (Zheng et al., ICML 2022, Appendix G.3.1) builds one proposal per segment from the
+segment means :math:`\tilde q_c`, :math:`\tilde k_c` of the scaled queries and keys:
+
+- **1-D** (sequences): C contiguous runs of the allowed positions, with sizes differing by
+  at most one (the first ``count % C`` runs get one more entry). The runs are taken over
+  the *allowed* positions only, so padding with masked entries changes nothing.
+- **2-D** (images, ``grid=(H, W)``, row-major tokens): the ``c_h x c_w`` bins of 2-D
+  adaptive average pooling ("2D average pooling (the same as segments)", Appendix H).
+  Bin (i, j) covers the rows :math:`\lfloor iH/c_h \rfloor \dots \lceil (i+1)H/c_h
+  \rceil - 1` and the columns :math:`\lfloor jW/c_w \rfloor \dots \lceil (j+1)W/c_w
+  \rceil - 1`, exactly the bins of PyTorch's ``adaptive_avg_pool2d``; neighbouring bins
+  overlap by one row (column) when ``c_h`` does not divide ``H``. Segment c = i c_w + j
+  (row-major). A masked token belongs to no segment: the bins stay where they are and
+  the mean is over their allowed tokens.
+
+A segment without an allowed entry has a zero mean (and size 0), never NaN.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from xattn._array import Array, index_sizes, one_chunk_along
+
+__all__ = ["adaptive_bins", "check_segments", "segment_means"]
+
+
+def adaptive_bins(length: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the ``parts`` bins of adaptive average pooling over ``length``.
+
+    Bin i is ``floor(i * length / parts) .. ceil((i + 1) * length / parts)``, as in
+    PyTorch's ``adaptive_avg_pool1d`` / ``adaptive_avg_pool2d``.
+
+    Examples
+    --------
+    >>> from xattn._segments import adaptive_bins
+    >>> adaptive_bins(7, 3)
+    [(0, 3), (2, 5), (4, 7)]
+    """
+    return [((i * length) // parts, -((-(i + 1) * length) // parts)) for i in range(parts)]
+
+
+def _pair_of_ints(value: Any) -> bool:
+    return (isinstance(value, tuple | list) and len(value) == 2
+            and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in value))
+
+
+def check_segments(num_samples: Any, grid: Any, num_queries: int, num_keys: int,
+                   shapes: str) -> tuple[int, tuple[int, int] | None, tuple[int, int] | None]:
+    """Validate LARA's ``num_samples`` and ``grid``; return ``(C, grid, pools)``.
+
+    Without ``grid``, ``num_samples`` is an int C (``pools`` and ``grid`` are None). With
+    ``grid=(H, W)`` it is a pair ``(c_h, c_w)``, ``1 <= c_h <= H``, ``1 <= c_w <= W``,
+    ``C = c_h * c_w``, and the queries and keys must number ``N = M = H * W``.
+    ``shapes`` describes q and k for the messages.
+    """
+    if grid is None:
+        if isinstance(num_samples, tuple | list):
+            raise TypeError(f"num_samples must be an int >= 1 (C segments); the pair form "
+                            f"(c_h, c_w) needs grid=(H, W), got num_samples={num_samples!r} "
+                            "without grid")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral):
+            raise TypeError(f"num_samples must be an int >= 1, got "
+                            f"{type(num_samples).__name__} {num_samples!r}")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        count = int(num_samples)
+        if 0 < num_queries < count:
+            raise ValueError(f"num_samples (C = {count}) must be <= the number of queries "
+                             f"N = {num_queries} ({shapes})")
+        return count, None, None
+    if not _pair_of_ints(grid):
+        raise TypeError(f"grid must be a pair (H, W) of ints, got {type(grid).__name__} "
+                        f"{grid!r}")
+    height, width = (int(x) for x in grid)
+    if height < 1 or width < 1:
+        raise ValueError(f"grid (H, W) must hold positive ints, got {grid!r}")
+    if not _pair_of_ints(num_samples):
+        raise TypeError(f"with grid=(H, W), num_samples must be a pair (c_h, c_w) of ints "
+                        f"(c_h * c_w segments, the bins of 2-D adaptive average pooling), got "
+                        f"{type(num_samples).__name__} {num_samples!r}")
+    pool_h, pool_w = (int(x) for x in num_samples)
+    if not (1 <= pool_h <= height and 1 <= pool_w <= width):
+        raise ValueError(f"num_samples (c_h, c_w) = {(pool_h, pool_w)} must satisfy "
+                         f"1 <= c_h <= H and 1 <= c_w <= W for grid (H, W) = "
+                         f"{(height, width)}")
+    tokens = height * width
+    if num_queries != tokens or num_keys != tokens:
+        raise ValueError(f"grid (H, W) = {(height, width)} needs N = M = H * W = {tokens} "
+                         f"queries and keys in row-major order; got N = {num_queries}, "
+                         f"M = {num_keys} ({shapes})")
+    return pool_h * pool_w, (height, width), (pool_h, pool_w)
+
+
+def _grid_membership(xp: Any, grid: tuple[int, int], pools: tuple[int, int], *, dtype: Any,
+                     device: Any) -> Array:
+    """Float (C, H * W) indicator of the adaptive-pooling bins, segment c = i * c_w + j."""
+    (height, width), (pool_h, pool_w) = grid, pools
+
+    def bin_indicator(length: int, parts: int) -> Array:  # (parts, length)
+        bounds = adaptive_bins(length, parts)
+        starts = xp.asarray([start for start, _ in bounds], device=device)[:, None]
+        stops = xp.asarray([stop for _, stop in bounds], device=device)[:, None]
+        positions = xp.astype(xp.arange(length, device=device), starts.dtype)[None, :]
+        return xp.astype((positions >= starts) & (positions < stops), dtype)
+
+    rows, columns = bin_indicator(height, pool_h), bin_indicator(width, pool_w)
+    membership = rows[:, None, :, None] * columns[None, :, None, :]  # (c_h, c_w, H, W)
+    return xp.reshape(membership, (pool_h * pool_w, height * width))
+
+
+def _segment_membership(xp: Any, mask: Array, length: int, num_segments: int,
+                        *, dtype: Any, device: Any) -> Array:
+    """Float (..., C, L) indicator: entry l is allowed and lies in 1-D segment c.
+
+    Segments are contiguous runs of the *allowed* entries (ranked in order), with sizes
+    differing by at most one (the first ``count % C`` segments get one more,
+    as :func:`xattn._array.index_sizes`). Built from integer array arithmetic (a
+    cumulative sum of the mask), with no Python control flow on values.
+    """
+    allowed = xp.astype(mask, xp.int32)
+    rank = xp.cumulative_sum(allowed, axis=-1) - allowed  # position among allowed entries
+    count = xp.sum(allowed, axis=-1, keepdims=True)
+    base = count // num_segments
+    extra = count % num_segments
+    in_long_segments = extra * (base + 1)  # the first `extra` segments have base + 1 entries
+    segment = xp.where(
+        rank < in_long_segments,
+        rank // (base + 1),
+        extra + (rank - in_long_segments) // xp.maximum(base, xp.ones_like(base)),
+    )
+    segment_ids = xp.arange(num_segments, device=device)
+    member = (segment[..., None, :] == xp.astype(segment_ids, segment.dtype)[:, None]) & (
+        allowed[..., None, :] > 0)
+    return xp.astype(member, dtype)
+
+
+def _contiguous_segment_means(xp: Any, x: Array, num_segments: int,
+                              device: Any) -> tuple[Array, Array]:
+    """Means (..., C, D) of C contiguous 1-D segments of all L rows of x, and sizes (C,).
+
+    Without a mask the segments are static slices (sizes from
+    :func:`xattn._array.index_sizes`), so two reshapes give the means in O(L D).
+    Segments left empty when C > L get a zero mean.
+    """
+    length, dim, batch = x.shape[-2], x.shape[-1], x.shape[:-2]
+    base, extra = divmod(length, num_segments)
+    in_long_segments = extra * (base + 1)
+    means = []
+    if extra:  # the first `extra` segments have base + 1 rows
+        means.append(xp.mean(xp.reshape(x[..., :in_long_segments, :],
+                                        (*batch, extra, base + 1, dim)), axis=-2))
+    if base:
+        means.append(xp.mean(xp.reshape(x[..., in_long_segments:, :],
+                                        (*batch, num_segments - extra, base, dim)), axis=-2))
+    else:
+        means.append(xp.zeros((*batch, num_segments - extra, dim), dtype=x.dtype,
+                              device=device))
+    sizes = xp.asarray(index_sizes(length, num_segments), dtype=x.dtype, device=device)
+    segment_means = xp.concat(means, axis=-2) if len(means) > 1 else means[0]
+    # Dask: the reshapes leave one chunk per segment; keep the C means in one chunk
+    return one_chunk_along(segment_means, -2), sizes
+
+
+def segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int, device: Any, *,
+                  grid: tuple[int, int] | None = None,
+                  pools: tuple[int, int] | None = None) -> tuple[Array, Array]:
+    """Segment means (..., C, D) of the allowed rows of x, and the segment sizes.
+
+    1-D (``grid=None``): C contiguous runs of the allowed rows; without a mask by static
+    slices in O(L D), with a mask through the (..., C, L) membership matrix, O(L C D).
+    2-D (``grid=(H, W)``, ``pools=(c_h, c_w)``): the adaptive-pooling bins, through the
+    static (C, L) bin indicator, O(L C D); a mask removes its tokens from the bins. The
+    sizes have shape (C,) without a mask and (..., C) with one. A segment without members
+    gets a zero mean.
+    """
+    if grid is None:
+        if mask is None:
+            return _contiguous_segment_means(xp, x, num_segments, device)
+        membership = _segment_membership(xp, mask, x.shape[-2], num_segments, dtype=x.dtype,
+                                         device=device)
+        sizes = xp.sum(membership, axis=-1)
+        safe_sizes = xp.where(sizes > 0, sizes, 1.0)
+        return (membership @ x) / safe_sizes[..., None], sizes
+    membership = _grid_membership(xp, grid, pools, dtype=x.dtype, device=device)  # (C, L)
+    if mask is None:
+        sizes = xp.sum(membership, axis=-1)  # (C,): (bin height) * (bin width), never 0
+        return one_chunk_along((membership @ x) / sizes[:, None], -2), sizes
+    allowed = xp.astype(mask, x.dtype)[..., :, None]  # (..., L, 1)
+    sizes = (membership @ allowed)[..., 0]  # (..., C) allowed tokens per bin
+    safe_sizes = xp.where(sizes > 0, sizes, 1.0)
+    totals = membership @ xp.where(mask[..., :, None], x, 0.0)  # masked tokens: no part
+    return one_chunk_along(totals / safe_sizes[..., None], -2), sizes
+
