@@ -161,7 +161,7 @@ else:
     X = torch.zeros(5, 2, 8)  # (L, N, E)
     SPECIFIC += [
         ("torch module embed_dim", MultiheadAttention, (0, 1), {}, ValueError,
-         r"embed_dim must be a positive int"),
+         r"embed_dim must be >= 1"),
         ("torch module num_heads", MultiheadAttention, (8, 3), {}, ValueError,
          r"embed_dim \(8\) must be divisible by num_heads \(3\)"),
         ("torch module estimator", MultiheadAttention, (8, 2), {"estimator": "performer"},

@@ -176,9 +176,9 @@ def test_bad_arguments():
         xflax.MultiHeadAttention(4, 10, rngs=rngs)
     with pytest.raises(ValueError, match="estimator must be one of"):
         xflax.MultiHeadAttention(4, 16, estimator="performer", rngs=rngs)
-    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+    with pytest.raises(ValueError, match="num_heads must be >= 1"):
         xflax.MultiHeadAttention(0, 16, rngs=rngs)
-    with pytest.raises(ValueError, match="redraw_interval must be a positive int or None"):
+    with pytest.raises(ValueError, match="redraw_interval must be >= 1"):
         xflax.MultiHeadAttention(4, 16, estimator="rfa", redraw_interval=0, rngs=rngs)
     with pytest.raises(TypeError, match="does not take the option"):
         xflax.MultiHeadAttention(4, 16, estimator="lara", rng=0, rngs=rngs)

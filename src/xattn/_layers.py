@@ -1,20 +1,40 @@
-"""Framework-independent logic of the attention layers in :mod:`xattn.torch` and
-:mod:`xattn.flax`: the estimator registry, option checks, and the train/eval switch."""
+"""Framework-independent core of the attention layers in :mod:`xattn.torch` and
+:mod:`xattn.flax`.
+
+In the style of einops' layer mixins, :class:`LayerCore` holds everything that does not
+depend on the framework: the estimator registry and the option checks, the ``num_features``
+default, the construction-time probe of the option values, the redraw guard and schedule of
+the RFA features, the dtype rule of ``omega`` and the train/eval switch of the estimators.
+A framework layer inherits from it and from its framework's module class, calls
+:meth:`LayerCore._setup_estimator` in its constructor, and keeps only the framework hooks:
+parameters, where the features live, where randomness comes from, and the input layout.
+The text the two layers' docstrings share lives here too.
+"""
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Callable
 from typing import Any
 
+import array_api_compat
+import numpy as np
+
 import xattn
-from xattn._array import Array
+from xattn._array import Array, check_positive_int, compute_dtype
+from xattn._rfa import default_num_features
 from xattn.features import sample_omega
 
 __all__ = [
     "DEFAULT_LARA_SAMPLES",
     "ESTIMATORS",
+    "LayerCore",
     "attend",
     "check_estimator",
+    "check_sizes",
     "draw_features",
+    "fill_docstring",
+    "module_docstring",
 ]
 
 
@@ -32,21 +52,33 @@ ESTIMATOR_OPTIONS = {
 }
 # RFA options used when drawing the features rather than when calling the estimator.
 FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
+# Sample counts: checked here, since the probe of a short input would cap LARA's count.
+COUNT_OPTIONS = ("num_samples", "num_features")
 
 DEFAULT_LARA_SAMPLES = 16
 """Default number of LARA proposals C (capped at the query length)."""
 
+PROBE_LENGTH = 3
+"""Sequence length of the construction-time probe: short, so that the probe costs
+microseconds whatever the sample counts (RA's cost grows with length² x samples)."""
+
+
+def check_sizes(**sizes: Any) -> None:
+    """Each size must be an int >= 1 (``None`` means "the default" and passes)."""
+    for name, value in sizes.items():
+        if value is not None:
+            check_positive_int(value, name)
+
 
 def check_estimator(estimator: Any, options: dict[str, Any], redraw_interval: Any) -> None:
-    """Reject an unknown estimator name, options it does not take, or a bad redraw
-    interval (a positive int, or None to keep the features until redrawn by hand)."""
-    if redraw_interval is not None and (
-        isinstance(redraw_interval, bool) or not isinstance(redraw_interval, int)
-        or redraw_interval < 1
-    ):
-        raise ValueError(
-            f"redraw_interval must be a positive int or None, got {redraw_interval!r}"
-        )
+    """Reject an unknown estimator name, options it does not take, a sample count that is
+    not an int >= 1, or a bad redraw interval (an int >= 1, or None to keep the features
+    until redrawn by hand)."""
+    if redraw_interval is not None:
+        check_positive_int(redraw_interval, "redraw_interval")
+    if not isinstance(estimator, str):
+        raise TypeError(f"estimator must be a str, one of {list(ESTIMATORS)}; got "
+                        f"{type(estimator).__name__} {estimator!r}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
     allowed = ESTIMATOR_OPTIONS[estimator]
@@ -57,6 +89,9 @@ def check_estimator(estimator: Any, options: dict[str, Any], redraw_interval: An
             f"{list(allowed)} (masks, causal mode, rng, omega and the train/eval switches "
             "are set by the layer)"
         )
+    for name in COUNT_OPTIONS:
+        if name in options:
+            check_positive_int(options[name], name)
 
 
 def draw_features(rng: Any, num_features: int, head_dim: int, options: dict[str, Any], *,
@@ -98,3 +133,129 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
                           **call_options)
     return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask,
                       deterministic=True, **call_options)
+
+
+def _python_where(condition: bool, if_true: Any, if_false: Any) -> Any:
+    return if_true if condition else if_false
+
+
+class LayerCore:
+    """The framework-independent half of an xattn attention layer.
+
+    A subclass (also a ``torch.nn.Module`` or a ``flax.nnx.Module``) calls
+    :meth:`_setup_estimator` in its constructor before it creates parameters, and uses
+    :meth:`_counts_training_steps`, :meth:`_redraw_schedule` and :meth:`_estimate` in its
+    call; it keeps the RFA features where its framework keeps state.
+    """
+
+    estimator: str
+    estimator_options: dict[str, Any]
+    redraw_interval: int | None
+    head_dim: int
+    num_features: int | None
+
+    def _setup_estimator(self, *, head_dim: int, estimator: Any, redraw_interval: Any,
+                         options: dict[str, Any]) -> None:
+        """Check the estimator and its options, set the estimator attributes, and probe
+        the option values (see :meth:`_check_option_values`)."""
+        check_estimator(estimator, options, redraw_interval)
+        self.head_dim = head_dim
+        self.estimator = estimator
+        self.redraw_interval = redraw_interval
+        self.estimator_options = dict(options)
+        self.num_features = None
+        if estimator == "rfa":
+            self.num_features = options.get("num_features", default_num_features(head_dim))
+        self._check_option_values()
+
+    def _check_option_values(self) -> None:
+        """Run the estimator on a tiny NumPy input, in training and in evaluation mode, so
+        that a bad option value fails at construction. The probe draws from a fixed seed
+        on the host: no framework generator or global state is touched."""
+        probe = np.zeros((1, PROBE_LENGTH, self.head_dim), dtype=np.float32)
+        omega = None
+        if self.estimator == "rfa":
+            omega = draw_features(0, self.num_features, self.head_dim, self.estimator_options,
+                                  xp=np, dtype=np.float32)
+        for training in (True, False):
+            attend(self.estimator, probe, probe, probe, options=self.estimator_options,
+                   key_mask=None, causal=False, training=training, omega=omega, rng=0)
+
+    def _require_rfa(self, method: str) -> None:
+        if self.estimator != "rfa":
+            raise ValueError(f"{method} needs estimator='rfa', not {self.estimator!r}")
+
+    def _counts_training_steps(self, training: bool) -> bool:
+        """The redraw guard: only training-mode calls of an ``"rfa"`` layer with a redraw
+        interval count towards the next redraw."""
+        return training and self.estimator == "rfa" and self.redraw_interval is not None
+
+    def _redraw_schedule(self, steps: Any, where: Callable[[Any, Any, Any], Any] = _python_where
+                         ) -> tuple[Any, Any]:
+        """Performer's schedule: whether this training call redraws the features (the
+        current ones have served ``redraw_interval`` calls), and the step count after it.
+
+        ``where`` selects between two values (a Python conditional by default,
+        :func:`jax.numpy.where` for a count that is traced).
+        """
+        redraw = steps >= self.redraw_interval
+        return redraw, where(redraw, 1, steps + 1)
+
+    @staticmethod
+    def _omega_like(features: Array, q: Array) -> Array:
+        """The features as the ``omega`` of a call on ``q``: in the dtype the estimator
+        computes in (float32 for half precision, else the dtype of ``q``)."""
+        xp = array_api_compat.array_namespace(q)
+        return xp.astype(features, compute_dtype(xp, q.dtype))
+
+    def _estimate(self, q: Array, k: Array, v: Array, *, key_mask: Array | None,
+                  causal: bool, training: bool, features: Array | None, rng: Any) -> Array:
+        """The estimator on per-head inputs ``(..., L, head_dim)`` in the given mode."""
+        omega = None if features is None else self._omega_like(features, q)
+        return attend(self.estimator, q, k, v, options=self.estimator_options,
+                      key_mask=key_mask, causal=causal, training=training, omega=omega,
+                      rng=rng if training else None)
+
+
+# -- docstring text shared by the two layers -------------------------------------------------
+
+_ESTIMATORS_DOC = """
+The attention itself is computed by one of xattn's estimators, chosen by name:
+
+* ``"softmax"``: exact softmax attention (:func:`xattn.softmax_attention`);
+* ``"rfa"``: random feature attention (:func:`xattn.rfa`) with an ``(S, head_dim)`` sample
+  matrix kept in
+  {features_home},
+  redrawn every ``redraw_interval`` training steps and fixed in evaluation mode;
+* ``"ra"``: randomized attention (:func:`xattn.ra`): unbiased random estimates in
+  training mode, the biased deterministic form in evaluation mode;
+* ``"lara"``: linear randomized attention (:func:`xattn.lara`): fresh random samples at
+  every training step, ``deterministic=True`` (the proposal means) in evaluation mode.
+
+Evaluation outputs are therefore deterministic for every estimator. Every option is checked
+when the layer is constructed (a short probe of the estimator on a tiny input, which draws
+nothing from the layer's random source).
+"""
+
+_ESTIMATOR_OPTIONS_DOC = """\
+**estimator_options
+    Passed to the estimator: ``"rfa"``: ``num_features`` (default
+    ``max(d, int(d ln d))``, d = head_dim), ``feature_map``, ``orthogonal``,
+    ``sample_norm``, ``scale``, ``block_size``; ``"lara"``: ``num_samples`` (C, default
+    16, capped at the query length), ``proposal``, ``weighting``, ``beta``, ``scale``;
+    ``"ra"``: ``num_samples``, ``scale``, ``chunk_size``; ``"softmax"``: ``scale``,
+    ``chunk_size``."""
+
+
+def module_docstring(intro: str, *, features_home: str) -> str:
+    """A layer module's docstring: ``intro`` and the shared list of estimators."""
+    return (intro or "").rstrip() + "\n" + _ESTIMATORS_DOC.format(features_home=features_home)
+
+
+def fill_docstring(cls: type) -> type:
+    """Class decorator: replace the marker ``{estimator_options}`` in the docstring (a
+    line of its Parameters section) by the shared description of the options."""
+    if cls.__doc__:
+        cls.__doc__ = cls.__doc__.replace(
+            "    {estimator_options}", textwrap.indent(_ESTIMATOR_OPTIONS_DOC, "    "))
+    return cls

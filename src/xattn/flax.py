@@ -4,16 +4,7 @@ r"""Flax (NNX) multi-head attention layer backed by an xattn estimator.
 constructor arguments where they apply, same submodules ``query``, ``key``, ``value`` and
 ``out`` of type :class:`flax.nnx.LinearGeneral`, same input layout ``(batch..., length,
 features)`` and ``__call__`` signature), so its parameters can be exchanged with Flax's
-layer. The attention itself is computed by one of xattn's estimators, chosen by name:
-
-* ``"softmax"``: exact softmax attention (:func:`xattn.softmax_attention`);
-* ``"rfa"``: random feature attention (:func:`xattn.rfa`) with an ``(S, head_dim)`` sample
-  matrix kept in the variable ``features`` (a :class:`FeatureState`, part of the module
-  state), redrawn every ``redraw_interval`` training steps and fixed in evaluation mode;
-* ``"ra"``: randomized attention (:func:`xattn.ra`): unbiased random estimates in
-  training mode, the biased deterministic form in evaluation mode;
-* ``"lara"``: linear randomized attention (:func:`xattn.lara`): fresh random samples at
-  every training step, ``deterministic=True`` (the proposal means) in evaluation mode.
+layer.
 
 Training and evaluation follow Flax's convention: the attribute ``deterministic`` (set by
 ``model.train()`` / ``model.eval()``, or overridden per call) selects the mode.
@@ -31,19 +22,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from xattn._array import check_bool
 from xattn._layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATORS,
-    attend,
-    check_estimator,
+    LayerCore,
+    check_sizes,
     draw_features,
+    fill_docstring,
+    module_docstring,
 )
-from xattn._rfa import default_num_features
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "FeatureState", "MultiHeadAttention"]
+
+__doc__ = module_docstring(__doc__, features_home="the variable ``features`` (a "
+                                                  ":class:`FeatureState`, part of the module "
+                                                  "state)")
 
 default_kernel_init = nnx.initializers.lecun_normal()  # Flax's default for projections
 default_bias_init = nnx.initializers.zeros_init()
@@ -55,7 +51,8 @@ class FeatureState(nnx.Variable):
     leave it alone; it is saved and restored with the rest of the state)."""
 
 
-class MultiHeadAttention(nnx.Module):
+@fill_docstring
+class MultiHeadAttention(LayerCore, nnx.Module):
     r"""Multi-head attention with an xattn estimator, shaped after
     :class:`flax.nnx.MultiHeadAttention`.
 
@@ -109,13 +106,7 @@ class MultiHeadAttention(nnx.Module):
         Name of the RNG stream the random draws come from.
     rngs : flax.nnx.Rngs
         Parameter initialization and the random stream.
-    **estimator_options
-        Passed to the estimator: ``"rfa"``: ``num_features`` (default
-        ``max(d, int(d ln d))``, d = head_dim), ``feature_map``, ``orthogonal``,
-        ``sample_norm``, ``scale``, ``block_size``; ``"lara"``: ``num_samples`` (C, default
-        16, capped at the query length), ``proposal``, ``weighting``, ``beta``, ``scale``;
-        ``"ra"``: ``num_samples``, ``scale``, ``chunk_size``; ``"softmax"``: ``scale``,
-        ``chunk_size``.
+    {estimator_options}
 
     Raises
     ------
@@ -162,9 +153,8 @@ class MultiHeadAttention(nnx.Module):
         rngs: nnx.Rngs,
         **estimator_options: Any,
     ) -> None:
-        for name, value in (("num_heads", num_heads), ("in_features", in_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_sizes(num_heads=num_heads, in_features=in_features, qkv_features=qkv_features,
+                    out_features=out_features, in_kv_features=in_kv_features)
         self.num_heads = num_heads
         self.in_features = in_features
         self.qkv_features = qkv_features if qkv_features is not None else in_features
@@ -173,11 +163,15 @@ class MultiHeadAttention(nnx.Module):
         if self.qkv_features % num_heads != 0:
             raise ValueError(f"qkv_features ({self.qkv_features}) must be divisible by "
                              f"num_heads ({num_heads})")
-        check_estimator(estimator, estimator_options, redraw_interval)
-        self.head_dim = self.qkv_features // num_heads
-        self.estimator = estimator
-        self.redraw_interval = redraw_interval
-        self.estimator_options = dict(estimator_options)
+        use_bias = check_bool(use_bias, "use_bias")
+        deterministic = check_bool(deterministic, "deterministic")
+        if not isinstance(rng_collection, str):
+            raise TypeError(f"rng_collection must be a str, got "
+                            f"{type(rng_collection).__name__} {rng_collection!r}")
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
+        self._setup_estimator(head_dim=self.qkv_features // num_heads, estimator=estimator,
+                              redraw_interval=redraw_interval, options=estimator_options)
         self.deterministic = deterministic
         self.rng_collection = rng_collection
 
@@ -191,23 +185,11 @@ class MultiHeadAttention(nnx.Module):
         self.rngs = rngs[rng_collection].fork()
 
         if estimator == "rfa":
-            self.num_features = estimator_options.get("num_features",
-                                                      default_num_features(self.head_dim))
             self.features = FeatureState(self._draw_features(self.rngs()))
             self.steps_since_redraw = FeatureState(jnp.zeros((), dtype=jnp.int32))
         else:
             self.features = nnx.data(None)
             self.steps_since_redraw = nnx.data(None)
-        self._check_option_values()
-
-    def _check_option_values(self) -> None:
-        """Run the estimator once on a tiny input so bad option values fail at construction."""
-        num_samples = self.estimator_options.get("num_samples", 2)
-        length = num_samples if isinstance(num_samples, int) and num_samples > 2 else 2
-        probe = np.zeros((1, length, self.head_dim), dtype=np.float32)  # NumPy: no tracing
-        features = None if self.features is None else np.asarray(self.features[...])
-        self._attend(probe, probe, probe, key_mask=None, causal=False, deterministic=True,
-                     features=features, key=None)
 
     def _draw_features(self, key: Any) -> jax.Array:
         return draw_features(key, self.num_features, self.head_dim, self.estimator_options,
@@ -221,8 +203,7 @@ class MultiHeadAttention(nnx.Module):
         rngs : flax.nnx.Rngs or flax.nnx.RngStream, optional
             Source of the draw; default: the layer's own stream.
         """
-        if self.estimator != "rfa":
-            raise ValueError(f"redraw_features needs estimator='rfa', not {self.estimator!r}")
+        self._require_rfa("redraw_features")
         self.features[...] = self._draw_features(self._next_key(rngs))
         self.steps_since_redraw[...] = jnp.zeros((), dtype=jnp.int32)
 
@@ -234,15 +215,6 @@ class MultiHeadAttention(nnx.Module):
         if isinstance(rngs, nnx.RngStream):
             return rngs()
         return rngs  # a JAX key
-
-    def _attend(self, q, k, v, *, key_mask, causal, deterministic, features, key):
-        """The estimator on ``(..., L, head_dim)`` inputs."""
-        omega = None
-        if features is not None:
-            omega = features.astype(np.promote_types(q.dtype, np.float32))
-        return attend(self.estimator, q, k, v, options=self.estimator_options,
-                      key_mask=key_mask, causal=causal, training=not deterministic,
-                      omega=omega, rng=key)
 
     def _key_mask(self, mask: Any, kv_length: int) -> Any:
         """Flax's mask (batch..., heads|1, 1, kv_length), True = attend -> key_mask."""
@@ -317,14 +289,13 @@ class MultiHeadAttention(nnx.Module):
         features, key = None, None
         if self.estimator in ("ra", "lara") and not deterministic:
             key = self._next_key(rngs)
+        if self._counts_training_steps(not deterministic):
+            redraw, steps = self._redraw_schedule(self.steps_since_redraw[...], jnp.where)
+            fresh = self._draw_features(self._next_key(rngs))
+            self.features[...] = jnp.where(redraw, fresh, self.features[...])
+            self.steps_since_redraw[...] = steps
         if self.estimator == "rfa":
-            if not deterministic and self.redraw_interval is not None:
-                steps = self.steps_since_redraw[...]
-                redraw = steps >= self.redraw_interval
-                fresh = self._draw_features(self._next_key(rngs))
-                self.features[...] = jnp.where(redraw, fresh, self.features[...])
-                self.steps_since_redraw[...] = jnp.where(redraw, 1, steps + 1)
             features = self.features[...]
-        heads = self._attend(q, k, v, key_mask=key_mask, causal=bool(is_causal),
-                             deterministic=deterministic, features=features, key=key)
+        heads = self._estimate(q, k, v, key_mask=key_mask, causal=bool(is_causal),
+                               training=not deterministic, features=features, rng=key)
         return self.out(jnp.swapaxes(heads, -3, -2))

@@ -4,17 +4,7 @@ r"""PyTorch multi-head attention layer backed by an xattn estimator.
 constructor arguments where they apply, same parameter names ``in_proj_weight``,
 ``in_proj_bias`` or ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight``, and
 ``out_proj``, same input layouts and ``forward`` signature), so it drops into existing
-models, and a ``state_dict`` of :class:`torch.nn.MultiheadAttention` loads into it. The
-attention itself is computed by one of xattn's estimators, chosen by name:
-
-* ``"softmax"``: exact softmax attention (:func:`xattn.softmax_attention`);
-* ``"rfa"``: random feature attention (:func:`xattn.rfa`) with an ``(S, head_dim)``
-  sample matrix kept as the buffer ``features`` (saved in the ``state_dict``), redrawn
-  every ``redraw_interval`` training steps and fixed in evaluation mode;
-* ``"ra"``: randomized attention (:func:`xattn.ra`): unbiased random estimates in
-  training mode, the biased deterministic form in evaluation mode;
-* ``"lara"``: linear randomized attention (:func:`xattn.lara`): fresh random samples at
-  every training step, ``deterministic=True`` (the proposal means) in evaluation mode.
+models, and a ``state_dict`` of :class:`torch.nn.MultiheadAttention` loads into it.
 
 Randomness comes from the ``generator=`` :class:`torch.Generator` if given, else from
 torch's default generator of the arrays' device; no global state is changed.
@@ -32,17 +22,22 @@ import array_api_compat
 import torch
 from torch import nn
 
+from xattn._array import check_bool, compute_dtype
 from xattn._layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATORS,
-    attend,
-    check_estimator,
+    LayerCore,
+    check_sizes,
     draw_features,
+    fill_docstring,
+    module_docstring,
 )
-from xattn._rfa import default_num_features
 from xattn.random import Generator, TorchGenerator
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "MultiheadAttention"]
+
+__doc__ = module_docstring(__doc__, features_home="the buffer ``features`` (saved in the "
+                                                  "``state_dict``)")
 
 
 class _DefaultTorchGenerator(Generator):
@@ -55,7 +50,8 @@ class _DefaultTorchGenerator(Generator):
         return torch.rand(tuple(shape), dtype=dtype, device=device)
 
 
-class MultiheadAttention(nn.Module):
+@fill_docstring
+class MultiheadAttention(LayerCore, nn.Module):
     r"""Multi-head attention with an xattn estimator, a drop-in for
     :class:`torch.nn.MultiheadAttention`.
 
@@ -112,13 +108,7 @@ class MultiheadAttention(nn.Module):
         default generator of the device. Deep copies (as ``nn.TransformerEncoder`` makes
         of its layer) copy the generator too, so the copies draw the same numbers; leave
         ``generator=None`` or give each copy its own generator if that matters.
-    **estimator_options
-        Passed to the estimator: ``"rfa"``: ``num_features`` (default
-        ``max(d, int(d ln d))``, d = head_dim), ``feature_map``, ``orthogonal``,
-        ``sample_norm``, ``scale``, ``block_size``; ``"lara"``: ``num_samples`` (C, default
-        16, capped at the query length), ``proposal``, ``weighting``, ``beta``, ``scale``;
-        ``"ra"``: ``num_samples``, ``scale``, ``chunk_size``; ``"softmax"``: ``scale``,
-        ``chunk_size``.
+    {estimator_options}
 
     Raises
     ------
@@ -167,9 +157,7 @@ class MultiheadAttention(nn.Module):
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_sizes(embed_dim=embed_dim, num_heads=num_heads, kdim=kdim, vdim=vdim)
         if embed_dim % num_heads != 0:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
@@ -179,23 +167,22 @@ class MultiheadAttention(nn.Module):
                 f"dropout must be 0, got {dropout!r}: dropout acts on attention weights, "
                 "which xattn's linear estimators never form; apply dropout to the output"
             )
+        bias = check_bool(bias, "bias")
+        batch_first = check_bool(batch_first, "batch_first")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(
                 f"generator must be a torch.Generator or None, got {type(generator).__name__}"
             )
-        check_estimator(estimator, estimator_options, redraw_interval)
+        self._setup_estimator(head_dim=embed_dim // num_heads, estimator=estimator,
+                              redraw_interval=redraw_interval, options=estimator_options)
 
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
         self.vdim = vdim if vdim is not None else embed_dim
         self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
         self.batch_first = batch_first
         self.dropout = 0.0
-        self.estimator = estimator
-        self.redraw_interval = redraw_interval
         self.generator = generator
-        self.estimator_options = dict(estimator_options)
         # Parameter names follow torch.nn.MultiheadAttention, so its state_dict loads here.
         # ``_qkv_same_embed_dim`` is what torch reads to choose the fused fast paths of
         # nn.TransformerEncoderLayer / nn.TransformerEncoder, which would bypass this
@@ -223,14 +210,10 @@ class MultiheadAttention(nn.Module):
 
         self.steps_since_redraw = 0
         if estimator == "rfa":
-            num_features = estimator_options.get("num_features",
-                                                 default_num_features(self.head_dim))
-            self.num_features = num_features
             self.register_buffer("features", torch.empty((0, self.head_dim), **factory))
             self.redraw_features()
         else:
             self.register_buffer("features", None)
-        self._check_option_values()
 
     def _reset_parameters(self) -> None:
         # the initialization of torch.nn.MultiheadAttention
@@ -244,14 +227,6 @@ class MultiheadAttention(nn.Module):
             nn.init.constant_(self.in_proj_bias, 0.0)
             nn.init.constant_(self.out_proj.bias, 0.0)
 
-    def _check_option_values(self) -> None:
-        """Run the estimator once on a tiny input so bad option values fail at construction."""
-        num_samples = self.estimator_options.get("num_samples", 2)
-        length = num_samples if isinstance(num_samples, int) and num_samples > 2 else 2
-        probe = torch.zeros((1, length, self.head_dim), dtype=torch.float64)
-        with torch.no_grad():
-            self._attend(probe, probe, probe, key_mask=None, causal=False)
-
     def _random(self) -> Generator:
         if self.generator is not None:
             return TorchGenerator(self.generator)
@@ -264,27 +239,14 @@ class MultiheadAttention(nn.Module):
         Uses the layer's ``generator`` (or torch's default generator), on the device and
         in the dtype of the current buffer (drawn in float32 at least).
         """
-        if self.estimator != "rfa":
-            raise ValueError(f"redraw_features needs estimator='rfa', not {self.estimator!r}")
+        self._require_rfa("redraw_features")
+        xp = array_api_compat.array_namespace(self.features)
         device, dtype = self.features.device, self.features.dtype
-        draw_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
         omega = draw_features(self._random(), self.num_features, self.head_dim,
-                              self.estimator_options,
-                              xp=array_api_compat.array_namespace(self.features),
-                              dtype=draw_dtype, device=device)
+                              self.estimator_options, xp=xp, dtype=compute_dtype(xp, dtype),
+                              device=device)
         self.features = omega.to(dtype)
         self.steps_since_redraw = 0
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                key_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """The estimator on ``(..., L, head_dim)`` inputs."""
-        omega = None
-        if self.features is not None:
-            half = q.dtype not in (torch.float32, torch.float64)
-            omega = self.features if half else self.features.to(q.dtype)
-        return attend(self.estimator, q, k, v, options=self.estimator_options,
-                      key_mask=key_mask, causal=causal, training=self.training, omega=omega,
-                      rng=self._random() if self.training else None)
 
     def _key_mask(self, key_padding_mask: torch.Tensor | None, batch: int | None,
                   source_length: int) -> torch.Tensor | None:
@@ -405,11 +367,14 @@ class MultiheadAttention(nn.Module):
                 )
 
         q, k, v = self._project(query, key, value)  # (N, h, L, d)
-        if self.training and self.estimator == "rfa" and self.redraw_interval is not None:
-            if self.steps_since_redraw >= self.redraw_interval:
+        if self._counts_training_steps(self.training):
+            redraw, steps = self._redraw_schedule(self.steps_since_redraw)
+            if redraw:
                 self.redraw_features()
-            self.steps_since_redraw += 1
-        heads = self._attend(q, k, v, key_mask=key_mask, causal=causal)  # (N, h, L, d)
+            self.steps_since_redraw = steps
+        heads = self._estimate(q, k, v, key_mask=key_mask, causal=causal,  # (N, h, L, d)
+                               training=self.training, features=self.features,
+                               rng=self._random() if self.training else None)
         merged = heads.permute(2, 0, 1, 3).reshape(target_length, batch, self.embed_dim)
         output = self.out_proj(merged)
         if not batched:
