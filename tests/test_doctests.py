@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import inspect
 import pkgutil
+import re
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +88,49 @@ def test_public_functions_have_examples(function):
     docstring = inspect.getdoc(function) or ""
     assert "Examples\n--------" in docstring, f"{function.__qualname__} has no Examples"
     assert ">>> " in docstring, f"{function.__qualname__} has no runnable example"
+
+
+# -- the API reference lists every public name ---------------------------------------------
+API_PAGE = Path(__file__).resolve().parents[1] / "docs" / "api.rst"
+#: The modules a user is told to import, whose ``__all__`` the API reference must cover.
+#: (``xattn.cli`` is documented as a command; its page lists only ``main``.)
+DOCUMENTED_MODULES = ("xattn", "xattn.random", "xattn.features", "xattn.diagnostics",
+                      "xattn.mrf", "xattn.torch", "xattn.flax")
+
+
+def _api_page_names() -> set[str]:
+    """Fully qualified names that docs/api.rst documents (autosummary entries, autodata)."""
+    names, module, in_autosummary = set(), "xattn", False
+    for line in API_PAGE.read_text().splitlines():
+        if match := re.match(r"\.\. (?:currentmodule|automodule):: (\S+)", line):
+            module, in_autosummary = match.group(1), False
+        elif line.startswith(".. autosummary::"):
+            in_autosummary = True
+        elif match := re.match(r"\.\. auto(?:data|class|function|exception):: (\S+)", line):
+            names.add(f"{module}.{match.group(1)}")
+            in_autosummary = False
+        elif in_autosummary and re.fullmatch(r"   [A-Za-z_][\w.]*", line):
+            names.add(f"{module}.{line.strip()}")
+        elif line and not line.startswith(" "):
+            in_autosummary = False
+    return names
+
+
+@pytest.mark.parametrize("module_name", DOCUMENTED_MODULES)
+def test_api_reference_lists_every_public_name(module_name):
+    module = _import(module_name)
+    if isinstance(module, ImportError):
+        pytest.skip(f"{module}")
+    documented = _api_page_names()
+    missing = [name for name in module.__all__ if f"{module_name}.{name}" not in documented
+               and not inspect.ismodule(getattr(module, name))]  # submodules have sections
+    assert not missing, f"docs/api.rst does not document {module_name}: {missing}"
+
+
+def test_intersphinx_inventories_are_up_to_date():
+    """docs/_inventories/*.inv are what docs/_scripts/make_inventories.py writes."""
+    script = API_PAGE.parent / "_scripts" / "make_inventories.py"
+    spec = importlib.util.spec_from_file_location("make_inventories", script)
+    make_inventories = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_inventories)
+    assert make_inventories.main(["make_inventories.py", "--check"]) == 0
