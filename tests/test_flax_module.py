@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from layer_cases import BAD_OPTION_CASES, ESTIMATORS, SMALL_OPTIONS, direct_error
+from xattn import _layers
+
 jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 xflax = pytest.importorskip("xattn.flax")
 jnp = jax.numpy
 
-ESTIMATORS = ("softmax", "rfa", "ra", "lara")
-SMALL_OPTIONS = {"softmax": {}, "rfa": {"num_features": 16}, "ra": {"num_samples": 2},
-                 "lara": {"num_samples": 4}}
 IN_FEATURES, NUM_HEADS = 16, 4
 
 
@@ -201,3 +201,59 @@ def test_bad_arguments():
         layer(x, None, x)
     with pytest.raises(ValueError, match="redraw_features needs estimator='rfa'"):
         layer.redraw_features()
+
+
+@pytest.mark.parametrize("estimator,option,value", BAD_OPTION_CASES)
+def test_every_bad_option_value_fails_at_construction(estimator, option, value):
+    """A value the estimator rejects is rejected at construction, with the estimator's
+    exception type and a message naming the option."""
+    with pytest.raises(direct_error(estimator, option, value), match=option):
+        xflax.MultiHeadAttention(NUM_HEADS, IN_FEATURES, estimator=estimator,
+                                 rngs=nnx.Rngs(0), **{option: value})
+
+
+@pytest.mark.parametrize("estimator,options", [
+    ("softmax", {}), ("rfa", {"num_features": 2048}), ("ra", {"num_samples": 512}),
+    ("lara", {"num_samples": 512}),
+])
+def test_construction_probes_a_tiny_input_whatever_the_sample_count(monkeypatch, estimator,
+                                                                     options):
+    lengths = []
+    real_attend = _layers.attend
+
+    def spy(estimator, q, k, v, **kwargs):
+        lengths.append((q.shape[-2], k.shape[-2]))
+        return real_attend(estimator, q, k, v, **kwargs)
+
+    monkeypatch.setattr(_layers, "attend", spy)
+    xflax.MultiHeadAttention(NUM_HEADS, IN_FEATURES, estimator=estimator, rngs=nnx.Rngs(0),
+                             **options)
+    assert lengths and set(lengths) == {(_layers.PROBE_LENGTH, _layers.PROBE_LENGTH)}
+    assert _layers.PROBE_LENGTH <= 4
+
+
+def _mask_cases():
+    """Masks of the key-mask form (batch, heads, 1, kv_length) = (2, 4, 1, 12) with exactly
+    one dim wrong, and the words the message must contain for that dim."""
+    yield (2, 4, 1, 12), None
+    yield (2, 1, 1, 12), None
+    yield (1, 1, 12), None
+    for heads in (2, 3, 5, 8):
+        yield (2, heads, 1, 12), rf"head dim \(-3\) has {heads} entries .*num_heads=4"
+    for queries in (2, 12):
+        yield (2, 4, queries, 12), r"full \(q_length, kv_length\) mask"
+    for keys in (1, 11, 13):
+        yield (2, 4, 1, keys), "last dim must be the key length 12"
+    yield (12,), r"mask must be a key mask of shape \(batch\.\.\., 1 or 4, 1, 12\), got"
+
+
+@pytest.mark.parametrize("shape,message", list(_mask_cases()))
+def test_mask_errors_name_the_wrong_dim(shape, message):
+    layer = make_layer("softmax")
+    x = inputs()
+    mask = jnp.ones(shape, dtype=bool)
+    if message is None:
+        np.testing.assert_allclose(layer(x, mask=mask), layer(x), rtol=1e-6, atol=1e-6)
+        return
+    with pytest.raises(ValueError, match=message):
+        layer(x, mask=mask)

@@ -6,12 +6,18 @@ import copy
 
 import pytest
 
+from layer_cases import (
+    BAD_OPTION_CASES,
+    BAD_OPTION_VALUES,
+    ESTIMATORS,
+    SMALL_OPTIONS,
+    direct_error,
+)
+from xattn import _layers
+
 torch = pytest.importorskip("torch")
 xtorch = pytest.importorskip("xattn.torch")
 
-ESTIMATORS = ("softmax", "rfa", "ra", "lara")
-SMALL_OPTIONS = {"softmax": {}, "rfa": {"num_features": 16}, "ra": {"num_samples": 2},
-                 "lara": {"num_samples": 4}}
 EMBED_DIM, NUM_HEADS = 16, 4
 
 
@@ -58,8 +64,7 @@ def test_softmax_equals_torch_multihead_attention(batch_first):
         reference.out_proj.bias.normal_()
     layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="softmax",
                                       batch_first=batch_first)
-    missing, unexpected = layer.load_state_dict(reference.state_dict(), strict=False)
-    assert missing == [] and unexpected == []
+    layer.load_state_dict(reference.state_dict())  # strict
     x = inputs((2, 12, EMBED_DIM) if batch_first else (12, 2, EMBED_DIM))
     padding = torch.zeros(2, 12, dtype=torch.bool)
     padding[1, 8:] = True
@@ -83,7 +88,7 @@ def test_softmax_equals_torch_unbatched_with_padding():
     torch.manual_seed(0)
     reference = torch.nn.MultiheadAttention(EMBED_DIM, NUM_HEADS)
     layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="softmax")
-    layer.load_state_dict(reference.state_dict(), strict=False)
+    layer.load_state_dict(reference.state_dict())
     x = inputs((12, EMBED_DIM))
     padding = torch.arange(12) >= 9
     expected, _ = reference(x, x, x, key_padding_mask=padding, need_weights=False)
@@ -96,7 +101,7 @@ def test_softmax_equals_torch_with_kdim_vdim():
     reference = torch.nn.MultiheadAttention(EMBED_DIM, NUM_HEADS, kdim=6, vdim=5)
     layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="softmax", kdim=6,
                                       vdim=5)
-    layer.load_state_dict(reference.state_dict(), strict=False)
+    layer.load_state_dict(reference.state_dict())
     assert layer.in_proj_weight is None and layer.k_proj_weight.shape == (EMBED_DIM, 6)
     x, key, value = inputs((7, 3, EMBED_DIM)), inputs((9, 3, 6), 2), inputs((9, 3, 5), 3)
     expected, _ = reference(x, key, value, need_weights=False)
@@ -116,7 +121,7 @@ def test_drops_into_transformer_encoder_layer():
         reference_state = block.self_attn.state_dict()
         block.self_attn = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="softmax",
                                                     batch_first=True)
-        block.self_attn.load_state_dict(reference_state, strict=False)
+        block.self_attn.load_state_dict(reference_state)
         block.eval()
         out = block(x, src_key_padding_mask=padding)
     torch.testing.assert_close(out[~padding], expected[~padding], rtol=1e-5, atol=1e-5)
@@ -188,23 +193,47 @@ def test_rfa_features_redrawn_every_interval_in_training_only():
 
 @pytest.mark.parametrize("estimator", ["rfa", "ra", "lara"])
 def test_randomness_from_the_generator_only(estimator):
-    """Same generator seed, same training outputs; torch's global RNG state is not used."""
+    """Same generator seed, same training outputs; with a generator, no draw (training calls,
+    redraws, evaluation calls) touches torch's global RNG state."""
     x = inputs()
     outputs = []
     for _ in range(2):
         layer = make_layer(estimator, seed=3, redraw_interval=1)
         global_state = torch.random.get_rng_state()
         outputs.append(torch.stack([layer(x, x, x)[0] for _ in range(3)]))
+        if estimator == "rfa":
+            layer.redraw_features()
+        layer.eval()
+        layer(x, x, x)
         assert torch.equal(torch.random.get_rng_state(), global_state)
     assert torch.equal(outputs[0], outputs[1])
-    # without a generator, draws come from torch's default generator
+
+
+@pytest.mark.parametrize("estimator", ["rfa", "ra", "lara"])
+def test_without_generator_draws_come_from_the_default_generator(estimator):
+    """As documented: without ``generator=``, training draws come from torch's default
+    generator and advance it exactly as they would advance a ``generator=`` in the same
+    state; evaluation calls leave it unchanged."""
     torch.manual_seed(0)
     layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator=estimator,
-                                      **SMALL_OPTIONS[estimator])
+                                      redraw_interval=1, **SMALL_OPTIONS[estimator])
+    assert layer.generator is None
+    x = inputs()
     torch.manual_seed(11)
-    first = layer(x, x, x)[0]
-    torch.manual_seed(11)
-    torch.testing.assert_close(layer(x, x, x)[0], first, rtol=0, atol=0)
+    twin = copy.deepcopy(layer)
+    twin.generator = torch.Generator().manual_seed(11)
+    for _ in range(3):  # rfa: a redraw at every step after the first
+        out = layer(x, x, x)[0]
+        torch.testing.assert_close(out, twin(x, x, x)[0], rtol=0, atol=0)
+        assert torch.equal(torch.random.get_rng_state(), twin.generator.get_state())
+    if estimator == "rfa":
+        layer.redraw_features()
+        twin.redraw_features()
+        assert torch.equal(layer.features, twin.features)
+    state = torch.random.get_rng_state()
+    layer.eval()
+    layer(x, x, x)
+    assert torch.equal(torch.random.get_rng_state(), state)
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -296,3 +325,73 @@ def test_rfa_feature_options_reach_the_sampler(sample_norm):
         torch.testing.assert_close(norms, torch.full_like(norms, 8**0.5))
     else:  # chi(head_dim) norms differ from row to row
         assert float(norms.std()) > 1e-3
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("kdim,bias", [(None, True), (None, False), (6, True)])
+def test_torch_state_dict_loads_strictly(estimator, kdim, bias):
+    """A state_dict of torch.nn.MultiheadAttention loads strictly into every estimator
+    (rfa keeps its own features), also as a submodule; only the features are optional."""
+    reference = torch.nn.MultiheadAttention(EMBED_DIM, NUM_HEADS, bias=bias, kdim=kdim,
+                                            vdim=kdim)
+    layer = make_layer(estimator, bias=bias, kdim=kdim, vdim=kdim)
+    features = None if layer.features is None else layer.features.clone()
+    result = layer.load_state_dict(reference.state_dict())  # strict=True
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(layer.state_dict()[name], tensor), name
+    if features is not None:
+        assert torch.equal(layer.features, features)
+
+    block = torch.nn.TransformerEncoderLayer(EMBED_DIM, NUM_HEADS, dim_feedforward=8,
+                                             dropout=0.0)
+    state = block.state_dict()
+    block.self_attn = make_layer(estimator)
+    block.load_state_dict(state)  # strict, with the prefix "self_attn."
+
+    for missing in reference.state_dict():
+        incomplete = {name: tensor for name, tensor in reference.state_dict().items()
+                      if name != missing}
+        with pytest.raises(RuntimeError, match=f"Missing key.*{missing}"):
+            layer.load_state_dict(incomplete)
+
+
+def test_bad_option_table_covers_every_option():
+    """Every option the layers pass on has bad values in the table below."""
+    assert {estimator: set(options) for estimator, options in BAD_OPTION_VALUES.items()} == {
+        estimator: set(options) for estimator, options in _layers.ESTIMATOR_OPTIONS.items()}
+
+
+@pytest.mark.parametrize("estimator,option,value", BAD_OPTION_CASES)
+def test_every_bad_option_value_fails_at_construction(estimator, option, value):
+    """Whatever the value and however short the input later is, a value the estimator
+    rejects is rejected at construction, with the estimator's exception type and a
+    message naming the option."""
+    with pytest.raises(direct_error(estimator, option, value), match=option):
+        xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator=estimator, **{option: value})
+
+
+@pytest.mark.parametrize("estimator,options", [
+    ("softmax", {}), ("rfa", {"num_features": 2048}), ("ra", {"num_samples": 512}),
+    ("lara", {"num_samples": 512}),
+])
+def test_construction_probes_a_tiny_input_whatever_the_sample_count(monkeypatch, estimator,
+                                                                     options):
+    """The construction-time probe runs the estimator on PROBE_LENGTH tokens, whatever the
+    sample counts (RA's cost grows with length² x samples), and draws from no generator."""
+    lengths = []
+    real_attend = _layers.attend
+
+    def spy(estimator, q, k, v, **kwargs):
+        lengths.append((q.shape[-2], k.shape[-2]))
+        return real_attend(estimator, q, k, v, **kwargs)
+
+    monkeypatch.setattr(_layers, "attend", spy)
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator=estimator,
+                                      generator=generator, **options)
+    assert lengths and set(lengths) == {(_layers.PROBE_LENGTH, _layers.PROBE_LENGTH)}
+    assert _layers.PROBE_LENGTH <= 4
+    if layer.features is None:  # rfa draws its first features from the generator
+        assert torch.equal(generator.get_state(), state)

@@ -21,9 +21,9 @@ import array_api_compat
 import numpy as np
 
 import xattn
-from xattn._array import Array, check_positive_int, compute_dtype
+from xattn._array import Array, check_bool, check_choice, check_positive_int, compute_dtype
 from xattn._rfa import default_num_features
-from xattn.features import sample_omega
+from xattn.features import SAMPLE_NORMS, sample_omega
 
 __all__ = [
     "DEFAULT_LARA_SAMPLES",
@@ -96,10 +96,12 @@ def check_estimator(estimator: Any, options: dict[str, Any], redraw_interval: An
 
 def draw_features(rng: Any, num_features: int, head_dim: int, options: dict[str, Any], *,
                   xp: Any, dtype: Any, device: Any = None) -> Array:
-    """RFA samples ``(num_features, head_dim)`` with the layer's feature options."""
+    """RFA samples ``(num_features, head_dim)`` with the layer's feature options (checked
+    under the names the layer takes them by)."""
+    orthogonal = check_bool(options.get("orthogonal", True), "orthogonal")
+    sample_norm = check_choice(options.get("sample_norm", "chi"), "sample_norm", SAMPLE_NORMS)
     return sample_omega(rng, num_features, head_dim, xp=xp, dtype=dtype, device=device,
-                        orthogonal=options.get("orthogonal", True),
-                        norm=options.get("sample_norm", "chi"))
+                        orthogonal=orthogonal, norm=sample_norm)
 
 
 def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, Any],

@@ -221,12 +221,23 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         if mask is None:
             return None
         shape = tuple(mask.shape)
-        if len(shape) < 3 or shape[-2] != 1 or shape[-1] != kv_length or shape[-3] not in (
-                1, self.num_heads):
+        expected = f"(batch..., 1 or {self.num_heads}, 1, {kv_length})"
+        if len(shape) < 3:
+            raise ValueError(f"mask must be a key mask of shape {expected}, got {shape}")
+        if shape[-2] != 1:
             raise ValueError(
-                f"mask must be a key mask of shape (batch..., 1 or {self.num_heads}, 1, "
-                f"{kv_length}), got {shape}: linear estimators cannot apply a full "
-                "(q_length, kv_length) mask; use is_causal=True for causal masking"
+                f"mask must be a key mask of shape {expected}, got {shape}: linear "
+                "estimators cannot apply a full (q_length, kv_length) mask; use "
+                "is_causal=True for causal masking"
+            )
+        if shape[-1] != kv_length:
+            raise ValueError(f"mask must be a key mask of shape {expected}, got {shape}: its "
+                             f"last dim must be the key length {kv_length}")
+        if shape[-3] not in (1, self.num_heads):
+            raise ValueError(
+                f"mask must be a key mask of shape {expected}, got {shape}: its head dim "
+                f"(-3) has {shape[-3]} entries but the layer has num_heads={self.num_heads}; "
+                "use 1 to share the mask across heads"
             )
         if mask.dtype != jnp.bool_:
             raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")

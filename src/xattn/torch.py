@@ -4,10 +4,13 @@ r"""PyTorch multi-head attention layer backed by an xattn estimator.
 constructor arguments where they apply, same parameter names ``in_proj_weight``,
 ``in_proj_bias`` or ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight``, and
 ``out_proj``, same input layouts and ``forward`` signature), so it drops into existing
-models, and a ``state_dict`` of :class:`torch.nn.MultiheadAttention` loads into it.
+models, and a ``state_dict`` of :class:`torch.nn.MultiheadAttention` loads into it, strict
+loading included.
 
-Randomness comes from the ``generator=`` :class:`torch.Generator` if given, else from
-torch's default generator of the arrays' device; no global state is changed.
+Randomness comes from the ``generator=`` :class:`torch.Generator` if given: then no draw
+touches torch's global random state. Without it, the draws come from torch's default
+generator of the device (the one :func:`torch.manual_seed` seeds), as :class:`torch.nn.Dropout`
+does, and advance it (see the ``generator`` parameter of :class:`MultiheadAttention`).
 
 This module needs PyTorch and is therefore imported explicitly (``import xattn.torch``);
 ``import xattn`` does not import it.
@@ -69,7 +72,9 @@ class MultiheadAttention(LayerCore, nn.Module):
     steps have used them (Performer's schedule), never in evaluation mode; call
     :meth:`redraw_features` to redraw by hand. The step count ``steps_since_redraw`` is a
     plain attribute, not part of the ``state_dict``: a loaded layer keeps the loaded
-    features for ``redraw_interval`` further training steps. ``"lara"``: random samples in training
+    features for ``redraw_interval`` further training steps. A ``state_dict`` without
+    ``features`` (that of :class:`torch.nn.MultiheadAttention`) loads, strictly too, and
+    the layer keeps its own features. ``"lara"``: random samples in training
     mode, ``deterministic=True`` in evaluation mode. ``"ra"``: the unbiased random
     estimator in training mode, ``biased=True, deterministic=True`` in evaluation mode.
     Evaluation outputs are therefore deterministic for every estimator.
@@ -104,10 +109,18 @@ class MultiheadAttention(LayerCore, nn.Module):
     device, dtype : optional
         Factory arguments of the parameters and buffers.
     generator : torch.Generator, optional
-        Source of all random draws (features, LARA and RA samples); default: torch's
-        default generator of the device. Deep copies (as ``nn.TransformerEncoder`` makes
-        of its layer) copy the generator too, so the copies draw the same numbers; leave
-        ``generator=None`` or give each copy its own generator if that matters.
+        Source of all random draws: the RFA features (drawn at construction, at each
+        redraw and by :meth:`redraw_features`) and the samples of ``"ra"`` and ``"lara"``
+        in training mode; evaluation mode draws nothing. With a generator, these draws
+        leave :func:`torch.get_rng_state` unchanged. Default ``None``: torch's default
+        generator of the device of the inputs (of the features for RFA), the global
+        generator that :func:`torch.manual_seed` seeds, as :class:`torch.nn.Dropout`
+        uses; each of these draws then advances it, exactly as it would advance a
+        ``generator=`` in the same state. The parameter initialization always uses the
+        global generator, as in :class:`torch.nn.MultiheadAttention`. Deep copies (as
+        ``nn.TransformerEncoder`` makes of its layer) copy the generator too, so the
+        copies draw the same numbers; leave ``generator=None`` or give each copy its own
+        generator if that matters.
     {estimator_options}
 
     Raises
@@ -226,6 +239,15 @@ class MultiheadAttention(LayerCore, nn.Module):
         if self.in_proj_bias is not None:
             nn.init.constant_(self.in_proj_bias, 0.0)
             nn.init.constant_(self.out_proj.bias, 0.0)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        # The RFA features are optional in a state_dict: one without them (that of
+        # torch.nn.MultiheadAttention) loads strictly, and the layer keeps its own draw.
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        if self.features is not None and prefix + "features" in missing_keys:
+            missing_keys.remove(prefix + "features")
 
     def _random(self) -> Generator:
         if self.generator is not None:

@@ -1,0 +1,49 @@
+"""Cases shared by the tests of the torch and Flax layers (tests/test_*_module.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import xattn
+
+ESTIMATORS = ("softmax", "rfa", "ra", "lara")
+SMALL_OPTIONS = {"softmax": {}, "rfa": {"num_features": 16}, "ra": {"num_samples": 2},
+                 "lara": {"num_samples": 4}}
+
+# Bad values of every option the layers pass to an estimator: wrong types and wrong values.
+# Each must fail when the layer is constructed, with the exception type the estimator itself
+# raises for it (TypeError for a wrong type, ValueError for a wrong value).
+BAD_OPTION_VALUES = {
+    "softmax": {"scale": [-1.0, "2", math.nan], "chunk_size": [0, 2.5]},
+    "rfa": {"num_features": [0, 2.5, True], "feature_map": ["relu"],
+            "orthogonal": ["yes", 1], "sample_norm": ["unit"], "scale": [0.0],
+            "block_size": [0, 2.5]},
+    "ra": {"num_samples": [0, 2.5, 512.0], "scale": ["x"], "chunk_size": [0, 1.5]},
+    "lara": {"num_samples": [0, 2.5, 2.0, -1], "proposal": ["uniform"],
+             "weighting": ["uniform"], "beta": ["2", math.nan], "scale": [-2.0]},
+}
+BAD_OPTION_CASES = [(estimator, option, value)
+                    for estimator, options in BAD_OPTION_VALUES.items()
+                    for option, values in options.items() for value in values]
+
+_ESTIMATOR_FUNCTIONS = {"softmax": xattn.softmax_attention, "rfa": xattn.rfa, "ra": xattn.ra,
+                        "lara": xattn.lara}
+
+
+def direct_error(estimator: str, option: str, value) -> type[Exception]:
+    """The exception type the estimator itself raises for ``option=value`` on a small
+    NumPy input (8 tokens, so that no sample count is capped)."""
+    q = np.random.default_rng(0).normal(size=(1, 8, 4)).astype(np.float32)
+    options = {option: value}
+    if estimator == "lara":
+        options.setdefault("num_samples", 4)
+    if estimator != "softmax":
+        options["rng"] = 0
+    try:
+        _ESTIMATOR_FUNCTIONS[estimator](q, q, q, **options)
+    except (TypeError, ValueError) as error:
+        return type(error)
+    raise AssertionError(f"{estimator}({option}={value!r}) is accepted by the estimator: "
+                         "not a bad value")
