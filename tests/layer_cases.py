@@ -21,7 +21,8 @@ BAD_OPTION_VALUES = {
             "orthogonal": ["yes", 1], "sample_norm": ["unit"], "scale": [0.0],
             "block_size": [0, 2.5]},
     "ra": {"num_samples": [0, 2.5, 512.0], "scale": ["x"], "chunk_size": [0, 1.5]},
-    "lara": {"num_samples": [0, 2.5, 2.0, -1], "proposal": ["uniform"],
+    "lara": {"num_samples": [0, 2.5, 2.0, -1, (2, 2)], "grid": [(0, 4), "8x8", (2.5, 4)],
+             "proposal": ["uniform"],
              "weighting": ["uniform"], "beta": ["2", math.nan], "scale": [-2.0]},
 }
 BAD_OPTION_CASES = [(estimator, option, value)
@@ -47,3 +48,12 @@ def direct_error(estimator: str, option: str, value) -> type[Exception]:
         return type(error)
     raise AssertionError(f"{estimator}({option}={value!r}) is accepted by the estimator: "
                          "not a bad value")
+
+
+# LARA's grid option with a sample count of the wrong form, or pools larger than the grid.
+BAD_GRID_OPTIONS = [
+    ({"grid": (4, 4), "num_samples": 4}, TypeError, r"num_samples must be a pair \(c_h, c_w\)"),
+    ({"grid": (4, 4), "num_samples": (5, 1)}, ValueError, r"1 <= c_h <= H"),
+    ({"grid": (4, 4), "num_samples": (2, 0)}, ValueError, r"1 <= c_w <= W"),
+    ({"grid": (4,), "num_samples": (2, 2)}, TypeError, r"grid must be a pair \(H, W\)"),
+]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from layer_cases import BAD_OPTION_CASES, ESTIMATORS, SMALL_OPTIONS, direct_error
+from layer_cases import (
+    BAD_GRID_OPTIONS,
+    BAD_OPTION_CASES,
+    ESTIMATORS,
+    SMALL_OPTIONS,
+    direct_error,
+)
 from xattn import _layers
 
 jax = pytest.importorskip("jax")
@@ -214,7 +220,7 @@ def test_every_bad_option_value_fails_at_construction(estimator, option, value):
 
 @pytest.mark.parametrize("estimator,options", [
     ("softmax", {}), ("rfa", {"num_features": 2048}), ("ra", {"num_samples": 512}),
-    ("lara", {"num_samples": 512}),
+    ("lara", {"num_samples": 512}), ("lara", {"grid": (64, 64), "num_samples": (2, 2)}),
 ])
 def test_construction_probes_a_tiny_input_whatever_the_sample_count(monkeypatch, estimator,
                                                                      options):
@@ -228,8 +234,7 @@ def test_construction_probes_a_tiny_input_whatever_the_sample_count(monkeypatch,
     monkeypatch.setattr(_layers, "attend", spy)
     xflax.MultiHeadAttention(NUM_HEADS, IN_FEATURES, estimator=estimator, rngs=nnx.Rngs(0),
                              **options)
-    assert lengths and set(lengths) == {(_layers.PROBE_LENGTH, _layers.PROBE_LENGTH)}
-    assert _layers.PROBE_LENGTH <= 4
+    assert lengths and max(max(pair) for pair in lengths) <= 4
 
 
 def _mask_cases():
@@ -257,3 +262,43 @@ def test_mask_errors_name_the_wrong_dim(shape, message):
         return
     with pytest.raises(ValueError, match=message):
         layer(x, mask=mask)
+
+
+@pytest.mark.parametrize("options,error,message", BAD_GRID_OPTIONS)
+def test_bad_grid_options_fail_at_construction(options, error, message):
+    with pytest.raises(error, match=message):
+        xflax.MultiHeadAttention(NUM_HEADS, IN_FEATURES, estimator="lara", rngs=nnx.Rngs(0),
+                                 **options)
+
+
+def _image_transpose(x, grid):
+    """(batch, H*W, E) tokens of an H x W image in row-major order -> the W x H image."""
+    batch, _, features = x.shape
+    return jnp.swapaxes(x.reshape(batch, *grid, features), 1, 2).reshape(batch, -1, features)
+
+
+def test_lara_grid_reaches_the_estimator():
+    """grid=(H, W): a 1 x W grid is 1-D LARA in both modes (same Rngs seed); a 2-D grid
+    segments the image: its evaluation output is equivariant under transposing the image
+    (grid and pools swapped), which 1-D segments of the token sequence are not."""
+    x = inputs((2, 12, IN_FEATURES))
+    one_row = make_layer("lara", seed=2, grid=(1, 12), num_samples=(1, 4))
+    one_d = make_layer("lara", seed=2, num_samples=4)
+    for deterministic in (False, False, True):
+        np.testing.assert_allclose(one_row(x, deterministic=deterministic),
+                                   one_d(x, deterministic=deterministic), rtol=1e-6, atol=1e-6)
+
+    grid, pools = (3, 4), (2, 2)
+    image = make_layer("lara", grid=grid, num_samples=pools, deterministic=True)
+    transposed = make_layer("lara", grid=grid[::-1], num_samples=pools[::-1],
+                            deterministic=True)
+    sequence = make_layer("lara", num_samples=4, deterministic=True)
+    out, x_t = image(x), _image_transpose(x, grid)
+    np.testing.assert_allclose(transposed(x_t), _image_transpose(out, grid), rtol=1e-5,
+                               atol=1e-6)
+    out_1d = sequence(x)
+    assert not np.allclose(out_1d, out, atol=1e-3)
+    assert not np.allclose(sequence(x_t), _image_transpose(out_1d, grid), atol=1e-3)
+    with pytest.raises(ValueError, match=r"grid \(H, W\) = \(3, 4\) needs query and key "
+                                         r"sequences of H \* W = 12 tokens"):
+        image(x[:, :10])

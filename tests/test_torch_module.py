@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from layer_cases import (
+    BAD_GRID_OPTIONS,
     BAD_OPTION_CASES,
     BAD_OPTION_VALUES,
     ESTIMATORS,
@@ -373,7 +374,7 @@ def test_every_bad_option_value_fails_at_construction(estimator, option, value):
 
 @pytest.mark.parametrize("estimator,options", [
     ("softmax", {}), ("rfa", {"num_features": 2048}), ("ra", {"num_samples": 512}),
-    ("lara", {"num_samples": 512}),
+    ("lara", {"num_samples": 512}), ("lara", {"grid": (64, 64), "num_samples": (2, 2)}),
 ])
 def test_construction_probes_a_tiny_input_whatever_the_sample_count(monkeypatch, estimator,
                                                                      options):
@@ -391,7 +392,51 @@ def test_construction_probes_a_tiny_input_whatever_the_sample_count(monkeypatch,
     state = generator.get_state()
     layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator=estimator,
                                       generator=generator, **options)
-    assert lengths and set(lengths) == {(_layers.PROBE_LENGTH, _layers.PROBE_LENGTH)}
-    assert _layers.PROBE_LENGTH <= 4
+    assert lengths and max(max(pair) for pair in lengths) <= 4
     if layer.features is None:  # rfa draws its first features from the generator
         assert torch.equal(generator.get_state(), state)
+
+
+@pytest.mark.parametrize("options,error,message", BAD_GRID_OPTIONS)
+def test_bad_grid_options_fail_at_construction(options, error, message):
+    with pytest.raises(error, match=message):
+        xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="lara", **options)
+
+
+def _image_transpose(x, grid):
+    """(batch, H*W, E) tokens of an H x W image in row-major order -> the W x H image."""
+    batch, _, features = x.shape
+    return x.reshape(batch, *grid, features).transpose(1, 2).reshape(batch, -1, features)
+
+
+def test_lara_grid_reaches_the_estimator():
+    """grid=(H, W): a 1 x W grid is 1-D LARA in both modes (same generator seed); a 2-D grid
+    segments the image: its evaluation output is equivariant under transposing the image
+    (grid and pools swapped), which 1-D segments of the token sequence are not."""
+    x = inputs((2, 12, EMBED_DIM))
+    one_row = make_layer("lara", seed=2, grid=(1, 12), num_samples=(1, 4), batch_first=True)
+    one_d = make_layer("lara", seed=2, num_samples=4, batch_first=True)
+    for _ in range(2):  # two training steps, then evaluation
+        torch.testing.assert_close(one_row(x, x, x)[0], one_d(x, x, x)[0], rtol=1e-6,
+                                   atol=1e-6)
+    one_row.eval()
+    one_d.eval()
+    torch.testing.assert_close(one_row(x, x, x)[0], one_d(x, x, x)[0], rtol=1e-6, atol=1e-6)
+
+    grid, pools = (3, 4), (2, 2)
+    image = make_layer("lara", grid=grid, num_samples=pools, batch_first=True).eval()
+    transposed = make_layer("lara", grid=grid[::-1], num_samples=pools[::-1],
+                            batch_first=True).eval()
+    sequence = make_layer("lara", num_samples=4, batch_first=True).eval()
+    with torch.no_grad():
+        out = image(x, x, x)[0]
+        x_t = _image_transpose(x, grid)
+        torch.testing.assert_close(transposed(x_t, x_t, x_t)[0], _image_transpose(out, grid),
+                                   rtol=1e-5, atol=1e-6)
+        out_1d = sequence(x, x, x)[0]
+        assert not torch.allclose(out_1d, out, atol=1e-3)
+        x_t_1d = sequence(x_t, x_t, x_t)[0]
+        assert not torch.allclose(x_t_1d, _image_transpose(out_1d, grid), atol=1e-3)
+    with pytest.raises(ValueError, match=r"grid \(H, W\) = \(3, 4\) needs query and key "
+                                         r"sequences of H \* W = 12 tokens"):
+        image(x[:, :10], x[:, :10], x[:, :10])

@@ -13,6 +13,7 @@ The text the two layers' docstrings share lives here too.
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 import xattn
 from xattn._array import Array, check_bool, check_choice, check_positive_int, compute_dtype
 from xattn._rfa import default_num_features
+from xattn._segments import _pair_of_ints, check_segments
 from xattn.features import SAMPLE_NORMS, sample_omega
 
 __all__ = [
@@ -48,15 +50,16 @@ ESTIMATOR_OPTIONS = {
     "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
             "block_size"),
     "ra": ("num_samples", "scale", "chunk_size"),
-    "lara": ("num_samples", "proposal", "weighting", "beta", "scale"),
+    "lara": ("num_samples", "grid", "proposal", "weighting", "beta", "scale"),
 }
 # RFA options used when drawing the features rather than when calling the estimator.
 FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
 # Sample counts: checked here, since the probe of a short input would cap LARA's count.
-COUNT_OPTIONS = ("num_samples", "num_features")
+COUNT_OPTIONS = {"rfa": "num_features", "ra": "num_samples"}
 
 DEFAULT_LARA_SAMPLES = 16
-"""Default number of LARA proposals C (capped at the query length)."""
+"""Default number of LARA proposals C (capped at the query length); with ``grid=(H, W)``,
+``(4, 4)`` capped at ``(H, W)``."""
 
 PROBE_LENGTH = 3
 """Sequence length of the construction-time probe: short, so that the probe costs
@@ -89,9 +92,24 @@ def check_estimator(estimator: Any, options: dict[str, Any], redraw_interval: An
             f"{list(allowed)} (masks, causal mode, rng, omega and the train/eval switches "
             "are set by the layer)"
         )
-    for name in COUNT_OPTIONS:
-        if name in options:
-            check_positive_int(options[name], name)
+    if estimator in COUNT_OPTIONS and COUNT_OPTIONS[estimator] in options:
+        check_positive_int(options[COUNT_OPTIONS[estimator]], COUNT_OPTIONS[estimator])
+    if estimator == "lara":  # C, or the pair (c_h, c_w) with grid=(H, W)
+        grid = options.get("grid")
+        tokens = math.prod(grid) if _pair_of_ints(grid) else 0
+        check_segments(lara_num_samples(options), grid, tokens, tokens, "the layer's grid")
+
+
+def lara_num_samples(options: dict[str, Any]) -> Any:
+    """LARA's ``num_samples`` option, or its default: :data:`DEFAULT_LARA_SAMPLES`, or
+    ``(4, 4)`` capped at the grid ``(H, W)``."""
+    if "num_samples" in options:
+        return options["num_samples"]
+    grid = options.get("grid")
+    if _pair_of_ints(grid):
+        side = math.isqrt(DEFAULT_LARA_SAMPLES)
+        return (min(side, grid[0]), min(side, grid[1]))
+    return DEFAULT_LARA_SAMPLES
 
 
 def draw_features(rng: Any, num_features: int, head_dim: int, options: dict[str, Any], *,
@@ -129,7 +147,10 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
         raise ValueError("estimator 'lara' has no causal mode; use 'rfa', 'ra' or "
                          "'softmax' with is_causal=True")
     call_options = dict(options)
-    num_samples = min(call_options.pop("num_samples", DEFAULT_LARA_SAMPLES), q.shape[-2])
+    num_samples = lara_num_samples(call_options)
+    call_options.pop("num_samples", None)
+    if call_options.get("grid") is None:  # C capped at the query length (at least 1)
+        num_samples = min(num_samples, max(q.shape[-2], 1))
     if training:
         return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask, rng=rng,
                           **call_options)
@@ -173,15 +194,23 @@ class LayerCore:
     def _check_option_values(self) -> None:
         """Run the estimator on a tiny NumPy input, in training and in evaluation mode, so
         that a bad option value fails at construction. The probe draws from a fixed seed
-        on the host: no framework generator or global state is touched."""
-        probe = np.zeros((1, PROBE_LENGTH, self.head_dim), dtype=np.float32)
+        on the host: no framework generator or global state is touched. The input has
+        :data:`PROBE_LENGTH` tokens, or with LARA's ``grid`` the c_h x c_w tokens of the
+        smallest grid that holds the bins (the grid itself is checked without arrays)."""
+        options = self.estimator_options
+        length = PROBE_LENGTH
+        if options.get("grid") is not None:  # the smallest grid that holds the c_h x c_w bins
+            pools = tuple(lara_num_samples(options))
+            options = {**options, "grid": pools, "num_samples": pools}
+            length = math.prod(pools)
+        probe = np.zeros((1, length, self.head_dim), dtype=np.float32)
         omega = None
         if self.estimator == "rfa":
             omega = draw_features(0, self.num_features, self.head_dim, self.estimator_options,
                                   xp=np, dtype=np.float32)
         for training in (True, False):
-            attend(self.estimator, probe, probe, probe, options=self.estimator_options,
-                   key_mask=None, causal=False, training=training, omega=omega, rng=0)
+            attend(self.estimator, probe, probe, probe, options=options, key_mask=None,
+                   causal=False, training=training, omega=omega, rng=0)
 
     def _require_rfa(self, method: str) -> None:
         if self.estimator != "rfa":
@@ -213,6 +242,13 @@ class LayerCore:
     def _estimate(self, q: Array, k: Array, v: Array, *, key_mask: Array | None,
                   causal: bool, training: bool, features: Array | None, rng: Any) -> Array:
         """The estimator on per-head inputs ``(..., L, head_dim)`` in the given mode."""
+        grid = self.estimator_options.get("grid")
+        if grid is not None and not q.shape[-2] == k.shape[-2] == math.prod(grid):
+            raise ValueError(
+                f"grid (H, W) = {tuple(grid)} needs query and key sequences of H * W = "
+                f"{math.prod(grid)} tokens (the image in row-major order); got query "
+                f"length {q.shape[-2]} and key length {k.shape[-2]}"
+            )
         omega = None if features is None else self._omega_like(features, q)
         return attend(self.estimator, q, k, v, options=self.estimator_options,
                       key_mask=key_mask, causal=causal, training=training, omega=omega,
@@ -244,7 +280,10 @@ _ESTIMATOR_OPTIONS_DOC = """\
     Passed to the estimator: ``"rfa"``: ``num_features`` (default
     ``max(d, int(d ln d))``, d = head_dim), ``feature_map``, ``orthogonal``,
     ``sample_norm``, ``scale``, ``block_size``; ``"lara"``: ``num_samples`` (C, default
-    16, capped at the query length), ``proposal``, ``weighting``, ``beta``, ``scale``;
+    16, capped at the query length; with ``grid``, a pair ``(c_h, c_w)``, default
+    ``(4, 4)`` capped at the grid), ``grid`` (``(H, W)``: the tokens are an H x W image
+    in row-major order, segmented into the bins of 2-D adaptive average pooling, so every
+    sequence must have H W tokens), ``proposal``, ``weighting``, ``beta``, ``scale``;
     ``"ra"``: ``num_samples``, ``scale``, ``chunk_size``; ``"softmax"``: ``scale``,
     ``chunk_size``."""
 
