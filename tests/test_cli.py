@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,6 @@ from xattn import cli
 from xattn.diagnostics import estimator_error, structured_attention_inputs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SAMPLE_KEYWORDS = {"rfa": "num_features", "ra": "num_samples", "lara": "num_samples"}
 
 
 def small_inputs(seed=0, heads=2, length=24, head_dim=8):
@@ -30,6 +30,13 @@ def npz(tmp_path):
     path = tmp_path / "qkv.npz"
     np.savez(path, **dict(zip("qkv", small_inputs(), strict=True)))
     return path
+
+
+def load_json(path):
+    """Strict JSON: NaN and infinity are not JSON (the command writes null instead)."""
+    def refuse(token):
+        raise AssertionError(f"{path} holds {token}")
+    return json.loads(path.read_text(), parse_constant=refuse)
 
 
 def run(capsys, *argv):
@@ -55,23 +62,30 @@ def test_compare_end_to_end(tmp_path, npz, capsys):
     check_png(out_dir / "compare.png")
     assert "uniform" in out and "rfa" in out and "lara" in out
 
-    payload = json.loads((out_dir / "compare.json").read_text())
+    payload = load_json(out_dir / "compare.json")
     cells = [(row["estimator"], row["samples"]) for row in payload["results"]]
-    assert cells == [("rfa", 2), ("rfa", 4), ("ra", 2), ("lara", 2), ("lara", 4)]
-    assert payload["skipped"] == [{"estimator": "ra", "samples": 4,
-                                   "reason": "above --ra-max-samples 2"}]
+    assert cells == [("rfa", 2), ("rfa", 4), ("ra", 2), ("ra-biased", 2), ("ra-det", None),
+                     ("lara", 2), ("lara", 4), ("lara-det", 2), ("lara-det", 4)]
+    assert payload["skipped"] == [
+        {"estimator": name, "samples": 4, "reason": "above --ra-max-samples 2"}
+        for name in ("ra", "ra-biased")]
     assert payload["draws"] == 3 and payload["seed"] == 5
+    for name in ("ra-biased", "ra-det", "lara-det"):  # the evaluation-mode rows, in the table
+        assert any(line.startswith(name + " ") for line in out.splitlines())
 
     # the JSON is reproduced by estimator_error with the same seed on the same float32 data
     q, k, v = (a.astype(np.float32) for a in small_inputs())
     for row in payload["results"]:
-        function = getattr(xattn, row["estimator"])
-        expected = estimator_error(function, q, k, v, draws=3, seed=5,
-                                   **{SAMPLE_KEYWORDS[row["estimator"]]: row["samples"]})
-        assert row["seeds"] == [5, 6, 7]
+        spec = cli.ESTIMATORS[row["estimator"]]
+        draws = 1 if spec.deterministic else 3
+        expected = estimator_error(spec.load(), q, k, v, draws=draws, seed=5,
+                                   **{spec.sample_keyword: row["samples"] or 1}, **spec.options)
+        assert row["seeds"] == [5, 6, 7][:draws]
         for field in ("mse", "bias_squared", "variance", "relative_error"):
             assert row[field] == pytest.approx(getattr(expected, field), rel=1e-9, abs=0)
         assert row["mse"] > 0 and row["time_s"] > 0 and row["peak_memory_bytes"] > 0
+        if spec.deterministic:  # nothing is drawn: no variance
+            assert row["variance"] == 0 and row["draws"] == 1
     uniform = np.broadcast_to(v.mean(axis=-2, keepdims=True), v.shape)
     exact = xattn.softmax_attention(q, k, v)
     assert payload["baseline"]["mse"] == pytest.approx(np.mean((uniform - exact) ** 2), rel=1e-5)
@@ -81,10 +95,10 @@ def test_default_caps_ra_samples(tmp_path, npz, capsys):
     code, out, _ = run(capsys, "compare", "--input", npz, "--samples", "8,64,128",
                        "--estimators", "ra", "--draws", 1, "--out", tmp_path)
     assert code == 0
-    payload = json.loads((tmp_path / "compare.json").read_text())
+    payload = load_json(tmp_path / "compare.json")
     assert [row["samples"] for row in payload["results"]] == [8, 64]
     assert payload["ra_max_samples"] == 64
-    assert "skipped at samples 128" in out
+    assert "skipped (cost O(N M S D)): ra S=128" in out
 
 
 def test_console_module_in_a_subprocess(tmp_path, npz):
@@ -94,7 +108,7 @@ def test_console_module_in_a_subprocess(tmp_path, npz):
         capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert "xattn compare" in result.stderr  # the progress bar goes to stderr
-    payload = json.loads((tmp_path / "compare.json").read_text())
+    payload = load_json(tmp_path / "compare.json")
     assert payload["results"][0]["estimator"] == "rfa"
     check_png(tmp_path / "compare.png")
 
@@ -113,7 +127,7 @@ def write_npz(path, **arrays):
     ("num_keys", "k and v must have the same number of keys M"),
     ("leading", "do not broadcast"),
     ("complex", "must be real numbers"),
-    ("garbage", "cannot read it as an .npz file"),
+    ("garbage", "not an .npz archive"),
     ("absent", "cannot read it as an .npz file"),
     ("npy", "not an .npz archive"),
 ])
@@ -190,7 +204,7 @@ def test_compare_on_other_backends(tmp_path, npz, capsys, backend):
     assert code == 0, err
     results = {}
     for name in (backend, "numpy"):
-        payload = json.loads((tmp_path / name / "compare.json").read_text())
+        payload = load_json(tmp_path / name / "compare.json")
         assert payload["environment"]["backend"] == name
         results[name] = payload["results"]
         check_png(tmp_path / name / "compare.png")
@@ -203,7 +217,7 @@ def test_bench_small(tmp_path, capsys):
     code, out, err = run(capsys, "bench", "--lengths", "16,32", "--head-dim", 8,
                          "--samples", "24,ra=1", "--out", tmp_path, "--no-progress")
     assert code == 0, err
-    payload = json.loads((tmp_path / "bench.json").read_text())
+    payload = load_json(tmp_path / "bench.json")
     assert set(payload["results"]) == {"softmax", "rfa", "ra", "lara"}
     assert payload["samples"] == {"softmax": None, "rfa": 24, "ra": 1, "lara": 24}
     assert [row["samples"] for row in payload["results"]["lara"]] == [16, 24]  # C <= N
@@ -221,7 +235,7 @@ def test_bench_time_limit_skips_longer_lengths(tmp_path, capsys):
                          "--estimators", "rfa", "--samples", "4", "--time-limit", "1e-9",
                          "--out", tmp_path)
     assert code == 0, err
-    payload = json.loads((tmp_path / "bench.json").read_text())
+    payload = load_json(tmp_path / "bench.json")
     assert payload["lengths"] == [16, 32]
     for rows in payload["results"].values():
         assert rows[0]["time_s"] > 0
@@ -252,3 +266,239 @@ def test_help_documents_the_default_input(capsys):
     code, out, _ = run(capsys, "compare", "--help")
     assert code == 0
     assert "N = M = 1024" in out and "D = Dv = 64" in out
+
+
+def assert_usage_error(code, err, *fragments):
+    """Exit code 2, exactly one line on stderr, no traceback, every fragment named."""
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+# --- estimator lists: never double counted -------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["compare", "bench"])
+@pytest.mark.parametrize("estimators,message", [
+    ("softmax", "softmax is the exact reference"),
+    ("softmax,rfa", "softmax is the exact reference"),
+    ("rfa,rfa", "rfa is named twice"),
+    ("lara,rfa,lara", "lara is named twice"),
+    ("ra-det,ra,ra-det", "ra-det is named twice"),
+])
+def test_repeated_or_reference_estimators_are_rejected(tmp_path, capsys, command, estimators,
+                                                       message):
+    code, _, err = run(capsys, command, "--estimators", estimators, "--out", tmp_path)
+    assert_usage_error(code, err, message)
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_bench_measures_each_estimator_once_per_length(tmp_path, capsys):
+    code, out, err = run(capsys, "bench", "--estimators", "lara,rfa", "--lengths", "16,8,16",
+                         "--head-dim", 4, "--samples", 4, "--out", tmp_path, "--no-progress")
+    assert code == 0, err
+    payload = load_json(tmp_path / "bench.json")
+    assert list(payload["results"]) == ["softmax", "lara", "rfa"]
+    assert payload["lengths"] == [8, 16]
+    for rows in payload["results"].values():
+        assert [row["length"] for row in rows] == [8, 16]
+    table = [line.split()[0] for line in out.splitlines() if line.split()[:1] in (["8"], ["16"])]
+    assert table == ["8", "16"]
+
+
+# --- --out is checked before any work -------------------------------------------------
+
+
+def unwritable_out_dirs(tmp_path):
+    regular_file = tmp_path / "a-file"
+    regular_file.write_text("not a directory")
+    cases = {"under /proc": Path("/proc/xattn-test/out"),
+             "under a file": regular_file / "out",
+             "a file": regular_file}
+    if hasattr(os, "geteuid") and os.geteuid() != 0:  # root may write anywhere
+        read_only = tmp_path / "read-only"
+        read_only.mkdir()
+        read_only.chmod(0o500)
+        cases["read-only"] = read_only
+    return cases
+
+
+@pytest.mark.parametrize("command", ["compare", "bench"])
+def test_unwritable_out_fails_before_any_work(tmp_path, capsys, monkeypatch, command):
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before --out was checked")
+
+    monkeypatch.setattr(cli.compare, "load_backend", no_work)
+    monkeypatch.setattr(cli.bench, "load_backend", no_work)
+    for name, out in unwritable_out_dirs(tmp_path).items():
+        code, _, err = run(capsys, command, "--out", out)
+        assert_usage_error(code, err, f"--out {out}: cannot")
+        assert not Path("/proc/xattn-test").exists(), name
+
+
+# --- hostile .npz files ---------------------------------------------------------------
+
+
+def patch_zip_headers(path, *, flag_bits=None, method=None):
+    """Set the general-purpose flags and/or compression method of every zip member."""
+    data = bytearray(path.read_bytes())
+    for signature, flag_offset in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        start = data.find(signature)
+        while start >= 0:
+            if flag_bits is not None:
+                data[start + flag_offset:start + flag_offset + 2] = flag_bits.to_bytes(2, "little")
+            if method is not None:
+                data[start + flag_offset + 2:start + flag_offset + 4] = method.to_bytes(2, "little")
+            start = data.find(signature, start + 4)
+    path.write_bytes(bytes(data))
+
+
+def npy_bytes(header, payload=b""):
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue() + payload
+
+
+def write_members(path, **members):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, content in members.items():
+            archive.writestr(f"{name}.npy", content)
+    return path
+
+
+def valid_npy(array):
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("huge shape", "declares shape (10000000, 10000000)"),
+    ("shape larger than the data", "declares shape (24, 8)"),
+    ("compression method 99", "compression method 99"),
+    ("encrypted", "is encrypted"),
+    ("text file", "not an .npz archive"),
+    ("empty file", "not an .npz archive"),
+    ("object array", "pickled (object) data"),
+    ("bad npy header", "not a valid .npy array"),
+    ("corrupt data", "cannot read it as an .npz file"),
+])
+def test_hostile_npz_is_a_usage_error(tmp_path, capsys, case, message):
+    q, k, v = small_inputs()
+    good = {"k": valid_npy(k), "v": valid_npy(v)}
+    path = tmp_path / "hostile.npz"
+    if case == "huge shape":
+        write_members(path, q=npy_bytes({"descr": "<f8", "fortran_order": False,
+                                          "shape": (10**7, 10**7)}, b"\0" * 64), **good)
+    elif case == "shape larger than the data":
+        write_members(path, q=npy_bytes({"descr": "<f8", "fortran_order": False,
+                                          "shape": (24, 8)}, b"\0" * 64), **good)
+    elif case == "compression method 99":
+        write_members(path, q=valid_npy(q), **good)
+        patch_zip_headers(path, method=99)
+    elif case == "encrypted":
+        write_members(path, q=valid_npy(q), **good)
+        patch_zip_headers(path, flag_bits=0x1)
+    elif case == "text file":
+        path.write_text("q, k, v\n1, 2, 3\n")
+    elif case == "empty file":
+        path.write_bytes(b"")
+    elif case == "object array":
+        np.savez(path, q=np.array([{"a": 1}, None], dtype=object), k=k, v=v)
+    elif case == "bad npy header":
+        write_members(path, q=b"\x93NUMPY\x01\x00\x10\x00{'descr': 'junk'", **good)
+    elif case == "corrupt data":
+        np.savez_compressed(path, q=q, k=k, v=v)
+        data = bytearray(path.read_bytes())
+        middle = data.find(b"PK\x03\x04") + 200
+        data[middle:middle + 40] = bytes(40)  # deflate stream or CRC breaks
+        path.write_bytes(bytes(data))
+    code, _, err = run(capsys, "compare", "--input", path, "--out", tmp_path / "out")
+    assert_usage_error(code, err, message, str(path))
+    assert not (tmp_path / "out" / "compare.json").exists()
+
+
+# --- values that overflow after the cast ----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,name,value,message", [
+    ("float32", "q", 1e39, "array q overflows float32"),
+    ("float32", "v", -1e39, "array v overflows float32"),
+    ("float32", "k", 1e30, "array k holds values up to 1e+30, too large for float32"),
+    ("float32", "v", 1e30, "array v holds values up to 1e+30, too large for float32"),
+    ("float64", "q", 1e200, "array q holds values up to 1e+200, too large for float64"),
+    ("float64", "k", 1e300, "array k holds values up to 1e+300, too large for float64"),
+])
+def test_values_are_validated_after_the_cast(tmp_path, capsys, dtype, name, value, message):
+    arrays = dict(zip("qkv", small_inputs(), strict=True))
+    arrays[name][1, 5, 2] = value
+    path = write_npz(tmp_path / "large.npz", **arrays)
+    code, _, err = run(capsys, "compare", "--input", path, "--dtype", dtype,
+                       "--out", tmp_path / "out")
+    assert_usage_error(code, err, message)
+    assert not (tmp_path / "out" / "compare.json").exists()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_accepted_values_give_strict_json_and_a_plot(tmp_path, capsys, dtype):
+    """Just inside the accepted range, the run completes: every figure finite or null
+    (never NaN in the JSON, never a NaN point in the plot)."""
+    from xattn.cli.inputs import largest_safe_value
+
+    arrays = dict(zip("qkv", small_inputs(), strict=True))
+    for name in "qkv":
+        arrays[name][0, 3, 1] = 0.9 * largest_safe_value(dtype, 24)
+    path = write_npz(tmp_path / "large.npz", **arrays)
+    code, out, err = run(capsys, "compare", "--input", path, "--dtype", dtype, "--samples", 4,
+                         "--draws", 2, "--estimators", "rfa,lara,lara-det,ra-det",
+                         "--out", tmp_path)
+    assert code == 0, err
+    payload = load_json(tmp_path / "compare.json")
+    for row in payload["results"]:
+        assert row["mse"] is None or np.isfinite(row["mse"])
+    if any(row["mse"] is None for row in payload["results"]):
+        assert "non-finite outputs" in out
+    check_png(tmp_path / "compare.png")
+
+
+# --- absurd sizes are refused up front -------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,figure", [
+    (["compare", "--samples", "1000000000000", "--estimators", "rfa"],
+     "rfa with 1000000000000 samples needs about"),
+    (["compare", "--samples", "16,1000000000", "--estimators", "lara"],
+     "lara with 1000000000 samples needs about"),
+    (["bench", "--head-dim", "1000000000"], "needs about"),
+    (["bench", "--lengths", "1000000000"], "at N = 1000000000"),
+    (["bench", "--heads", "10000000000", "--lengths", "1024"], "needs about"),
+])
+def test_absurd_sizes_are_refused_up_front(tmp_path, capsys, monkeypatch, argv, figure):
+    calls = []
+    monkeypatch.setattr(cli.compare, "estimator_error",
+                        lambda *args, **kwargs: calls.append(args))  # no estimator may run
+    code, _, err = run(capsys, *argv, "--out", tmp_path)
+    assert_usage_error(code, err, figure, "available on")
+    assert calls == [] and not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.parametrize("available_mib,refused", [(1, True), (4096, False)])
+def test_memory_estimate_against_the_memory_available(tmp_path, npz, capsys, monkeypatch,
+                                                      available_mib, refused):
+    """The same small run is refused or run according to the memory said to be free."""
+    from xattn.cli import memory
+
+    monkeypatch.setattr(memory, "host_memory_available", lambda: available_mib * 2**20)
+    code, _, err = run(capsys, "compare", "--input", npz, "--estimators", "ra",
+                       "--samples", 64, "--ra-max-samples", 0, "--draws", 1, "--out", tmp_path)
+    if refused:
+        assert_usage_error(code, err, "ra with 64 samples needs about", "1.0 MiB available")
+    else:
+        assert code == 0, err

@@ -10,6 +10,7 @@ from xattn.diagnostics import (
     draw_seeds,
     estimator_error,
     kernel_mse_positive,
+    structured_attention_inputs,
     uniform_attention,
 )
 
@@ -95,6 +96,77 @@ def test_options_reach_the_exact_reference(rng):
                             key_mask=key_mask, causal=True, scale=0.3)
     assert error.mse == 0.0
 
+
+
+@pytest.mark.parametrize("mask_seed", range(4))
+def test_query_mask_scores_only_the_valid_rows(backend, rng, mask_seed):
+    """With a query_mask, the figures are those of the valid rows alone, whatever the
+    estimator puts in the masked rows (zeros as LARA, huge values, NaN)."""
+    q, k, v = make_qkv(rng)
+    mask_rng = np.random.default_rng(mask_seed)
+    query_mask = mask_rng.random((2, 12)) < 0.5
+    query_mask[:, mask_rng.integers(12)] = True  # at least one valid row per batch
+    exact = reference.softmax_attention(q, k, v)
+    garbage = {0: 0.0, 1: 1e6, 2: np.nan, 3: -3.0}[mask_seed]
+
+    def masked_noisy(q, k, v, *, rng, query_mask):
+        noise = 0.1 * np.random.default_rng(rng).normal(size=exact.shape) + 0.05
+        out = np.where(backend.to_numpy(query_mask)[..., None], exact + noise, garbage)
+        return backend.asarray(out)
+
+    error = estimator_error(masked_noisy, *map(backend.asarray, (q, k, v)), draws=4, seed=3,
+                            query_mask=backend.asarray(query_mask))
+    valid = np.broadcast_to(query_mask[..., None], exact.shape)
+    outputs = np.stack([exact + 0.1 * np.random.default_rng(s).normal(size=exact.shape) + 0.05
+                        for s in (3, 4, 5, 6)])[:, valid]
+    reference_rows = exact[valid]
+    assert error.bias_squared == pytest.approx(
+        np.mean((outputs.mean(axis=0) - reference_rows) ** 2), rel=1e-9)
+    assert error.variance == pytest.approx(np.mean(outputs.var(axis=0)), rel=1e-9)
+    expected_mse = np.mean((outputs - reference_rows) ** 2)
+    assert error.mse == pytest.approx(expected_mse, rel=1e-9)
+    assert error.relative_error == pytest.approx(
+        np.sqrt(expected_mse / np.mean(reference_rows**2)), rel=1e-9)
+
+
+@pytest.mark.parametrize("mask_seed", range(3))
+def test_lara_query_mask_error_equals_the_error_on_the_valid_queries(backend, rng, mask_seed):
+    """LARA with masked queries equals LARA on the valid queries alone (segments are
+    built over the valid queries), so the errors must agree."""
+    q, k, v = make_qkv(rng)
+    query_mask = np.random.default_rng(mask_seed).random(12) < 0.6
+    query_mask[0] = True
+    masked = estimator_error(xattn.lara, *map(backend.asarray, (q, k, v)), draws=3, seed=1,
+                             num_samples=3, query_mask=backend.asarray(query_mask))
+    valid_only = estimator_error(xattn.lara, *map(backend.asarray, (q[:, query_mask], k, v)),
+                                 draws=3, seed=1, num_samples=3)
+    for field in ("bias_squared", "variance", "mse", "relative_error"):
+        assert getattr(masked, field) == pytest.approx(getattr(valid_only, field), rel=1e-6)
+
+
+def test_query_mask_errors(rng):
+    q, k, v = make_qkv(rng)
+    with pytest.raises(ValueError, match="selects no query"):
+        estimator_error(xattn.lara, q, k, v, draws=1, num_samples=2,
+                        query_mask=np.zeros(12, dtype=bool))
+    with pytest.raises(TypeError, match="query_mask must be a bool array"):
+        estimator_error(lambda q, k, v, rng, query_mask: xattn.softmax_attention(q, k, v),
+                        q, k, v, draws=1, query_mask=np.ones(12))
+
+
+def test_structured_attention_inputs_are_deterministic_and_sharp():
+    """Same arrays on every call; each query's attention concentrates on its cluster."""
+    first = structured_attention_inputs(num_heads=2, length=64, head_dim=16, seed=3)
+    second = structured_attention_inputs(num_heads=2, length=64, head_dim=16, seed=3)
+    for a, b in zip(first, second, strict=True):
+        assert a.shape == (2, 64, 16) and a.dtype == np.float64
+        np.testing.assert_array_equal(a, b)
+    q, k, _ = first
+    scores = q @ np.swapaxes(k, -1, -2) / 4.0
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    # uniform attention would put 1/64 on each key; sharp attention puts most mass on few
+    assert np.median(weights.max(axis=-1)) > 0.1
 
 def test_bad_arguments():
     q = np.zeros((4, 3))

@@ -125,6 +125,9 @@ def estimator_error(
 
     over the :math:`E` output elements, with :math:`\bar y = \frac1R \sum_r y^{(r)}`.
     Running sums are kept (Welford's update), so memory does not grow with ``draws``.
+    With a ``query_mask`` among the options (:func:`xattn.lara`), only the rows of the
+    queries it selects count: masked queries have no defined attention (LARA returns zero
+    rows there), so :math:`E` is the number of elements of the valid rows.
 
     **Seeds.** With an int ``seed`` (the default, 0), draw ``r`` (``r = 0 .. draws-1``)
     calls the estimator with ``rng=seed + r`` (see :func:`draw_seeds`); an int seed draws
@@ -153,7 +156,8 @@ def estimator_error(
         Precomputed exact softmax attention (saves its computation when the same inputs
         are measured many times).
     **options
-        Passed to the estimator (e.g. ``num_features=64``).
+        Passed to the estimator (e.g. ``num_features=64``). ``query_mask`` (bool, shape
+        broadcastable to ``(..., N)``) also restricts the figures to the valid rows.
 
     Returns
     -------
@@ -232,10 +236,11 @@ def estimator_error(
             mean_residual = mean_residual + delta / draw
             sum_sq_deviation = sum_sq_deviation + delta * (residual - mean_residual)
 
-    bias_squared = float(xp.mean(mean_residual * mean_residual))
-    variance = float(xp.mean(sum_sq_deviation)) / draws
+    mean = _valid_rows_mean(xp, exact, options.get("query_mask"))
+    bias_squared = mean(mean_residual * mean_residual)
+    variance = mean(sum_sq_deviation) / draws
     mse = bias_squared + variance
-    exact_mean_square = float(xp.mean(exact * exact))
+    exact_mean_square = mean(exact * exact)
     return EstimatorError(
         bias_squared=bias_squared,
         variance=variance,
@@ -244,6 +249,25 @@ def estimator_error(
         draws=draws,
         seeds=seeds,
     )
+
+
+def _valid_rows_mean(xp: Any, exact: Array, query_mask: Any) -> Callable[[Array], float]:
+    """The mean over output elements, restricted to the rows ``query_mask`` selects."""
+    if query_mask is None:
+        return lambda values: float(xp.mean(values))
+    if getattr(query_mask, "dtype", None) != xp.bool:
+        raise TypeError(f"query_mask must be a bool array, got "
+                        f"{getattr(query_mask, 'dtype', type(query_mask).__name__)}")
+    try:
+        valid = xp.broadcast_to(query_mask[..., None], tuple(exact.shape))
+    except (ValueError, RuntimeError, TypeError):
+        raise ValueError(f"query_mask must have a shape broadcastable to (..., N) = "
+                         f"{tuple(exact.shape[:-1])}, got {tuple(query_mask.shape)}") from None
+    count = float(xp.sum(xp.astype(valid, exact.dtype)))
+    if count == 0:
+        raise ValueError("query_mask selects no query: there is no row to score")
+    # where, not a product: a masked row may hold anything (NaN * 0 is NaN)
+    return lambda values: float(xp.sum(xp.where(valid, values, xp.zeros_like(values)))) / count
 
 
 def _relative(mse: float, reference_mean_square: float) -> float:

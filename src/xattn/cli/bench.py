@@ -18,14 +18,23 @@ from xattn.cli.common import (
     progress_bar,
     write_json,
 )
-from xattn.cli.measure import Backend, Measurement, load_backend, measured, new_figure
+from xattn.cli.measure import (
+    Backend,
+    Measurement,
+    load_backend,
+    loglog_axes,
+    measured,
+    new_figure,
+    save_figure,
+)
+from xattn.cli.memory import Problem, require_memory
 from xattn.cli.options import (
     add_common_options,
     int_list,
     nonnegative_float,
     positive_int,
 )
-from xattn.cli.registry import EstimatorSpec, estimator_specs
+from xattn.cli.registry import SOFTMAX, EstimatorSpec, estimator_specs
 
 __all__ = ["add_parser", "crossover_length", "run"]
 
@@ -65,14 +74,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn bench``."""
-    specs = estimator_specs(["softmax", *args.estimators], allow_softmax=True)
+    out_dir = output_dir(args.out)  # before any work
+    specs = [SOFTMAX, *estimator_specs(args.estimators)]  # softmax: the reference, once
     functions = {spec.name: spec.load() for spec in specs}
     samples = _bench_samples(args.samples, specs)
     backend = load_backend(args.backend, args.device, args.dtype)
-    out_dir = output_dir(args.out)
+    lengths = sorted(set(args.lengths))
+    _check_memory(specs, samples, lengths, args, backend)
     host_rng = np.random.default_rng(args.seed)
 
-    lengths = sorted(set(args.lengths))
     results: dict[str, list[dict[str, Any]]] = {spec.name: [] for spec in specs}
     too_slow: set[str] = set()
     print(f"xattn bench: {backend.describe()}, {args.dtype}, {args.heads} heads, "
@@ -140,6 +150,24 @@ def run(args: argparse.Namespace) -> int:
     _plot_bench(png_path, results, crossover, backend)
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def _check_memory(specs: list[EstimatorSpec], samples: dict[str, int], lengths: list[int],
+                  args: argparse.Namespace, backend: Backend) -> None:
+    """Refuse up front the sizes whose estimated memory exceeds what is available."""
+    itemsize = 4 if args.dtype == "float32" else 8
+    needs = []
+    for length in lengths:
+        problem = Problem(batch=args.heads, num_queries=length, num_keys=length,
+                          head_dim=args.head_dim, value_dim=args.head_dim, itemsize=itemsize)
+        host_draw = 8 * args.heads * length * args.head_dim  # one float64 input at a time
+        fixed = problem.input_bytes + problem.output_bytes + host_draw
+        for spec in specs:
+            count = min(samples.get(spec.name, 1), length)
+            label = f"{spec.name} at N = {length}" + (
+                f" with {count} samples" if spec.sample_keyword else "")
+            needs.append((label, fixed + spec.memory(problem, count)))
+    require_memory(needs, backend.memory_available(), backend.describe())
 
 
 def _bench_samples(text: str, specs: list[EstimatorSpec]) -> dict[str, int]:
@@ -211,24 +239,21 @@ def _print_bench_table(results: dict[str, list[dict[str, Any]]],
 def _plot_bench(path: Path, results: dict[str, list[dict[str, Any]]],
                 crossover: dict[str, int | None], backend: Backend) -> None:
     figure, (time_axes, memory_axes) = new_figure(ncols=2)
-    for name, rows in results.items():
-        timed = [(row["length"], row["time_s"]) for row in rows if row["time_s"] is not None]
+    for index, (name, rows) in enumerate(results.items()):
+        color = f"C{index % 10}"
         label = name if name == "softmax" else name.upper()
-        line, = time_axes.plot(*zip(*timed, strict=True), marker="o", label=label)
+        timed = [(row["length"], row["time_s"]) for row in rows
+                 if row["time_s"] is not None and row["time_s"] > 0]
+        if timed:
+            time_axes.plot(*zip(*timed, strict=True), marker="o", label=label, color=color)
         if crossover.get(name) is not None:
-            time_axes.axvline(crossover[name], color=line.get_color(), linestyle=":",
-                              alpha=0.6)
+            time_axes.axvline(crossover[name], color=color, linestyle=":", alpha=0.6)
         memory = [(row["length"], row["peak_memory_bytes"] / 2**20) for row in rows
-                  if row["peak_memory_bytes"] is not None]
+                  if row["peak_memory_bytes"]]  # None (no counter) and 0 are left out
         if memory:
-            memory_axes.plot(*zip(*memory, strict=True), marker="o", label=label,
-                             color=line.get_color())
+            memory_axes.plot(*zip(*memory, strict=True), marker="o", label=label, color=color)
     for axes, ylabel in ((time_axes, "time [s]"), (memory_axes, "peak memory [MiB]")):
-        axes.set_xscale("log", base=2)
-        axes.set_yscale("log")
-        axes.set_xlabel("sequence length N = M")
-        axes.set_ylabel(ylabel)
-        axes.grid(True, which="both", alpha=0.3)
+        loglog_axes(axes, "sequence length N = M", ylabel)
     time_axes.legend(title="dotted: crossover")
     time_axes.set_title(f"xattn bench: {backend.describe()}", fontsize="small")
     if memory_axes.lines:
@@ -237,4 +262,4 @@ def _plot_bench(path: Path, results: dict[str, list[dict[str, Any]]],
         memory_axes.text(0.5, 0.5, f"no peak-memory counter for {backend.name} on "
                          f"{backend.device}", ha="center", va="center",
                          transform=memory_axes.transAxes)
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)

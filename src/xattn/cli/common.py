@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import platform
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,9 +52,23 @@ def format_bytes(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**20:.1f}"
 
 
+def _strict_json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # NaN and inf are not JSON
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(item) for item in value]
+    return value
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as indented JSON."""
-    path.write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n")
+    """Write ``payload`` as indented, strict JSON (non-finite numbers become ``null``)."""
+    text = json.dumps(_strict_json(payload), indent=2, allow_nan=False) + "\n"
+    try:
+        path.write_text(text)
+    except OSError as error:
+        raise CommandError(f"cannot write {path} ({error.strerror})") from None
 
 
 def environment(backend: Any) -> dict[str, Any]:
@@ -63,11 +79,21 @@ def environment(backend: Any) -> dict[str, Any]:
 
 
 def output_dir(path: str) -> Path:
-    """Create the ``--out`` directory (raises CommandError when it cannot be created)."""
+    """Create the ``--out`` directory and check that a file can be written in it.
+
+    Called before any work, so that an unwritable ``--out`` costs nothing; raises
+    CommandError.
+    """
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise CommandError(f"--out {path}: cannot create the directory "
-                           f"({error.strerror})") from None
+                           f"({error.strerror or type(error).__name__})") from None
+    try:
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise CommandError(f"--out {path}: cannot write in the directory "
+                           f"({error.strerror or type(error).__name__})") from None
     return out

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from xattn._softmax import softmax_attention
 from xattn.cli.common import (
@@ -16,8 +19,9 @@ from xattn.cli.common import (
     progress_bar,
     write_json,
 )
-from xattn.cli.inputs import load_inputs
-from xattn.cli.measure import Measurement, load_backend, measured, new_figure
+from xattn.cli.inputs import load_inputs, validate_inputs
+from xattn.cli.measure import Measurement, load_backend, measured, new_figure, save_figure
+from xattn.cli.memory import Problem, require_memory, softmax_bytes
 from xattn.cli.options import add_common_options, int_list, nonnegative_int, positive_int
 from xattn.cli.registry import EstimatorSpec, estimator_specs
 from xattn.diagnostics import (
@@ -30,6 +34,7 @@ from xattn.diagnostics import (
 __all__ = ["add_parser", "run"]
 
 DEFAULT_SAMPLES = (16, 32, 64, 128, 256)
+DEFAULT_ESTIMATORS = "rfa,ra,ra-biased,ra-det,lara,lara-det"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -45,8 +50,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "16 cluster centres of norm 6 (contiguous blocks of tokens, 25%% shuffled), so "
         "attention is sharp (xattn.diagnostics.structured_attention_inputs). Draw r of "
         "every cell uses rng = SEED + r, as xattn.diagnostics.estimator_error(seed=SEED). "
-        "RA costs O(N M S D), so it runs only at sample counts <= --ra-max-samples.")
-    add_common_options(parser, "rfa,ra,lara")
+        "Estimators: rfa, ra, lara (sampled), ra-biased (RA with biased=True), and the "
+        "evaluation modes lara-det (LARA with deterministic=True, one draw per cell) and "
+        "ra-det (biased, deterministic RA: the same for every sample count, one cell, a "
+        "horizontal line in the plot). RA costs O(N M S D), so ra and ra-biased run only "
+        "at sample counts <= --ra-max-samples. The memory a run needs is estimated "
+        "first; sizes that do not fit are refused.")
+    add_common_options(parser, DEFAULT_ESTIMATORS)
     parser.add_argument("--input", metavar="FILE.npz",
                         help="arrays q (..., N, D), k (..., M, D), v (..., M, Dv)")
     parser.add_argument("--samples", type=int_list, default=list(DEFAULT_SAMPLES),
@@ -63,38 +73,49 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn compare``."""
+    out_dir = output_dir(args.out)  # before any work
     specs = estimator_specs(args.estimators)
     functions = {spec.name: spec.load() for spec in specs}
     backend = load_backend(args.backend, args.device, args.dtype)
     if args.input is None:
-        q_host, k_host, v_host = structured_attention_inputs()
         source = "default: structured_attention_inputs() (4 heads, N = M = 1024, D = 64)"
+        q_host, k_host, v_host = validate_inputs(*structured_attention_inputs(), args.dtype,
+                                                 "default inputs")
     else:
-        q_host, k_host, v_host = load_inputs(args.input)
         source = str(args.input)
-    out_dir = output_dir(args.out)
-    q, k, v = (backend.to_backend(a) for a in (q_host, k_host, v_host))
+        q_host, k_host, v_host = load_inputs(args.input, args.dtype)
 
+    cells, skipped = _plan(specs, args)
+    problem = Problem(batch=math.prod(np.broadcast_shapes(q_host.shape[:-2], k_host.shape[:-2],
+                                                       v_host.shape[:-2])),
+                      num_queries=q_host.shape[-2], num_keys=k_host.shape[-2],
+                      head_dim=q_host.shape[-1], value_dim=v_host.shape[-1],
+                      itemsize=q_host.dtype.itemsize)
+    fixed = problem.input_bytes + 3 * problem.output_bytes  # exact and the running sums
+    needs = [("exact softmax attention", fixed + softmax_bytes(problem))]
+    needs += [(f"{spec.name} with {samples} samples", fixed + spec.memory(problem, samples))
+              for spec, samples in cells]
+    require_memory(needs, backend.memory_available(), backend.describe())
+
+    q, k, v = (backend.to_backend(a) for a in (q_host, k_host, v_host))
     exact_measurement = Measurement()
     exact_call = measured(softmax_attention, backend, exact_measurement)
     exact = exact_call(q, k, v)
     exact_call(q, k, v)  # a second, timed call
+    if not bool(backend.namespace.all(backend.namespace.isfinite(exact))):
+        raise CommandError(f"exact softmax attention is not finite in {args.dtype} on these "
+                           "inputs; rescale them or use --dtype float64")
     baseline_measurement = Measurement()
     baseline_call = measured(uniform_attention, backend, baseline_measurement)
     baseline_error = estimator_error(lambda q, k, v: baseline_call(q, k, v), q, k, v, draws=1,
                                      rng_keyword=None, exact=exact)
 
-    cells = [(spec, samples) for spec in specs for samples in args.samples
-             if not (spec.quadratic and args.ra_max_samples and samples > args.ra_max_samples)]
-    skipped = [{"estimator": spec.name, "samples": samples,
-                "reason": f"above --ra-max-samples {args.ra_max_samples}"}
-               for spec in specs for samples in args.samples
-               if (spec, samples) not in cells]
     rows: list[dict[str, Any]] = []
     print(f"xattn compare: {backend.describe()}, {args.dtype}, q {q_host.shape}, "
           f"k {k_host.shape}, v {v_host.shape}; {args.draws} draws per cell, seeds "
-          f"{args.seed}..{args.seed + args.draws - 1}")
-    with progress_bar(len(cells) * args.draws, "xattn compare", args.progress) as bar:
+          f"{args.seed}..{args.seed + args.draws - 1} (one draw for deterministic modes)")
+    total_runs = sum(_draws(spec, args) for spec, _ in cells)
+    with progress_bar(total_runs, "xattn compare", args.progress) as bar:
         for spec, samples in cells:
             measurement = Measurement()
             timed = measured(functions[spec.name], backend, measurement)
@@ -106,12 +127,12 @@ def run(args: argparse.Namespace) -> int:
                 return out
 
             try:
-                error = estimator_error(draw, q, k, v, draws=args.draws, seed=args.seed,
+                error = estimator_error(draw, q, k, v, draws=_draws(spec, args), seed=args.seed,
                                         exact=exact, **{spec.sample_keyword: samples},
                                         **spec.options)
-            except ValueError as problem:
+            except ValueError as problem_:
                 raise CommandError(f"{spec.name} with {spec.sample_keyword}={samples}: "
-                                   f"{problem}") from None
+                                   f"{problem_}") from None
             rows.append(_row(spec, samples, error, measurement))
 
     baseline_row = _row(None, None, baseline_error, baseline_measurement)
@@ -121,9 +142,14 @@ def run(args: argparse.Namespace) -> int:
                  "peak_memory_bytes": exact_measurement.peak_memory_bytes}
     _print_compare_table(rows, baseline_row, exact_row)
     if skipped:
-        print(f"note: ra (cost O(N M S D)) skipped at samples "
-              f"{', '.join(str(cell['samples']) for cell in skipped)} (--ra-max-samples "
-              f"{args.ra_max_samples}; 0 runs every count)")
+        cells_text = ", ".join(f"{cell['estimator']} S={cell['samples']}" for cell in skipped)
+        print(f"note: skipped (cost O(N M S D)): {cells_text} "
+              f"(--ra-max-samples {args.ra_max_samples}; 0 runs every count)")
+    not_finite = [f"{row['estimator']} S={row['samples']}" for row in rows
+                  if not math.isfinite(row["mse"])]
+    if not_finite:
+        print(f"note: non-finite outputs ({', '.join(not_finite)}): their figures are null "
+              "in the JSON and left out of the plot")
 
     payload = {
         "command": "compare",
@@ -134,10 +160,13 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "draws": args.draws,
         "seed_rule": "draw r (r = 0..draws-1) of every (estimator, samples) cell runs with "
-                     "rng = seed + r (xattn.diagnostics.draw_seeds)",
+                     "rng = seed + r (xattn.diagnostics.draw_seeds); deterministic modes "
+                     "run one draw",
         "samples": list(args.samples),
         "estimators": {spec.name: {"sample_keyword": spec.sample_keyword,
-                                   "options": spec.options} for spec in specs},
+                                   "options": spec.options,
+                                   "deterministic": spec.deterministic,
+                                   "samples_matter": spec.samples_matter} for spec in specs},
         "ra_max_samples": args.ra_max_samples,
         "results": rows,
         "skipped": skipped,
@@ -152,11 +181,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(specs: list[EstimatorSpec], args: argparse.Namespace
+          ) -> tuple[list[tuple[EstimatorSpec, int]], list[dict[str, Any]]]:
+    """The (estimator, samples) cells to run and the ones skipped by --ra-max-samples."""
+    cells, skipped = [], []
+    for spec in specs:
+        if not spec.samples_matter:  # every sample count gives the same result: one cell
+            cells.append((spec, 1))
+            continue
+        for samples in args.samples:
+            if spec.quadratic and args.ra_max_samples and samples > args.ra_max_samples:
+                skipped.append({"estimator": spec.name, "samples": samples,
+                                "reason": f"above --ra-max-samples {args.ra_max_samples}"})
+            else:
+                cells.append((spec, samples))
+    return cells, skipped
+
+
+def _draws(spec: EstimatorSpec, args: argparse.Namespace) -> int:
+    return 1 if spec.deterministic else args.draws
+
+
 def _row(spec: EstimatorSpec | None, samples: int | None, error: EstimatorError,
          measurement: Measurement) -> dict[str, Any]:
     return {"estimator": "uniform" if spec is None else spec.name,
-            "samples": samples,
-            **{key: value for key, value in error.as_dict().items()},
+            "samples": samples if spec is None or spec.samples_matter else None,
+            **error.as_dict(),
             "time_s": measurement.time_s,
             "peak_memory_bytes": measurement.peak_memory_bytes}
 
@@ -169,6 +219,8 @@ def _print_compare_table(rows: list[dict[str, Any]], baseline: dict[str, Any],
     print("-" * len(header))
     for row in [*rows, baseline, exact]:
         samples = "-" if row["samples"] is None else str(row["samples"])
+        if row["estimator"] not in ("uniform", "softmax") and row["samples"] is None:
+            samples = "any"
         print(f"{row['estimator']:<10} {samples:>7} {row['mse']:>10.3e} "
               f"{row['bias_squared']:>10.3e} {row['variance']:>10.3e} "
               f"{row['relative_error']:>9.3f} {1e3 * row['time_s']:>10.2f} "
@@ -179,25 +231,54 @@ def _print_compare_table(rows: list[dict[str, Any]], baseline: dict[str, Any],
               f"{baseline['mse']:.3e}) at some sample counts")
 
 
+def _plottable(value: float) -> bool:
+    return math.isfinite(value) and value > 0  # log scale: no NaN, inf, 0
+
+
 def _plot_compare(path: Path, rows: list[dict[str, Any]], baseline: dict[str, Any],
                   specs: list[EstimatorSpec], source: str,
                   skipped: list[dict[str, Any]]) -> None:
+    """MSE against samples on log axes; NaN, inf and 0 are left out. Where the figures
+    span more than 60 decades (Matplotlib's log axis fails near the float limits), the
+    y axis shows log10(MSE) on a linear scale instead."""
+    plotted = [row["mse"] for row in [*rows, baseline] if _plottable(row["mse"])]
+    wide = bool(plotted) and math.log10(max(plotted) / min(plotted)) > 60
+    y = math.log10 if wide else float
     figure, axes = new_figure()
-    for spec in specs:
-        points = [(row["samples"], row["mse"]) for row in rows if row["estimator"] == spec.name]
+    samples_axis = sorted({row["samples"] for row in rows if row["samples"] is not None})
+    for index, spec in enumerate(specs):
+        color = f"C{index % 10}"  # Matplotlib's colour cycle
+        spec_rows = [row for row in rows if row["estimator"] == spec.name]
+        points = [(row["samples"], y(row["mse"])) for row in spec_rows
+                  if _plottable(row["mse"])]
+        label = spec.name.upper()
+        if not spec.samples_matter:  # one figure for every sample count
+            if points:
+                axes.axhline(points[0][1], linestyle="-.", color=color,
+                             label=f"{label} (deterministic, any samples)")
+            continue
         if not points:
             continue
-        label = spec.name.upper()
+        if spec.deterministic:
+            label += " (deterministic)"
         if any(cell["estimator"] == spec.name for cell in skipped):
             label += f" (samples <= {max(samples for samples, _ in points)})"
-        axes.plot(*zip(*points, strict=True), marker="o", label=label)
-    axes.axhline(baseline["mse"], color="0.4", linestyle="--", label="uniform attention")
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
+        style = {"marker": "s", "linestyle": ":"} if spec.deterministic else {"marker": "o"}
+        axes.plot(*zip(*points, strict=True), label=label, color=color, **style)
+    if _plottable(baseline["mse"]):
+        axes.axhline(y(baseline["mse"]), color="0.4", linestyle="--", label="uniform attention")
+    if len(samples_axis) > 1:
+        axes.set_xscale("log", base=2)
+    if plotted and wide:  # limits that include the horizontal lines (axhline does not scale)
+        axes.set_ylim(y(min(plotted)) - 1, y(max(plotted)) + 1)
+    elif plotted:
+        axes.set_yscale("log")
+        axes.set_ylim(min(plotted) / 1.5, max(plotted) * 1.5)
     axes.set_xlabel("number of samples")
-    axes.set_ylabel("MSE against softmax attention")
+    axes.set_ylabel(("log10 of the " if wide else "") + "MSE against softmax attention")
     axes.set_title(f"xattn compare: {Path(source).name if '/' in source else source}",
                    fontsize="small")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    figure.savefig(path, dpi=120)
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize="small")
+    save_figure(figure, path)

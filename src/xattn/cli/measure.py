@@ -29,11 +29,12 @@ from typing import Any
 import numpy as np
 
 from xattn._array import host_to_device
+from xattn.cli import memory
 from xattn.cli.common import CommandError
 
 __all__ = ["BACKENDS", "Backend", "Measurement", "best_time", "interleaved_best_times",
            "load_backend", "loglog_axes", "loglog_slope", "measured", "new_figure",
-           "rss_peak", "tracemalloc_peak"]
+           "rss_peak", "save_figure", "tracemalloc_peak"]
 
 BACKENDS = ("numpy", "torch", "jax", "cupy", "dask")
 
@@ -56,6 +57,9 @@ class Backend:
         Waits until a result is computed (CUDA streams, JAX dispatch, Dask graphs).
     peak_memory : callable
         ``peak_memory(run) -> (run(), peak bytes or None)``.
+    memory_available : callable
+        Bytes of memory free for the run on its device (host memory on the CPU), or
+        None where unknown.
     """
 
     name: str
@@ -65,6 +69,7 @@ class Backend:
     sync: Callable[[Any], Any]
     peak_memory: PeakMemory
     version: str = ""
+    memory_available: Callable[[], int | None] = field(default=lambda: _host_available())
 
     def describe(self) -> str:
         return f"{self.name} {self.version} on {self.device}"
@@ -136,6 +141,10 @@ def rss_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
     return result, max(high_water - before, 0) * 1024
 
 
+def _host_available() -> int | None:
+    return memory.host_memory_available()
+
+
 def _no_peak(run: Callable[[], Any]) -> tuple[Any, None]:
     return run(), None
 
@@ -197,7 +206,9 @@ def _torch(device: str, dtype: str) -> Backend:
 
     return Backend("torch", str(torch_device), xp,
                    _converter(xp, getattr(torch, dtype), torch_device),
-                   torch_sync, torch_peak, torch.__version__)
+                   torch_sync, torch_peak, torch.__version__,
+                   memory_available=(lambda: int(torch.cuda.mem_get_info(torch_device)[0]))
+                   if torch_device.type == "cuda" else _host_available)
 
 
 def _jax(device: str, dtype: str) -> Backend:
@@ -212,7 +223,17 @@ def _jax(device: str, dtype: str) -> Backend:
                            "JAX_ENABLE_X64=1")
     return Backend("jax", str(jax_device), jnp,
                    _converter(jnp, getattr(jnp, dtype), jax_device),
-                   lambda out: out.block_until_ready(), _no_peak, jax.__version__)
+                   lambda out: out.block_until_ready(), _no_peak, jax.__version__,
+                   memory_available=lambda: _jax_memory_available(jax_device))
+
+
+def _jax_memory_available(device: Any) -> int | None:
+    if device.platform == "cpu":
+        return _host_available()
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
 def _cupy(device: str, dtype: str) -> Backend:
@@ -235,7 +256,8 @@ def _cupy(device: str, dtype: str) -> Backend:
         return result, hook.peak
 
     return Backend("cupy", "cuda:0", xp, _converter(xp, getattr(xp, dtype), None),
-                   cupy_sync, cupy_peak, cupy.__version__)
+                   cupy_sync, cupy_peak, cupy.__version__,
+                   memory_available=lambda: int(cupy.cuda.runtime.memGetInfo()[0]))
 
 
 def _dask(device: str, dtype: str) -> Backend:
@@ -359,6 +381,14 @@ def new_figure(ncols: int = 1, width: float = 6.4, height: float = 4.4) -> tuple
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, ncols)
     return figure, axes
+
+
+def save_figure(figure: Any, path: Any, dpi: int = 120) -> None:
+    """Save ``figure`` as PNG (raises CommandError when the file cannot be written)."""
+    try:
+        figure.savefig(path, dpi=dpi)
+    except OSError as error:
+        raise CommandError(f"cannot write {path} ({error.strerror})") from None
 
 
 def loglog_axes(axes: Any, xlabel: str, ylabel: str, *, xbase: int = 2) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import xattn
 from xattn._softmax import softmax_attention
 from xattn.cli.common import CommandError
+from xattn.cli.memory import Problem, lara_bytes, ra_bytes, rfa_bytes, softmax_bytes
 
 __all__ = ["ESTIMATORS", "SOFTMAX", "EstimatorSpec", "estimator_specs"]
 
@@ -33,6 +34,16 @@ class EstimatorSpec:
         only at sample counts up to ``--ra-max-samples``.
     options : dict
         Further keywords passed to the estimator.
+    memory : callable
+        ``memory(problem, samples)``: estimated bytes of one call beyond its inputs
+        (see :mod:`xattn.cli.memory`).
+    deterministic : bool
+        The estimator draws nothing (an evaluation mode): ``xattn compare`` runs one
+        draw per cell.
+    samples_matter : bool
+        False when the result does not depend on the number of samples (deterministic
+        biased RA: all samples coincide): ``xattn compare`` runs one cell and draws it as
+        a horizontal line.
     """
 
     name: str
@@ -41,26 +52,50 @@ class EstimatorSpec:
     bench_samples: int = 64
     quadratic: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    memory: Callable[[Problem, int], int] = softmax_bytes
+    deterministic: bool = False
+    samples_matter: bool = True
 
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
-    "rfa": EstimatorSpec("rfa", "num_features", lambda: xattn.rfa, bench_samples=64),
+    "rfa": EstimatorSpec("rfa", "num_features", lambda: xattn.rfa, bench_samples=64,
+                         memory=rfa_bytes),
     "ra": EstimatorSpec("ra", "num_samples", lambda: xattn.ra, bench_samples=1,
-                        quadratic=True),
-    "lara": EstimatorSpec("lara", "num_samples", lambda: xattn.lara, bench_samples=64),
+                        quadratic=True, memory=ra_bytes),
+    # biased RA: one Gaussian proposal at the mixture mean (lower variance, biased)
+    "ra-biased": EstimatorSpec("ra-biased", "num_samples", lambda: xattn.ra, bench_samples=1,
+                               quadratic=True, memory=ra_bytes, options={"biased": True}),
+    # the paper's evaluation mode of RA: biased and noise-free, all samples coincide
+    "ra-det": EstimatorSpec("ra-det", "num_samples", lambda: xattn.ra, bench_samples=1,
+                            quadratic=True, memory=ra_bytes,
+                            options={"biased": True, "deterministic": True},
+                            deterministic=True, samples_matter=False),
+    "lara": EstimatorSpec("lara", "num_samples", lambda: xattn.lara, bench_samples=64,
+                          memory=lara_bytes),
+    # the paper's evaluation mode of LARA: omega = the proposal means, no draws
+    "lara-det": EstimatorSpec("lara-det", "num_samples", lambda: xattn.lara,
+                              bench_samples=64, memory=lara_bytes,
+                              options={"deterministic": True}, deterministic=True),
 }
 SOFTMAX = EstimatorSpec("softmax", None, lambda: softmax_attention)
 
 
-def estimator_specs(names: Sequence[str], *, allow_softmax: bool = False) -> list[EstimatorSpec]:
-    """The specs of ``names`` (raises CommandError for an unknown name)."""
+def estimator_specs(names: Sequence[str]) -> list[EstimatorSpec]:
+    """The specs of ``names``, in order.
+
+    Raises CommandError for an unknown name, for a name given twice and for
+    ``softmax``, which is the reference every command measures anyway.
+    """
     specs = []
     for name in names:
-        if allow_softmax and name == "softmax":
-            specs.append(SOFTMAX)
-        elif name in ESTIMATORS:
-            specs.append(ESTIMATORS[name])
-        else:
-            known = ", ".join((["softmax"] if allow_softmax else []) + list(ESTIMATORS))
-            raise CommandError(f"unknown estimator {name!r}; choose from {known}")
+        if name == "softmax":
+            raise CommandError("--estimators: softmax is the exact reference, measured "
+                               "always; name only the estimators among "
+                               f"{', '.join(ESTIMATORS)}")
+        if name not in ESTIMATORS:
+            raise CommandError(f"unknown estimator {name!r}; choose from "
+                               f"{', '.join(ESTIMATORS)}")
+        if ESTIMATORS[name] in specs:
+            raise CommandError(f"--estimators: {name} is named twice")
+        specs.append(ESTIMATORS[name])
     return specs

@@ -1,0 +1,119 @@
+"""Memory the command will need, estimated from its arguments, against what is available.
+
+The estimates are deliberately simple upper-bound-style sums of the largest arrays each
+estimator forms (see the estimators' docstrings for their intermediates); their purpose
+is to refuse absurd sizes up front with a figure, instead of a MemoryError after minutes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["Problem", "format_size", "host_memory_available", "lara_bytes", "ra_bytes",
+           "require_memory", "rfa_bytes", "softmax_bytes"]
+
+HOST_ITEMSIZE = 8  # the host draws (int seeds) and generated inputs are float64
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Sizes of one attention call: batch (product of leading dims), N, M, D, Dv, itemsize."""
+
+    batch: int
+    num_queries: int
+    num_keys: int
+    head_dim: int
+    value_dim: int
+    itemsize: int
+
+    @property
+    def input_bytes(self) -> int:
+        """q, k and v on the device."""
+        return self.itemsize * self.batch * (
+            self.num_queries * self.head_dim + self.num_keys * (self.head_dim + self.value_dim))
+
+    @property
+    def output_bytes(self) -> int:
+        return self.itemsize * self.batch * self.num_queries * self.value_dim
+
+
+def softmax_bytes(problem: Problem, samples: int | None = None) -> int:
+    """Exact softmax: N x chunk scores (chunk = 1024 keys), the running sums, the output."""
+    p = problem
+    chunk = min(p.num_keys, 1024)
+    return p.itemsize * p.batch * p.num_queries * (3 * chunk + 2 * p.value_dim)
+
+
+def rfa_bytes(problem: Problem, samples: int) -> int:
+    """RFA: query and key features (N + M) x S, their logits, S x Dv sums, host omega."""
+    p = problem
+    device = p.itemsize * p.batch * (3 * (p.num_queries + p.num_keys) * samples
+                                     + samples * p.value_dim + 2 * p.num_queries * p.value_dim)
+    return device + HOST_ITEMSIZE * samples * p.head_dim
+
+
+def ra_bytes(problem: Problem, samples: int) -> int:
+    """RA: per chunk of 128 queries, (chunk, S, M) statistics; host noise (N, S, D)."""
+    p = problem
+    chunk = min(p.num_queries, 128)
+    device = p.itemsize * p.batch * (4 * chunk * samples * p.num_keys
+                                     + 2 * chunk * samples * p.head_dim
+                                     + 2 * p.num_queries * p.value_dim)
+    return device + HOST_ITEMSIZE * p.batch * p.num_queries * samples * (p.head_dim + 1)
+
+
+def lara_bytes(problem: Problem, samples: int) -> int:
+    """LARA: (N + M) x C logits and weights, C x (D + Dv) proposals and sums, host noise."""
+    p = problem
+    device = p.itemsize * p.batch * (3 * (p.num_queries + p.num_keys) * samples
+                                     + samples * (p.head_dim + p.value_dim)
+                                     + 2 * p.num_queries * p.value_dim)
+    return device + HOST_ITEMSIZE * p.batch * samples * p.head_dim
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available (``MemAvailable``, else physical memory), or None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def format_size(value: float) -> str:
+    """Bytes in binary units.
+
+    Examples
+    --------
+    >>> from xattn.cli.memory import format_size
+    >>> format_size(3 * 2**30), format_size(7.3e12), format_size(512)
+    ('3.0 GiB', '6.6 TiB', '512 B')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if value < 1024 or unit == "EiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def require_memory(needs: list[tuple[str, int]], available: int | None, where: str) -> None:
+    """Raise CommandError naming the largest need when it exceeds ``available`` bytes.
+
+    ``needs`` pairs a description (``"rfa with 1000000 samples"``) with its estimate.
+    """
+    from xattn.cli.common import CommandError
+
+    if available is None or not needs:
+        return
+    label, need = max(needs, key=lambda item: item[1])
+    if need > available:
+        raise CommandError(f"{label} needs about {format_size(need)} (estimated from the "
+                           f"sizes), more than the {format_size(available)} available on "
+                           f"{where}; choose smaller sizes")
