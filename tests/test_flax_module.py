@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -302,3 +304,17 @@ def test_lara_grid_reaches_the_estimator():
     with pytest.raises(ValueError, match=r"grid \(H, W\) = \(3, 4\) needs query and key "
                                          r"sequences of H \* W = 12 tokens"):
         image(x[:, :10])
+
+
+def test_class_signature_is_the_constructors():
+    """inspect.signature (and Sphinx) show the constructor's arguments, not the
+    ``(*args, **kwargs)`` of nnx.Module's metaclass, with readable defaults."""
+    signature = inspect.signature(xflax.MultiHeadAttention)
+    init = inspect.signature(xflax.MultiHeadAttention.__init__)
+    assert list(signature.parameters) == list(init.parameters)[1:]
+    assert list(signature.parameters)[:2] == ["num_heads", "in_features"]
+    assert " at 0x" not in str(signature) and "<" not in str(signature)
+    for name, parameter in signature.parameters.items():
+        default = init.parameters[name].default
+        if isinstance(default, str | int | bool | None):
+            assert parameter.default == default, name

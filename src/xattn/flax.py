@@ -18,6 +18,7 @@ This module needs Flax and is therefore imported explicitly (``import xattn.flax
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -195,13 +196,40 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         return draw_features(key, self.num_features, self.head_dim, self.estimator_options,
                              xp=jnp, dtype=jnp.float32)
 
-    def redraw_features(self, rngs: nnx.Rngs | nnx.RngStream | None = None) -> None:
-        """Draw new RFA samples ``features`` (``estimator="rfa"`` only) and reset the count.
+    def redraw_features(self, rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None
+                        ) -> None:
+        """Draw new RFA samples ``features`` in place of the old and restart the count.
+
+        A training-mode call does this itself every ``redraw_interval`` calls; call it by
+        hand to redraw at other times (for example with ``redraw_interval=None``). The
+        draw uses the feature options given at construction; ``steps_since_redraw`` is
+        reset to 0.
 
         Parameters
         ----------
-        rngs : flax.nnx.Rngs or flax.nnx.RngStream, optional
-            Source of the draw; default: the layer's own stream.
+        rngs : flax.nnx.Rngs, flax.nnx.RngStream or JAX key, optional
+            Source of the draw (the ``rng_collection`` stream of an :class:`flax.nnx.Rngs`);
+            default: the layer's own stream.
+
+        Raises
+        ------
+        ValueError
+            If the layer's estimator is not ``"rfa"``.
+
+        Examples
+        --------
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import xattn.flax
+        >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="rfa", num_features=8,
+        ...                                       redraw_interval=None, rngs=nnx.Rngs(0))
+        >>> before = layer.features[...]
+        >>> layer.redraw_features(jax.random.key(1))
+        >>> layer.features.shape, bool(jnp.array_equal(layer.features[...], before))
+        ((8, 4), False)
+        >>> int(layer.steps_since_redraw[...])
+        0
         """
         self._require_rfa("redraw_features")
         self.features[...] = self._draw_features(self._next_key(rngs))
@@ -254,7 +282,14 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
         is_causal: bool = False,
     ) -> jax.Array:
-        """Attend ``inputs_q`` to ``inputs_k`` / ``inputs_v``.
+        """Attend ``inputs_q`` to ``inputs_k`` / ``inputs_v`` with the layer's estimator.
+
+        Projects the inputs to ``num_heads`` heads (the submodules ``query``, ``key`` and
+        ``value``), runs the estimator on every head, and projects the heads back with
+        ``out``. In training mode (``deterministic=False``) the estimator draws from
+        ``rngs`` or the layer's stream, and ``"rfa"`` redraws its features when
+        ``redraw_interval`` calls have used them; evaluation mode is deterministic.
+        Works under :func:`flax.nnx.jit`.
 
         Parameters
         ----------
@@ -275,6 +310,38 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         Returns
         -------
         array, shape (batch..., q_length, out_features)
+
+        Raises
+        ------
+        ValueError
+            Inputs whose last dim is not ``in_features`` / ``in_kv_features``;
+            ``inputs_v`` without ``inputs_k``; a ``mask`` that is not a key mask of shape
+            ``(batch..., 1 or num_heads, 1, kv_length)`` (the message names the wrong
+            dim); causal masking with ``estimator="lara"``; with LARA's ``grid``,
+            sequences of other than H W tokens.
+        TypeError
+            A ``mask`` that is not boolean.
+
+        Examples
+        --------
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import xattn.flax
+        >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="ra", num_samples=2,
+        ...                                       rngs=nnx.Rngs(0))
+        >>> x = jnp.ones((2, 10, 16))
+        >>> lengths = jnp.array([10, 7])  # the second sequence has 7 tokens
+        >>> mask = (jnp.arange(10) < lengths[:, None])[:, None, None, :]  # (2, 1, 1, 10)
+        >>> layer(x, mask=mask).shape
+        (2, 10, 16)
+
+        The same key gives the same draws; evaluation mode draws nothing:
+
+        >>> first = layer(x, rngs=nnx.Rngs(attention=5))
+        >>> bool(jnp.array_equal(first, layer(x, rngs=nnx.Rngs(attention=5))))
+        True
+        >>> bool(jnp.array_equal(layer(x, deterministic=True), layer(x, deterministic=True)))
+        True
         """
         if inputs_k is None:
             if inputs_v is not None:
@@ -310,3 +377,30 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         heads = self._estimate(q, k, v, key_mask=key_mask, causal=bool(is_causal),
                                training=not deterministic, features=features, rng=key)
         return self.out(jnp.swapaxes(heads, -3, -2))
+
+
+class _SourceName:
+    """A default value shown by its name in the source (functions and dtypes would show as
+    ``<function ... at 0x...>``); for the displayed signature only."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _constructor_signature() -> inspect.Signature:
+    """The signature of ``MultiHeadAttention(...)``: ``__init__``'s without ``self``."""
+    names = {"param_dtype": "jnp.float32", "kernel_init": "default_kernel_init",
+             "bias_init": "default_bias_init"}
+    parameters = list(inspect.signature(MultiHeadAttention.__init__).parameters.values())[1:]
+    return inspect.Signature([
+        parameter.replace(default=_SourceName(names[parameter.name]))
+        if parameter.name in names else parameter for parameter in parameters
+    ])
+
+
+# nnx.Module's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature and
+# Sphinx would show as the class signature: expose the constructor's instead.
+MultiHeadAttention.__signature__ = _constructor_signature()

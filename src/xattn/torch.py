@@ -256,10 +256,33 @@ class MultiheadAttention(LayerCore, nn.Module):
 
     @torch.no_grad()
     def redraw_features(self) -> None:
-        """Draw new RFA samples ``features`` (``estimator="rfa"`` only) in place of the old.
+        """Draw new RFA samples ``features`` in place of the old and restart the count.
 
-        Uses the layer's ``generator`` (or torch's default generator), on the device and
-        in the dtype of the current buffer (drawn in float32 at least).
+        The training-mode :meth:`forward` calls this itself every ``redraw_interval``
+        steps; call it by hand to redraw at other times (for example with
+        ``redraw_interval=None``). The draw uses the layer's ``generator`` (or torch's
+        default generator of the device), with the feature options given at construction,
+        and lands on the device and in the dtype of the current buffer (drawn in float32
+        at least). ``steps_since_redraw`` is reset to 0.
+
+        Raises
+        ------
+        ValueError
+            If the layer's estimator is not ``"rfa"``.
+
+        Examples
+        --------
+        >>> import torch
+        >>> import xattn.torch
+        >>> layer = xattn.torch.MultiheadAttention(
+        ...     16, 4, estimator="rfa", num_features=8, redraw_interval=None,
+        ...     generator=torch.Generator().manual_seed(0))
+        >>> before = layer.features.clone()
+        >>> layer.redraw_features()
+        >>> layer.features.shape, bool(torch.equal(layer.features, before))
+        (torch.Size([8, 4]), False)
+        >>> layer.steps_since_redraw
+        0
         """
         self._require_rfa("redraw_features")
         xp = array_api_compat.array_namespace(self.features)
@@ -322,7 +345,14 @@ class MultiheadAttention(LayerCore, nn.Module):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, None]:
-        """Attend ``query`` to ``key`` / ``value``.
+        """Attend ``query`` to ``key`` / ``value`` with the layer's estimator.
+
+        Projects the inputs to ``num_heads`` heads, runs the estimator on every head
+        (training mode: random draws, and for ``"rfa"`` a redraw of the features when
+        ``redraw_interval`` steps have used them; evaluation mode: deterministic), merges
+        the heads and applies ``out_proj``. The signature is that of
+        :meth:`torch.nn.MultiheadAttention.forward`, but ``need_weights`` defaults to
+        False and must stay False.
 
         Parameters
         ----------
@@ -346,6 +376,41 @@ class MultiheadAttention(LayerCore, nn.Module):
         -------
         output : Tensor, shape (L, N, E), (N, L, E) if ``batch_first``, or (L, E)
         weights : None
+            Always None: the estimators do not form attention weights.
+
+        Raises
+        ------
+        ValueError
+            ``need_weights=True``; inputs of the wrong rank or feature size, or key and
+            value shapes that do not match the query batch; a ``key_padding_mask`` of the
+            wrong shape or with float entries other than 0 and -inf; an ``attn_mask``
+            other than the causal mask; causal masking with ``estimator="lara"``; with
+            LARA's ``grid``, sequences of other than H W tokens.
+        TypeError
+            A ``key_padding_mask`` that is neither bool nor float.
+
+        Examples
+        --------
+        >>> import torch
+        >>> import xattn.torch
+        >>> _ = torch.manual_seed(0)
+        >>> layer = xattn.torch.MultiheadAttention(16, 4, estimator="softmax",
+        ...                                        batch_first=True)
+        >>> x = torch.randn(2, 10, 16)
+        >>> padding = torch.zeros(2, 10, dtype=torch.bool)
+        >>> padding[1, 7:] = True  # the second sequence has 7 tokens
+        >>> out, weights = layer(x, x, x, key_padding_mask=padding)
+        >>> out.shape, weights
+        (torch.Size([2, 10, 16]), None)
+
+        With ``is_causal=True`` the first 5 outputs do not depend on the later tokens:
+
+        >>> causal, _ = layer(x, x, x, is_causal=True)
+        >>> y = x.clone()
+        >>> y[:, 5:] = 0.0
+        >>> bool(torch.allclose(layer(y, y, y, is_causal=True)[0][:, :5], causal[:, :5],
+        ...                     atol=1e-6))
+        True
         """
         if need_weights:
             raise ValueError(
