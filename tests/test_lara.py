@@ -105,7 +105,8 @@ def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting
 
 
 def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decoupled",
-                   beta=2.0, scale=None, key_mask=None, query_mask=None, seed=None, grid=None):
+                   beta=2.0, scale=None, key_mask=None, query_mask=None, seed=None, grid=None,
+                   noise_scale=1.0):
     """LARA in float64 with explicit densities; ``seed=None`` is the deterministic mode.
     The noise is what an int seed draws: ``default_rng(seed).standard_normal((*batch, C, D))``.
     With ``grid=(H, W)``, ``num_samples`` is the pair (c_h, c_w)."""
@@ -126,7 +127,7 @@ def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decou
     query_mask = np.broadcast_to(query_mask, (*batch, num_queries))
     shape = (*batch, num_samples, dim)
     noise = (np.zeros(shape) if seed is None
-             else np.random.default_rng(seed).standard_normal(shape))
+             else noise_scale * np.random.default_rng(seed).standard_normal(shape))
     out = np.zeros((*batch, num_queries, v.shape[-1]))
     for index in np.ndindex(*batch):
         out[index] = _lara_single(q[index], k[index], v[index], key_mask[index],
@@ -215,6 +216,34 @@ def test_half_precision_returns_input_dtype(backend, rng):
     out = run_lara(backend, *(backend.asarray(a, dtype=half) for a in (q, k, v)), num_samples=4,
                    rng=1)
     backend.check(out, reference_lara(*rounded, num_samples=4, seed=1), dtype=half, rtol=3e-2)
+
+
+@pytest.mark.parametrize("weighting", ["decoupled", "balance"])
+def test_noise_scale_keeps_unit_covariance_weights(backend, rng, weighting):
+    # omega_c = mu_c + sigma eps_c, while the reference's densities stay those of N(mu_c, I)
+    xp = backend.ns
+    q, k, v = make_qkv(rng)
+    sigma = 64 ** -0.25  # the authors' training-mode estimator for D = 64
+    out = run_lara(backend, *map(backend.asarray, (q, k, v)), num_samples=4,
+                   weighting=weighting, noise_scale=sigma, rng=7)
+    expected = reference_lara(q, k, v, num_samples=4, weighting=weighting, seed=7,
+                              noise_scale=sigma)
+    backend.check(out, expected, dtype=xp.float64)
+
+
+def test_noise_scale_to_zero_approaches_deterministic(backend, rng):
+    # the output is smooth in omega: its distance to deterministic=True is linear in sigma,
+    # and 0 at sigma = 0 (then omega_c = mu_c exactly)
+    arrays = tuple(map(backend.asarray, make_qkv(rng)))
+    deterministic = backend.to_numpy(run_lara(backend, *arrays, num_samples=4,
+                                              deterministic=True))
+    distance = {}
+    for sigma in (1e-2, 1e-4, 0.0):
+        out = run_lara(backend, *arrays, num_samples=4, noise_scale=sigma, rng=7)
+        distance[sigma] = float(np.max(np.abs(backend.to_numpy(out) - deterministic)))
+    assert distance[0.0] <= 1e-12
+    assert 0 < distance[1e-4] <= 0.02 * distance[1e-2], distance  # linear: ratio 0.01
+    assert distance[1e-2] < 0.1, distance
 
 
 # ---------------------------------------------------------------------------------------
@@ -422,6 +451,10 @@ def test_bad_input(rng):
         xattn.lara(q, k, v, num_samples=2, deterministic=1)
     with pytest.raises(ValueError, match="k and v must have the same number of keys"):
         xattn.lara(q, k, v[..., :4, :], num_samples=2)
+    with pytest.raises(ValueError, match="noise_scale must be a finite number >= 0"):
+        xattn.lara(q, k, v, num_samples=2, noise_scale=-1.0)
+    with pytest.raises(TypeError, match="noise_scale must be a real number"):
+        xattn.lara(q, k, v, num_samples=2, noise_scale=None)
 
 
 # ---------------------------------------------------------------------------------------

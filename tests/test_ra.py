@@ -18,6 +18,8 @@ import xattn
 
 import reference
 
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
 SEED = 20221122
 
 
@@ -287,6 +289,32 @@ def test_native_torch_generator(rng):
     assert first.dtype == torch.float64 and torch.equal(first, second)
 
 
+@pytest.mark.parametrize("biased", [False, True])
+def test_noise_scale_scales_the_noise_only(backend, rng, biased):
+    """omega = mu + sigma eps with f_n unchanged: the reference with the noise times sigma."""
+    xp = backend.ns
+    q, k, v = make_qkv(rng, **BACKEND_CASE)
+    out = xattn.ra(*map(backend.asarray, (q, k, v)), num_samples=2, biased=biased,
+                   noise_scale=0.35, chunk_size=CHUNK, rng=SEED)
+    uniforms, noise = host_draws(SEED, (2,), 7, 2, 4, biased=biased)
+    expected = reference.randomized_attention(q, k, v, uniforms, 0.35 * noise, biased=biased)
+    backend.check(out, expected, dtype=xp.float64)
+
+
+def test_noise_scale_to_zero_approaches_deterministic(backend, rng):
+    """Biased RA: the distance to deterministic=True is linear in sigma (the estimate is a
+    smooth function of omega) and exactly 0 at sigma = 0 (the same omega)."""
+    q, k, v = (backend.asarray(a) for a in make_qkv(rng, **BACKEND_CASE))
+    deterministic = backend.to_numpy(xattn.ra(q, k, v, biased=True, deterministic=True))
+    distance = {}
+    for sigma in (1e-2, 1e-4, 0.0):
+        out = xattn.ra(q, k, v, biased=True, noise_scale=sigma, rng=SEED)
+        distance[sigma] = float(np.max(np.abs(backend.to_numpy(out) - deterministic)))
+    assert distance[0.0] == 0.0
+    assert 0 < distance[1e-4] <= 0.02 * distance[1e-2], distance  # linear: ratio 0.01
+    assert distance[1e-2] < 0.1, distance
+
+
 # ---------------------------------------------------------------- 5. bad input
 
 
@@ -311,3 +339,9 @@ def test_bad_input(rng):
         xattn.ra(q, k, v, key_mask=np.ones(8))
     with pytest.raises(ValueError, match="same last dim D"):
         xattn.ra(q, k[..., :3], v)
+    with pytest.raises(ValueError, match="noise_scale must be a finite number >= 0"):
+        xattn.ra(q, k, v, noise_scale=-0.5)
+    with pytest.raises(ValueError, match="noise_scale must be a finite number >= 0"):
+        xattn.ra(q, k, v, noise_scale=float("inf"))
+    with pytest.raises(TypeError, match="noise_scale must be a real number"):
+        xattn.ra(q, k, v, noise_scale="0.5")

@@ -34,6 +34,7 @@ from xattn._array import (
     prepare_attention,
 )
 from xattn._primitives import masked_softmax
+from xattn._ra import check_noise_scale
 from xattn._segments import check_segments, segment_means
 from xattn.features import positive_key_statistics, weighted_readout
 from xattn.random import as_generator
@@ -182,6 +183,7 @@ def lara(
     weighting: str = "decoupled",
     beta: float = 2.0,
     deterministic: bool = False,
+    noise_scale: float = 1.0,
     scale: float | None = None,
     key_mask: Array | None = None,
     query_mask: Array | None = None,
@@ -251,6 +253,17 @@ def lara(
     deterministic : bool
         Use the proposal means as samples, :math:`\omega_c = \mu_c` (the paper's
         evaluation mode); ``rng`` is then not used.
+    noise_scale : float
+        Standard deviation of the sampling noise, :math:`\omega_c = \mu_c +
+        \sigma\,\epsilon_c` with :math:`\sigma` = ``noise_scale`` >= 0, while the
+        importance weights (:math:`w_c` and :math:`N(\omega_c; 0, I)/q_c(\omega_c)`) stay
+        those of the unit-covariance proposals :math:`N(\mu_c, I)`. The default 1.0 is the
+        paper's estimator. Any other value makes the weights disagree with the density the
+        samples come from, so the estimator is biased even as C grows; it trades that bias
+        for a lower variance (:math:`\sigma \to 0` approaches ``deterministic=True``).
+        ``noise_scale=D**-0.25`` reproduces the authors' training-mode implementation, which
+        divides q and k by :math:`D^{1/4}` but draws unit-variance noise. Measured figures:
+        the theory page on LARA.
     scale : float, optional
         Score scale, ``1/sqrt(D)`` by default.
     key_mask : bool array, shape (..., M), optional
@@ -265,7 +278,8 @@ def lara(
         fewer than C entries are allowed) has a zero mean; it still yields a proposal,
         never NaN.
     rng : None, int, xattn.random.Generator or native generator
-        Source of the noise :math:`\epsilon_c \sim N(0, I)`, drawn with shape
+        Source of the noise :math:`\epsilon_c \sim N(0, I)` (before ``noise_scale``),
+        drawn with shape
         ``(*batch_shape, C, D)`` (an int seed gives the same draws on every backend;
         pass a JAX key under :func:`jax.jit`).
     check_finite : bool
@@ -325,6 +339,7 @@ def lara(
     check_choice(weighting, "weighting", WEIGHTINGS)
     beta = _check_beta(beta)
     deterministic = check_bool(deterministic, "deterministic")
+    noise_scale = check_noise_scale(noise_scale)
     if inputs.num_queries == 0:  # N = 0: an empty result, whatever C
         return inputs.finish(xp.zeros((*inputs.batch_shape, 0, inputs.v.shape[-1]),
                                       dtype=inputs.compute_dtype, device=inputs.device))
@@ -343,13 +358,14 @@ def lara(
     proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
                                      key_segment_sizes, k_hat, key_mask)  # mu_c
 
-    # One sample per proposal: omega_c = mu_c + eps_c (deterministic: omega_c = mu_c).
+    # One sample per proposal: omega_c = mu_c + sigma eps_c (deterministic: omega_c = mu_c);
+    # the weights below are those of N(mu_c, I) whatever sigma = noise_scale.
     sample_shape = (*inputs.batch_shape, num_samples, inputs.q.shape[-1])
     if deterministic:
         omega = proposal_means
     else:
         noise = as_generator(rng).normal(xp, sample_shape, dtype=dtype, device=device)
-        omega = proposal_means + noise
+        omega = proposal_means + (noise if noise_scale == 1.0 else noise_scale * noise)
     omega = xp.broadcast_to(omega, sample_shape)
 
     # Weights alpha_nc: balance heuristic at each proposal's own sample, plus the

@@ -30,15 +30,24 @@ paper's evaluation mode.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from xattn._array import Array, check_bool, check_positive_int, prepare_attention
 from xattn._primitives import causal_allowed, masked_softmax
 from xattn.random import as_generator
 
-__all__ = ["ra"]
+__all__ = ["check_noise_scale", "ra"]
 
 
+def check_noise_scale(noise_scale: Any) -> float:
+    """Return ``noise_scale`` as a float if it is a finite real number >= 0, else raise."""
+    if isinstance(noise_scale, bool) or not isinstance(noise_scale, numbers.Real):
+        raise TypeError(f"noise_scale must be a real number >= 0, got "
+                        f"{type(noise_scale).__name__} {noise_scale!r}")
+    if not (math.isfinite(noise_scale) and noise_scale >= 0):
+        raise ValueError(f"noise_scale must be a finite number >= 0, got {noise_scale}")
+    return float(noise_scale)
 
 def _allowed_keys(xp: Any, key_mask: Array | None, causal: bool, query_start: int,
                   query_stop: int, num_keys: int, device: Any) -> Array | None:
@@ -61,6 +70,7 @@ def ra(
     num_samples: int = 1,
     biased: bool = False,
     deterministic: bool = False,
+    noise_scale: float = 1.0,
     scale: float | None = None,
     key_mask: Array | None = None,
     causal: bool = False,
@@ -121,6 +131,15 @@ def ra(
     deterministic : bool
         Drop the noise (:math:`\varepsilon = 0`). Requires ``biased=True``: the unbiased
         estimator has no deterministic form.
+    noise_scale : float
+        Standard deviation :math:`\sigma` >= 0 of the noise, :math:`\omega_{ns} =
+        \mu_{ns} + \sigma\,\varepsilon_{ns}`, with :math:`f_n` unchanged (the
+        unit-covariance form above). The default 1.0 is the paper's estimator, unbiased
+        in the unbiased form; any other value makes it biased, trading bias for variance
+        (:math:`\sigma \to 0` approaches the noise-free estimate, with ``biased=True``
+        the deterministic mode). ``noise_scale=D**-0.25`` reproduces the authors'
+        implementation, which divides q and k by :math:`D^{1/4}` but draws unit-variance
+        noise. Measured figures: the theory page on LARA.
     scale : float, optional
         Score scale; ``None`` means ``1/sqrt(D)``.
     key_mask : bool array, shape broadcastable to (..., M), optional
@@ -177,6 +196,7 @@ def ra(
     biased = check_bool(biased, "biased")
     deterministic = check_bool(deterministic, "deterministic")
     causal = check_bool(causal, "causal")
+    noise_scale = check_noise_scale(noise_scale)
     if deterministic and not biased:
         raise ValueError(
             "deterministic=True requires biased=True: unbiased RA draws a random mixture "
@@ -206,6 +226,8 @@ def ra(
     if not deterministic:
         noise = generator.normal(xp, (*batch, num_queries, num_draws, head_dim), dtype=work,
                                  device=device)
+        if noise_scale != 1.0:  # omega = mu + sigma eps; f_n keeps the unit-covariance form
+            noise = noise_scale * noise
 
     outputs = []
     for start in range(0, num_queries, chunk_size):
