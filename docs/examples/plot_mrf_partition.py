@@ -80,7 +80,7 @@ state_counts = [16, 32, 64, 128, 256, 512]
 timings = {"exact": [], "random features (sequential)": []}
 for states in state_counts:
     chain = rng.normal(size=(num_steps, states, 16)) / 4.0
-    omega = rng.normal(size=(num_features, 16))
+    omega = rng.normal(size=(num_steps - 1, num_features, 16))  # one matrix per potential
     timings["exact"].append(best_time(lambda chain=chain: log_partition(chain)))
     timings["random features (sequential)"].append(
         best_time(lambda chain=chain, omega=omega: log_partition_rf(chain, omega=omega)))
