@@ -97,6 +97,9 @@ html_theme_options = {
     "navbar_align": "left",
 }
 html_context = {"default_mode": "auto"}
+# Pages without sub-pages: no (empty) section navigation on the left.
+html_sidebars = {page: [] for page in ("getting_started", "bibliography", "capabilities",
+                                       "contributing", "changelog")}
 html_static_path = ["_static"]
 
 # -- math offline -----------------------------------------------------------------------
