@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import array_api_compat
 import numpy as np
 import pytest
+from array_api_extra.testing import lazy_xp_function, patch_lazy_xp_functions
+
+import xattn
 
 CPU_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "dask")
 GPU_BACKENDS = ("cupy", "torch-cuda", "jax-gpu")
@@ -157,10 +161,19 @@ def _make_backend(name: str) -> Backend:
     raise AssertionError(name)
 
 
+# The estimators run JIT-compiled on JAX and must never compute a Dask graph by
+# themselves (array-api-extra's lazy testing): a test module opts in with
+# ``lazy_xp_modules = [xattn]``, and the ``backend`` fixture patches the tagged functions.
+for _estimator in (xattn.softmax_attention, xattn.rfa, xattn.ra, xattn.lara):
+    lazy_xp_function(_estimator)
+
+
 @pytest.fixture(params=selected_backends())
-def backend(request) -> Backend:
+def backend(request) -> Iterator[Backend]:
     """The backend under test, with the test helpers (see the module docstring)."""
-    return _make_backend(request.param)
+    selected = _make_backend(request.param)
+    with patch_lazy_xp_functions(request, xp=selected.ns):
+        yield selected
 
 
 @pytest.fixture

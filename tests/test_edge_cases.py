@@ -10,6 +10,8 @@ import xattn
 
 import reference
 
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
 ESTIMATORS = {
     "softmax": lambda q, k, v, **kw: xattn.softmax_attention(q, k, v, **kw),
     "softmax-causal": lambda q, k, v, **kw: xattn.softmax_attention(q, k, v, causal=True, **kw),

@@ -45,6 +45,8 @@ import xattn
 from xattn import PROPOSALS, TrigonometricDenominatorWarning
 from xattn.random import Generator
 
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
 # fewer examples on the slower backends (Dask builds graphs); eager JAX compiles every
 # operation for each new shape, so on JAX the sizes are fixed and only the data vary
 EXAMPLES = {"numpy": 12, "torch": 12, "array_api_strict": 6, "jax": 3, "dask": 4}

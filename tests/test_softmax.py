@@ -9,6 +9,8 @@ import xattn
 
 import reference
 
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
 
 def make_qkv(rng, batch=(2, 3), num_queries=9, num_keys=11, head_dim=8, value_dim=5):
     q = rng.normal(size=(*batch, num_queries, head_dim))

@@ -14,17 +14,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
+import array_api_extra as xpx
 import numpy as np
 
 __all__ = [
     "AttentionInputs",
     "array_namespace",
-    "broadcast_shapes",
+    "check_bool",
     "check_choice",
     "check_positive_int",
     "check_scale",
     "compute_dtype",
+    "concrete_count",
     "host_to_device",
+    "index_sizes",
+    "is_real_floating",
     "library_name",
     "one_chunk_along",
     "prepare_attention",
@@ -78,18 +82,6 @@ def array_namespace(*arrays: Any, names: tuple[str, ...] | None = None) -> Any:
         ) from None
 
 
-def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
-    """Broadcast shapes by the Array API rules; raises ``ValueError`` if they do not."""
-    ndim = max((len(s) for s in shapes), default=0)
-    result = []
-    for axis in range(-ndim, 0):
-        sizes = {s[axis] for s in shapes if len(s) >= -axis and s[axis] != 1}
-        if len(sizes) > 1:
-            raise ValueError(f"shapes {', '.join(map(str, shapes))} do not broadcast")
-        result.append(sizes.pop() if sizes else 1)
-    return tuple(result)
-
-
 def check_positive_int(value: Any, name: str) -> int:
     """Return ``value`` as an int if it is an integer >= 1, else raise."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
@@ -128,7 +120,9 @@ def check_scale(scale: Any, head_dim: int) -> float:
     return float(scale)
 
 
-def _is_real_floating(xp: Any, dtype: Any) -> bool:
+def is_real_floating(xp: Any, dtype: Any) -> bool:
+    """True if ``dtype`` is a real floating dtype of namespace ``xp`` (False, not an
+    error, for anything that is not a dtype of ``xp``)."""
     try:
         return bool(xp.isdtype(dtype, "real floating"))
     except (TypeError, ValueError):
@@ -185,6 +179,21 @@ class AttentionInputs:
     @property
     def num_keys(self) -> int:
         return self.k.shape[-2]
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the result has no element (N = 0 or a leading dim of size 0)."""
+        return self.num_queries == 0 or 0 in self.batch_shape
+
+    def empty_result(self) -> Array:
+        """The ``(..., N, Dv)`` result of size 0, in the input dtype.
+
+        Built from the inputs rather than by ``xp.zeros``: Dask cannot create (or reduce)
+        some zero-size arrays, and a product of size-0 slices stays lazy and cheap.
+        """
+        empty = self.q[..., :1] @ self.v[..., :1, :]  # (..., N, Dv) with size 0
+        shape = (*self.batch_shape, self.num_queries, self.v.shape[-1])
+        return self.finish(self.xp.broadcast_to(empty, shape))
 
     def finish(self, out: Array) -> Array:
         """Cast an estimator's result back to the input dtype."""
@@ -249,7 +258,7 @@ def prepare_attention(
         if x.ndim < 2:
             raise ValueError(f"{name} must have shape {shape} (rank >= 2), "
                              f"got shape {tuple(x.shape)}")
-        if not _is_real_floating(xp, x.dtype):
+        if not is_real_floating(xp, x.dtype):
             raise TypeError(f"{name} must have a real floating dtype (float16, bfloat16, "
                             f"float32 or float64), got {x.dtype}")
     if q.shape[-1] != k.shape[-1]:
@@ -279,7 +288,7 @@ def prepare_attention(
     if query_mask is not None:
         leading["query_mask"] = query_mask.shape[:-1]
     try:
-        batch_shape = broadcast_shapes(*leading.values())
+        batch_shape = tuple(xpx.broadcast_shapes(*leading.values()))
     except ValueError:
         described = ", ".join(f"{name} {tuple(s)}" for name, s in leading.items())
         raise ValueError(f"the leading (batch) dims do not broadcast: {described}") from None
@@ -321,12 +330,12 @@ def qr(xp: Any, a: Array) -> tuple[Array, Array]:
     """Reduced QR of a stack of square matrices ``a`` (..., D, D).
 
     Uses ``xp.linalg.qr`` where the namespace has it for square stacks; Dask (whose
-    QR is tall-and-skinny only) computes these small matrices with NumPy.
+    QR is tall-and-skinny only) applies NumPy's QR lazily to these small matrices
+    (``array_api_extra.lazy_apply``), so no graph is computed here.
     """
     if array_api_compat.is_dask_namespace(xp):
-        host = np.asarray(a.compute())
-        q_host, r_host = np.linalg.qr(host)
-        return xp.asarray(q_host, dtype=a.dtype), xp.asarray(r_host, dtype=a.dtype)
+        return xpx.lazy_apply(np.linalg.qr, a, shape=(a.shape, a.shape),
+                              dtype=(a.dtype, a.dtype), as_numpy=True, xp=xp)
     return xp.linalg.qr(a)
 
 
@@ -362,11 +371,6 @@ def sequence_positions(x: Array, axis: int = -2) -> Array:
         return da.arange(length, chunks=(x.chunks[axis],))
     xp = array_api_compat.array_namespace(x)
     return xp.arange(length, device=array_api_compat.device(x))
-
-
-def device_of(x: Array) -> Any:
-    """The device of array ``x`` (``None`` for a traced JAX array)."""
-    return array_api_compat.device(x)
 
 
 def concrete_count(xp: Any, flags: Array) -> int | None:

@@ -340,9 +340,8 @@ def lara(
     beta = _check_beta(beta)
     deterministic = check_bool(deterministic, "deterministic")
     noise_scale = check_noise_scale(noise_scale)
-    if inputs.num_queries == 0:  # N = 0: an empty result, whatever C
-        return inputs.finish(xp.zeros((*inputs.batch_shape, 0, inputs.v.shape[-1]),
-                                      dtype=inputs.compute_dtype, device=inputs.device))
+    if inputs.is_empty:  # N = 0 or an empty batch: an empty result, whatever C
+        return inputs.empty_result()
 
     dtype, device = inputs.compute_dtype, inputs.device
     root_scale = math.sqrt(inputs.scale)

@@ -217,6 +217,8 @@ def ra(
     key_index = xp.arange(num_keys, device=device)
 
     generator = None if deterministic else as_generator(rng)
+    if inputs.is_empty:
+        return inputs.empty_result()
     num_draws = 1 if deterministic else num_samples
     uniforms = None
     if not biased:  # one uniform per query and sample, turned into (0, 1]

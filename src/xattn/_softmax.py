@@ -78,6 +78,8 @@ def softmax_attention(
                                check_finite=check_finite)
     causal = check_bool(causal, "causal")
     chunk_size = check_positive_int(chunk_size, "chunk_size")
+    if inputs.is_empty:
+        return inputs.empty_result()
     xp, q, k, v = inputs.xp, inputs.q, inputs.k, inputs.v
     num_queries, num_keys = inputs.num_queries, inputs.num_keys
     device = inputs.device

@@ -43,11 +43,11 @@ import array_api_compat
 
 from xattn._array import (
     Array,
-    _is_real_floating,
     array_namespace,
     check_choice,
     check_positive_int,
     compute_dtype,
+    is_real_floating,
 )
 from xattn._primitives import logsumexp
 from xattn.features import log_positive_features, sample_omega
@@ -93,7 +93,7 @@ def _prepare_embeddings(embeddings: Any) -> tuple[Any, Array, Any]:
     if num_states < 1 or embeddings.shape[-1] < 1:
         raise ValueError(f"embeddings must have |X| >= 1 states and n >= 1 dims {_SHAPE}, "
                          f"got shape {tuple(embeddings.shape)}")
-    if not _is_real_floating(xp, embeddings.dtype):
+    if not is_real_floating(xp, embeddings.dtype):
         raise TypeError(f"embeddings must have a real floating dtype (float16, bfloat16, "
                         f"float32 or float64), got {embeddings.dtype}")
     dtype = embeddings.dtype
@@ -401,7 +401,7 @@ def log_partition_rf(
                              f"samples='per_edge', got shape {tuple(omega.shape)}; pass "
                              "samples='shared' for one (..., d, n) matrix shared by every "
                              "position")
-        if not _is_real_floating(xp, omega.dtype):
+        if not is_real_floating(xp, omega.dtype):
             raise TypeError(f"omega must have a real floating dtype, got {omega.dtype}")
         if num_features is not None and (
             check_positive_int(num_features, "num_features") != omega.shape[-2]

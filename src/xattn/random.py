@@ -27,7 +27,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from xattn._array import Array, host_to_device
+from xattn._array import Array, compute_dtype, host_to_device
 
 __all__ = [
     "CupyGenerator",
@@ -110,7 +110,7 @@ class TorchGenerator(Generator):
 
     def _draw(self, sample: Any, xp, shape, dtype, device):
         self._require(xp, "torch", array_api_compat.is_torch_namespace)
-        draw_dtype = dtype if dtype in (xp.float32, xp.float64) else xp.float32
+        draw_dtype = compute_dtype(xp, dtype)
         values = sample(tuple(shape), generator=self.generator, dtype=draw_dtype,
                         device=self.generator.device)
         return values.to(device=device, dtype=dtype)
@@ -181,13 +181,13 @@ class CupyGenerator(Generator):
 
     def normal(self, xp, shape, *, dtype, device=None):
         self._require(xp, "CuPy", array_api_compat.is_cupy_namespace)
-        draw_dtype = dtype if dtype in (xp.float32, xp.float64) else xp.float32
+        draw_dtype = compute_dtype(xp, dtype)
         values = self.generator.standard_normal(tuple(shape), dtype=draw_dtype)
         return self._finish(values, dtype, device)
 
     def uniform(self, xp, shape, *, dtype, device=None):
         self._require(xp, "CuPy", array_api_compat.is_cupy_namespace)
-        draw_dtype = dtype if dtype in (xp.float32, xp.float64) else xp.float32
+        draw_dtype = compute_dtype(xp, dtype)
         values = self.generator.random(tuple(shape), dtype=draw_dtype)
         return self._finish(values, dtype, device)
 
