@@ -9,7 +9,7 @@ loading included.
 
 Randomness comes from the ``generator=`` :class:`torch.Generator` if given: then no draw
 touches torch's global random state. Without it, the draws come from torch's default
-generator of the device (the one :func:`torch.manual_seed` seeds), as :class:`torch.nn.Dropout`
+generator of the device (the one :func:`torch.manual_seed` seeds), as ``torch.nn.Dropout``
 does, and advance it (see the ``generator`` parameter of :class:`MultiheadAttention`).
 
 This module needs PyTorch and is therefore imported explicitly (``import xattn.torch``);
@@ -112,9 +112,9 @@ class MultiheadAttention(LayerCore, nn.Module):
         Source of all random draws: the RFA features (drawn at construction, at each
         redraw and by :meth:`redraw_features`) and the samples of ``"ra"`` and ``"lara"``
         in training mode; evaluation mode draws nothing. With a generator, these draws
-        leave :func:`torch.get_rng_state` unchanged. Default ``None``: torch's default
+        leave ``torch.get_rng_state()`` unchanged. Default ``None``: torch's default
         generator of the device of the inputs (of the features for RFA), the global
-        generator that :func:`torch.manual_seed` seeds, as :class:`torch.nn.Dropout`
+        generator that :func:`torch.manual_seed` seeds, as ``torch.nn.Dropout``
         uses; each of these draws then advances it, exactly as it would advance a
         ``generator=`` in the same state. The parameter initialization always uses the
         global generator, as in :class:`torch.nn.MultiheadAttention`. Deep copies (as
@@ -351,7 +351,7 @@ class MultiheadAttention(LayerCore, nn.Module):
         (training mode: random draws, and for ``"rfa"`` a redraw of the features when
         ``redraw_interval`` steps have used them; evaluation mode: deterministic), merges
         the heads and applies ``out_proj``. The signature is that of
-        :meth:`torch.nn.MultiheadAttention.forward`, but ``need_weights`` defaults to
+        ``torch.nn.MultiheadAttention.forward``, but ``need_weights`` defaults to
         False and must stay False.
 
         Parameters
