@@ -54,11 +54,10 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
+from xattn.cli.figures import loglog_axes, new_figure  # noqa: E402
 from xattn.cli.measure import (  # noqa: E402
     interleaved_best_times,
-    loglog_axes,
     loglog_slope,
-    new_figure,
     rss_peak,
     tracemalloc_peak,
 )

@@ -211,6 +211,7 @@ def test_compare_on_other_backends(tmp_path, npz, capsys, backend):
     # an int seed draws the same numbers on every backend: float32 figures agree
     for row, numpy_row in zip(results[backend], results["numpy"], strict=True):
         assert row["mse"] == pytest.approx(numpy_row["mse"], rel=1e-3)
+        assert row["peak_memory_bytes"] > 0  # torch.profiler / XLA memory analysis
 
 
 def test_bench_small(tmp_path, capsys):
@@ -502,3 +503,57 @@ def test_memory_estimate_against_the_memory_available(tmp_path, npz, capsys, mon
         assert_usage_error(code, err, "ra with 64 samples needs about", "1.0 MiB available")
     else:
         assert code == 0, err
+
+
+# --- peak memory on every CPU backend ----------------------------------------------------
+
+
+def needs(module):
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+
+
+@pytest.mark.parametrize("backend,method", [("torch", "torch.profiler"),
+                                            ("jax", "memory_analysis()"),
+                                            ("numpy", "tracemalloc"),
+                                            ("dask", "tracemalloc")])
+def test_bench_reports_peak_memory_and_how(tmp_path, capsys, backend, method):
+    needs(backend)
+    code, out, err = run(capsys, "bench", "--backend", backend, "--lengths", "32,64",
+                         "--head-dim", 8, "--samples", "8,ra=1", "--out", tmp_path,
+                         "--no-progress")
+    assert code == 0, err
+    payload = load_json(tmp_path / "bench.json")
+    assert method in payload["peak_memory_method"] and method in out
+    for rows in payload["results"].values():
+        for row in rows:
+            assert isinstance(row["peak_memory_bytes"], int) and row["peak_memory_bytes"] > 0
+    if backend != "dask":  # Dask's first call also counts its one-time graph machinery
+        # exact softmax holds N x chunk scores: its peak grows with N
+        softmax = [row["peak_memory_bytes"] for row in payload["results"]["softmax"]]
+        assert softmax[1] > softmax[0]
+
+
+@pytest.mark.parametrize("mebibytes", [1, 8])
+def test_peak_memory_counters_see_a_known_allocation(mebibytes):
+    """Each backend's counter reports at least the bytes of a tensor made in the call and
+    not much more (the figure is what the call allocates, not the process)."""
+    from xattn.cli.measure import load_backend
+
+    size = mebibytes * 2**20
+    numpy_backend = load_backend("numpy", "cpu", "float32")
+    _, peak = numpy_backend.peak_memory(lambda: np.ones(size // 4, dtype=np.float32))
+    assert size <= peak < size + 2**20
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch_backend = load_backend("torch", "cpu", "float32")
+        _, peak = torch_backend.peak_memory(lambda: torch.ones(size // 4) * 2)
+        assert 2 * size <= peak < 2 * size + 2**20  # ones and the product
+    if importlib.util.find_spec("jax") is not None:
+        import jax.numpy as jnp
+
+        jax_backend = load_backend("jax", "cpu", "float32")
+        x = jnp.ones(size // 4, dtype=jnp.float32)
+        peak = jax_backend.compiled_peak(lambda x: jnp.exp(x) * 2 + x, (x,), {})
+        assert size <= peak < 3 * size  # the output, and at most a temporary

@@ -14,8 +14,9 @@ counters. Figures are drawn with Matplotlib's Agg canvas (no display, no pyplot 
 Modules, one concern each:
 
 * :mod:`xattn.cli.registry`: the estimators the command knows (:class:`EstimatorSpec`);
-* :mod:`xattn.cli.measure`: backends, moving arrays onto them, synchronizing, timing,
-  peak memory and the log-log figures (also used by ``benchmarks/``);
+* :mod:`xattn.cli.measure`: backends, moving arrays onto them, synchronizing, timing and
+  peak memory; :mod:`xattn.cli.figures`: the Agg figures (both also used by
+  ``benchmarks/``); :mod:`xattn.cli.memory`: memory estimates, checked before a run;
 * :mod:`xattn.cli.inputs`: reading and validating ``--input`` files;
 * :mod:`xattn.cli.compare`, :mod:`xattn.cli.bench`: the sub-commands, each with
   ``add_parser(subparsers)`` and ``run(args)``;

@@ -18,15 +18,8 @@ from xattn.cli.common import (
     progress_bar,
     write_json,
 )
-from xattn.cli.measure import (
-    Backend,
-    Measurement,
-    load_backend,
-    loglog_axes,
-    measured,
-    new_figure,
-    save_figure,
-)
+from xattn.cli.figures import loglog_axes, new_figure, save_figure
+from xattn.cli.measure import Backend, Measurement, load_backend, measured
 from xattn.cli.memory import Problem, require_memory
 from xattn.cli.options import (
     add_common_options,
@@ -46,11 +39,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "bench", help="time and peak memory vs sequence length",
         description="Time (median of --repeats calls after a warm-up call) and peak memory "
-        "(of the warm-up call: NumPy/Dask host allocations, CUDA allocator counters; n/a "
-        "for torch and JAX on CPU) of exact softmax and each estimator at each sequence "
-        "length N = M, on standard normal inputs; report the crossover length from which "
-        "each estimator is faster than exact softmax; write DIR/bench.png and "
-        "DIR/bench.json.")
+        "(of the warm-up call: tracemalloc for NumPy and Dask, torch.profiler with "
+        "profile_memory for torch on the CPU, the CUDA allocator's peak for torch on CUDA, "
+        "the XLA memory analysis (temp + output bytes) of the jit-compiled call for JAX, "
+        "the memory-pool hook for CuPy; the table says which) of exact softmax and each "
+        "estimator at each sequence length N = M, on standard normal inputs; report the "
+        "crossover length from which each estimator is faster than exact softmax; write "
+        "DIR/bench.png and DIR/bench.json. Exact softmax is always measured: name only "
+        "estimators in --estimators, each once.")
     add_common_options(parser, "rfa,ra,lara")
     parser.add_argument("--lengths", type=int_list, default=list(DEFAULT_LENGTHS),
                         metavar="LIST", help="comma-separated sequence lengths "
@@ -125,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     crossover = {spec.name: crossover_length(results["softmax"], results[spec.name])
                  for spec in specs if spec.name != "softmax"}
     _print_bench_table(results, crossover, lengths)
+    print(f"[MiB]: peak memory of the first call, from {backend.memory_method}")
     payload = {
         "command": "bench",
         "environment": environment(backend),
@@ -138,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "samples": {spec.name: samples.get(spec.name) for spec in specs},
         "results": results,
         "crossover_length": crossover,
+        "peak_memory_method": backend.memory_method,
         "crossover_rule": "the smallest measured length from which on the estimator is "
                           "faster than exact softmax at every larger measured length "
                           "(where softmax was skipped as too slow, its last measured time "

@@ -19,8 +19,9 @@ from xattn.cli.common import (
     progress_bar,
     write_json,
 )
+from xattn.cli.figures import new_figure, save_figure
 from xattn.cli.inputs import load_inputs, validate_inputs
-from xattn.cli.measure import Measurement, load_backend, measured, new_figure, save_figure
+from xattn.cli.measure import Measurement, load_backend, measured
 from xattn.cli.memory import Problem, require_memory, softmax_bytes
 from xattn.cli.options import add_common_options, int_list, nonnegative_int, positive_int
 from xattn.cli.registry import EstimatorSpec, estimator_specs
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
                  "time_s": exact_measurement.time_s,
                  "peak_memory_bytes": exact_measurement.peak_memory_bytes}
     _print_compare_table(rows, baseline_row, exact_row)
+    print(f"peak [MiB]: first call of each cell, from {backend.memory_method}")
     if skipped:
         cells_text = ", ".join(f"{cell['estimator']} S={cell['samples']}" for cell in skipped)
         print(f"note: skipped (cost O(N M S D)): {cells_text} "
@@ -172,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         "skipped": skipped,
         "baseline": baseline_row,
         "exact": exact_row,
+        "peak_memory_method": backend.memory_method,
     }
     json_path = out_dir / "compare.json"
     png_path = out_dir / "compare.png"

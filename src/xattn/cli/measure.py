@@ -10,19 +10,23 @@ Used by ``xattn compare``, ``xattn bench`` and the scripts in ``benchmarks/``:
 * :func:`tracemalloc_peak` and :func:`rss_peak` measure host memory;
   :func:`best_time`, :func:`interleaved_best_times` and :func:`loglog_slope` are the
   benchmark scripts' timing helpers;
-* :func:`new_figure` and :func:`loglog_axes` draw on Matplotlib's Agg canvas, without
-  pyplot state.
+* the figures are drawn with :mod:`xattn.cli.figures`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
+import json
 import math
+import os
 import statistics
+import sys
+import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +36,9 @@ from xattn._array import host_to_device
 from xattn.cli import memory
 from xattn.cli.common import CommandError
 
-__all__ = ["BACKENDS", "Backend", "Measurement", "best_time", "interleaved_best_times",
-           "load_backend", "loglog_axes", "loglog_slope", "measured", "new_figure",
-           "rss_peak", "save_figure", "tracemalloc_peak"]
+__all__ = ["BACKENDS", "Backend", "Measurement", "allocator_peak", "best_time",
+           "interleaved_best_times", "load_backend", "loglog_slope", "measured", "rss_peak",
+           "tracemalloc_peak"]
 
 BACKENDS = ("numpy", "torch", "jax", "cupy", "dask")
 
@@ -60,6 +64,11 @@ class Backend:
     memory_available : callable
         Bytes of memory free for the run on its device (host memory on the CPU), or
         None where unknown.
+    memory_method : str
+        How the peak memory is obtained (printed with the tables, written to the JSON).
+    compiled_peak : callable, optional
+        ``compiled_peak(function, args, kwargs) -> bytes or None``: the peak read from
+        the compiled program instead of a run (JAX); used instead of ``peak_memory``.
     """
 
     name: str
@@ -70,6 +79,8 @@ class Backend:
     peak_memory: PeakMemory
     version: str = ""
     memory_available: Callable[[], int | None] = field(default=lambda: _host_available())
+    memory_method: str = "not measured"
+    compiled_peak: Callable[[Callable[..., Any], tuple, dict], int | None] | None = None
 
     def describe(self) -> str:
         return f"{self.name} {self.version} on {self.device}"
@@ -149,6 +160,81 @@ def _no_peak(run: Callable[[], Any]) -> tuple[Any, None]:
     return run(), None
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Silence file descriptor 2 (the torch profiler's native start/stop log lines)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def allocator_peak(trace_events: list[dict[str, Any]]) -> int:
+    """Peak of the CPU allocator's total above its level before the first event.
+
+    ``trace_events`` are the events of a Chrome trace written by :mod:`torch.profiler`
+    with ``profile_memory=True``: each ``[memory]`` event carries the bytes allocated
+    (freed, if negative) and the allocator's ``Total Allocated`` after it.
+
+    Examples
+    --------
+    >>> from xattn.cli.measure import allocator_peak
+    >>> def event(ts, size, total):
+    ...     return {"name": "[memory]", "ts": ts,
+    ...             "args": {"Bytes": size, "Total Allocated": total, "Device Type": 0}}
+    >>> allocator_peak([event(2, -8, 92), event(1, 100, 100), event(3, 50, 142)])
+    142
+    """
+    memory = sorted((event for event in trace_events if event.get("name") == "[memory]"
+                     and event.get("args", {}).get("Device Type", 0) == 0),
+                    key=lambda event: float(event["ts"]))
+    if not memory:
+        return 0
+    first = memory[0]["args"]
+    baseline = first["Total Allocated"] - first["Bytes"]
+    return max(max(event["args"]["Total Allocated"] for event in memory) - baseline, 0)
+
+
+def _torch_cpu_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
+    """``run()`` under :mod:`torch.profiler` with ``profile_memory=True``: the peak of
+    the bytes torch's CPU allocator holds during the call, above the level before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_silenced():
+        profiler.start()
+    try:
+        result = run()
+    finally:
+        with _native_stderr_silenced():
+            profiler.stop()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as trace:
+            events = json.load(trace).get("traceEvents", [])
+    return result, allocator_peak(events)
+
+
+def _jax_compiled_peak(function: Callable[..., Any], args: tuple, kwargs: dict) -> int | None:
+    """Temp + output bytes of the XLA program compiled for ``function(*args, **kwargs)``."""
+    import jax
+
+    try:
+        compiled = jax.jit(lambda *arrays: function(*arrays, **kwargs)).lower(*args).compile()
+        analysis = compiled.memory_analysis()
+    except Exception:  # a function that does not trace, a backend without the analysis
+        return None
+    if analysis is None:
+        return None
+    return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+
+
 def _import_backend(module: str, backend: str) -> Any:
     try:
         return importlib.import_module(module)
@@ -179,7 +265,8 @@ def _numpy(device: str, dtype: str) -> Backend:
     import array_api_compat.numpy as xp
 
     return Backend("numpy", device, xp, _converter(xp, getattr(xp, dtype), "cpu"),
-                   lambda out: out, tracemalloc_peak, np.__version__)
+                   lambda out: out, tracemalloc_peak, np.__version__,
+                   memory_method="tracemalloc: host bytes NumPy allocated during the call")
 
 
 def _torch(device: str, dtype: str) -> Backend:
@@ -197,7 +284,7 @@ def _torch(device: str, dtype: str) -> Backend:
 
     def torch_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
         if torch_device.type != "cuda":
-            return run(), None  # torch's CPU allocator keeps no counters
+            return _torch_cpu_peak(run)
         torch.cuda.synchronize(torch_device)
         torch.cuda.reset_peak_memory_stats(torch_device)
         baseline = torch.cuda.memory_allocated(torch_device)
@@ -208,7 +295,11 @@ def _torch(device: str, dtype: str) -> Backend:
                    _converter(xp, getattr(torch, dtype), torch_device),
                    torch_sync, torch_peak, torch.__version__,
                    memory_available=(lambda: int(torch.cuda.mem_get_info(torch_device)[0]))
-                   if torch_device.type == "cuda" else _host_available)
+                   if torch_device.type == "cuda" else _host_available,
+                   memory_method="torch.cuda.max_memory_allocated above the level before "
+                   "the call" if torch_device.type == "cuda" else "torch.profiler "
+                   "(profile_memory=True): peak of torch's CPU allocator above the level "
+                   "before the call")
 
 
 def _jax(device: str, dtype: str) -> Backend:
@@ -224,7 +315,9 @@ def _jax(device: str, dtype: str) -> Backend:
     return Backend("jax", str(jax_device), jnp,
                    _converter(jnp, getattr(jnp, dtype), jax_device),
                    lambda out: out.block_until_ready(), _no_peak, jax.__version__,
-                   memory_available=lambda: _jax_memory_available(jax_device))
+                   memory_available=lambda: _jax_memory_available(jax_device),
+                   memory_method="XLA memory_analysis() of the jit-compiled call: temp + "
+                   "output bytes", compiled_peak=_jax_compiled_peak)
 
 
 def _jax_memory_available(device: Any) -> int | None:
@@ -257,7 +350,9 @@ def _cupy(device: str, dtype: str) -> Backend:
 
     return Backend("cupy", "cuda:0", xp, _converter(xp, getattr(xp, dtype), None),
                    cupy_sync, cupy_peak, cupy.__version__,
-                   memory_available=lambda: int(cupy.cuda.runtime.memGetInfo()[0]))
+                   memory_available=lambda: int(cupy.cuda.runtime.memGetInfo()[0]),
+                   memory_method="CuPy memory-pool hook: peak bytes handed out during the "
+                   "call")
 
 
 def _dask(device: str, dtype: str) -> Backend:
@@ -271,7 +366,8 @@ def _dask(device: str, dtype: str) -> Backend:
         return convert(host).rechunk(chunks)
 
     return Backend("dask", device, xp, to_dask, lambda out: out.persist(), tracemalloc_peak,
-                   dask.__version__)
+                   dask.__version__, memory_method="tracemalloc: host bytes allocated while "
+                   "the graph is computed (persist) in this process")
 
 
 def _cupy_peak_hook(cupy: Any) -> Any:
@@ -317,6 +413,13 @@ def measured(function: Callable[..., Any], backend: Backend,
     """Wrap ``function`` so that each call is synchronized, timed and (first) memory-traced."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        if measurement.first_time is None and backend.compiled_peak is not None:
+            # read from the compiled program before (and outside) the timed call
+            measurement.peak_memory_bytes = backend.compiled_peak(function, args, kwargs)
+            start = time.perf_counter()
+            out = backend.sync(function(*args, **kwargs))
+            measurement.first_time = time.perf_counter() - start
+            return out
         start = time.perf_counter()
         if measurement.first_time is None:
             out, peak = backend.peak_memory(lambda: backend.sync(function(*args, **kwargs)))
@@ -368,33 +471,3 @@ def loglog_slope(lengths: Sequence[float], values: Sequence[float | None]) -> fl
         return None
     x, y = np.array(points).T
     return float(np.polyfit(x, y, 1)[0])
-
-
-def new_figure(ncols: int = 1, width: float = 6.4, height: float = 4.4) -> tuple[Any, Any]:
-    """A Matplotlib figure on the Agg canvas with ``ncols`` axes (no pyplot state)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise CommandError("writing the PNG needs matplotlib: pip install 'xattn[cli]'") from None
-    figure = Figure(figsize=(width * ncols, height), layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(1, ncols)
-    return figure, axes
-
-
-def save_figure(figure: Any, path: Any, dpi: int = 120) -> None:
-    """Save ``figure`` as PNG (raises CommandError when the file cannot be written)."""
-    try:
-        figure.savefig(path, dpi=dpi)
-    except OSError as error:
-        raise CommandError(f"cannot write {path} ({error.strerror})") from None
-
-
-def loglog_axes(axes: Any, xlabel: str, ylabel: str, *, xbase: int = 2) -> None:
-    """Log-log scales, labels and a light grid."""
-    axes.set_xscale("log", base=xbase)
-    axes.set_yscale("log")
-    axes.set_xlabel(xlabel)
-    axes.set_ylabel(ylabel)
-    axes.grid(True, which="both", alpha=0.3)
