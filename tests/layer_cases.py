@@ -20,10 +20,12 @@ BAD_OPTION_VALUES = {
     "rfa": {"num_features": [0, 2.5, True], "feature_map": ["relu"],
             "orthogonal": ["yes", 1], "sample_norm": ["unit"], "scale": [0.0],
             "block_size": [0, 2.5]},
-    "ra": {"num_samples": [0, 2.5, 512.0], "scale": ["x"], "chunk_size": [0, 1.5]},
+    "ra": {"num_samples": [0, 2.5, 512.0], "noise_scale": [-1.0, "x", math.nan],
+           "scale": ["x"], "chunk_size": [0, 1.5]},
     "lara": {"num_samples": [0, 2.5, 2.0, -1, (2, 2)], "grid": [(0, 4), "8x8", (2.5, 4)],
              "proposal": ["uniform"],
-             "weighting": ["uniform"], "beta": ["2", math.nan], "scale": [-2.0]},
+             "weighting": ["uniform"], "beta": ["2", math.nan],
+             "noise_scale": [-0.5, True, math.inf], "scale": [-2.0]},
 }
 BAD_OPTION_CASES = [(estimator, option, value)
                     for estimator, options in BAD_OPTION_VALUES.items()
@@ -57,3 +59,30 @@ BAD_GRID_OPTIONS = [
     ({"grid": (4, 4), "num_samples": (2, 0)}, ValueError, r"1 <= c_w <= W"),
     ({"grid": (4,), "num_samples": (2, 2)}, TypeError, r"grid must be a pair \(H, W\)"),
 ]
+
+# Options whose layer output must equal the estimator's own output on the layer's
+# projections (same weights, same random source): they reach the estimator unchanged.
+PASS_THROUGH_CASES = [
+    ("softmax", {"scale": 0.3}),
+    ("rfa", {"num_features": 16, "feature_map": "hyperbolic"}),
+    ("ra", {"num_samples": 2, "noise_scale": 0.5}),
+    ("ra", {"num_samples": 2, "noise_scale": 0.0}),
+    ("lara", {"num_samples": 4, "noise_scale": 0.25}),
+    ("lara", {"num_samples": (2, 2), "grid": (3, 4), "proposal": "key_attention"}),
+]
+
+
+def estimator_call(estimator: str, options: dict, *, training: bool, omega=None, rng=None):
+    """``(function, keywords)``: the estimator call a layer makes in the given mode."""
+    options = dict(options)
+    for name in ("num_features", "orthogonal", "sample_norm"):  # used to draw omega
+        options.pop(name, None)
+    if estimator == "softmax":
+        return xattn.softmax_attention, options
+    if estimator == "rfa":
+        return xattn.rfa, {**options, "omega": omega}
+    if training:
+        return _ESTIMATOR_FUNCTIONS[estimator], {**options, "rng": rng}
+    if estimator == "ra":
+        return xattn.ra, {**options, "biased": True, "deterministic": True}
+    return xattn.lara, {**options, "deterministic": True}

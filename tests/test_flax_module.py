@@ -11,8 +11,10 @@ from layer_cases import (
     BAD_GRID_OPTIONS,
     BAD_OPTION_CASES,
     ESTIMATORS,
+    PASS_THROUGH_CASES,
     SMALL_OPTIONS,
     direct_error,
+    estimator_call,
 )
 from xattn import _layers
 
@@ -318,3 +320,22 @@ def test_class_signature_is_the_constructors():
         default = init.parameters[name].default
         if isinstance(default, str | int | bool | None):
             assert parameter.default == default, name
+
+
+@pytest.mark.parametrize("estimator,options", PASS_THROUGH_CASES)
+def test_layer_is_the_estimator_on_its_projections(estimator, options):
+    """In both modes the layer computes multi-head attention with the estimator and its
+    options unchanged (noise_scale, grid, ...), drawing from the call's key."""
+    layer = xflax.MultiHeadAttention(NUM_HEADS, IN_FEATURES, estimator=estimator,
+                                     redraw_interval=None, rngs=nnx.Rngs(0), **options)
+    x = inputs((2, 12, IN_FEATURES))
+    for deterministic in (False, True):
+        key = jax.random.key(7)
+        omega = layer.features[...] if estimator == "rfa" else None
+        function, keywords = estimator_call(estimator, options, training=not deterministic,
+                                            omega=omega, rng=key)
+        q, k, v = (jnp.swapaxes(projection(x), -3, -2)
+                   for projection in (layer.query, layer.key, layer.value))
+        expected = layer.out(jnp.swapaxes(function(q, k, v, **keywords), -3, -2))
+        np.testing.assert_allclose(layer(x, deterministic=deterministic, rngs=key), expected,
+                                   rtol=1e-6, atol=1e-6)

@@ -11,8 +11,10 @@ from layer_cases import (
     BAD_OPTION_CASES,
     BAD_OPTION_VALUES,
     ESTIMATORS,
+    PASS_THROUGH_CASES,
     SMALL_OPTIONS,
     direct_error,
+    estimator_call,
 )
 from xattn import _layers
 
@@ -440,3 +442,33 @@ def test_lara_grid_reaches_the_estimator():
     with pytest.raises(ValueError, match=r"grid \(H, W\) = \(3, 4\) needs query and key "
                                          r"sequences of H \* W = 12 tokens"):
         image(x[:, :10], x[:, :10], x[:, :10])
+
+
+def _manual_forward(layer, x, function, keywords):
+    """Multi-head attention written out with the layer's weights ((batch, L, E) inputs)."""
+    batch, length, _ = x.shape
+    weights = layer.in_proj_weight.split(EMBED_DIM)
+    biases = layer.in_proj_bias.split(EMBED_DIM)
+    q, k, v = (torch.nn.functional.linear(x, weight, bias).reshape(batch, length, NUM_HEADS, -1)
+               .transpose(1, 2) for weight, bias in zip(weights, biases, strict=True))
+    heads = function(q, k, v, **keywords)  # (batch, heads, L, head_dim)
+    return layer.out_proj(heads.transpose(1, 2).reshape(batch, length, EMBED_DIM))
+
+
+@pytest.mark.parametrize("estimator,options", PASS_THROUGH_CASES)
+def test_layer_is_the_estimator_on_its_projections(estimator, options):
+    """In both modes the layer computes multi-head attention with the estimator and its
+    options unchanged (noise_scale, grid, ...), drawing from its generator."""
+    layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator=estimator,
+                                      batch_first=True,
+                                      generator=torch.Generator().manual_seed(5), **options)
+    x = inputs((2, 12, EMBED_DIM))
+    with torch.no_grad():
+        for training in (True, False):
+            layer.train(training)
+            rng = torch.Generator()
+            rng.set_state(layer.generator.get_state())
+            function, keywords = estimator_call(estimator, options, training=training,
+                                                omega=layer.features, rng=rng)
+            expected = _manual_forward(layer, x, function, keywords)
+            torch.testing.assert_close(layer(x, x, x)[0], expected, rtol=1e-6, atol=1e-6)

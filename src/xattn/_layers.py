@@ -49,8 +49,8 @@ ESTIMATOR_OPTIONS = {
     "softmax": ("scale", "chunk_size"),
     "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
             "block_size"),
-    "ra": ("num_samples", "scale", "chunk_size"),
-    "lara": ("num_samples", "grid", "proposal", "weighting", "beta", "scale"),
+    "ra": ("num_samples", "noise_scale", "scale", "chunk_size"),
+    "lara": ("num_samples", "grid", "proposal", "weighting", "beta", "noise_scale", "scale"),
 }
 # RFA options used when drawing the features rather than when calling the estimator.
 FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
@@ -283,9 +283,10 @@ _ESTIMATOR_OPTIONS_DOC = """\
     16, capped at the query length; with ``grid``, a pair ``(c_h, c_w)``, default
     ``(4, 4)`` capped at the grid), ``grid`` (``(H, W)``: the tokens are an H x W image
     in row-major order, segmented into the bins of 2-D adaptive average pooling, so every
-    sequence must have H W tokens), ``proposal``, ``weighting``, ``beta``, ``scale``;
-    ``"ra"``: ``num_samples``, ``scale``, ``chunk_size``; ``"softmax"``: ``scale``,
-    ``chunk_size``."""
+    sequence must have H W tokens), ``proposal``, ``weighting``, ``beta``,
+    ``noise_scale``, ``scale``; ``"ra"``: ``num_samples``, ``noise_scale``, ``scale``,
+    ``chunk_size``; ``"softmax"``: ``scale``, ``chunk_size``. ``noise_scale`` (default 1,
+    the paper's estimator) acts in training mode only: evaluation mode draws no noise."""
 
 
 def module_docstring(intro: str, *, features_home: str) -> str:
