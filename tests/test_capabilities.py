@@ -258,9 +258,10 @@ def test_supported(backend_name, estimator, feature, request):
     elif feature == "grad":
         q, k, v = _inputs(batch=1, n=6, m=6)
         if backend_name.startswith("jax"):
+            import jax
             from jax.test_util import check_grads
 
-            check_grads(lambda q, k, v: _call(estimator, q, k, v),
+            check_grads(jax.jit(lambda q, k, v: _call(estimator, q, k, v)),
                         tuple(map(as_backend, (q, k, v))), order=1, modes=["rev"])
         else:
             import torch
