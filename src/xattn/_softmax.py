@@ -55,15 +55,30 @@ def softmax_attention(
     chunk_size : int
         Number of keys processed at a time.
     check_finite : bool
-        If True, raise ``ValueError`` when q, k or v hold NaN or infinity (this reads the
-        values: not under :func:`jax.jit`, and it computes lazy Dask inputs). Default
-        False: unchecked, and NaN propagates to the output rows that depend on it (see
-        :func:`xattn._array.prepare_attention`).
+        Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
+        NaN propagates); see :ref:`non-finite-inputs`.
 
     Returns
     -------
     array, shape (..., N, Dv)
         In the namespace, device and dtype of the inputs; leading dims broadcast.
+
+    See Also
+    --------
+    xattn.rfa : Random feature attention: linear cost, a biased estimate.
+    xattn.ra : Randomized attention: an unbiased estimate, quadratic cost.
+    xattn.lara : Linear randomized attention: linear cost, input-dependent proposals.
+
+    References
+    ----------
+    .. [1] A. Vaswani, N. Shazeer, N. Parmar, J. Uszkoreit, L. Jones, A. N. Gomez,
+       Ł. Kaiser, I. Polosukhin, "Attention Is All You Need", NeurIPS 2017.
+       https://arxiv.org/abs/1706.03762
+    .. [2] M. Milakov, N. Gimelshein, "Online normalizer calculation for softmax", 2018.
+       https://arxiv.org/abs/1805.02867
+
+    The stable evaluation is derived in :doc:`/theory/05_stabilization`; all papers are in
+    the :doc:`/bibliography`.
 
     Examples
     --------
