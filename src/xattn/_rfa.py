@@ -188,10 +188,8 @@ def rfa(
     sample_norm : {"chi", "sqrt_dim"}
         Row norms of orthogonal samples (see :func:`xattn.features.sample_omega`).
     check_finite : bool
-        If True, raise ``ValueError`` when q, k or v hold NaN or infinity (this reads the
-        values: not under :func:`jax.jit`, and it computes lazy Dask inputs). Default
-        False: unchecked, and NaN propagates to the output rows that depend on it (see
-        :func:`xattn._array.prepare_attention`).
+        Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
+        NaN propagates); see :ref:`non-finite-inputs`.
 
     Returns
     -------
@@ -212,10 +210,31 @@ def rfa(
     TrigonometricDenominatorWarning
         Trigonometric map only: some estimated normalizer is not positive (see above).
 
+    See Also
+    --------
+    xattn.softmax_attention : The exact attention that rfa estimates.
+    xattn.lara : Input-dependent proposals and query-specific weights, also linear cost.
+    xattn.features.sample_omega : The (orthogonal) sample matrix ``omega``.
+    xattn.features.random_features : The feature maps on their own.
+    xattn.default_num_features : The default number of features.
+
     References
     ----------
-    H. Peng et al., "Random Feature Attention", ICLR 2021.
-    K. Choromanski et al., "Rethinking Attention with Performers", ICLR 2021 (FAVOR+).
+    .. [1] K. Choromanski, V. Likhosherstov, D. Dohan, X. Song, A. Gane, T. Sarlos,
+       P. Hawkins, J. Davis, A. Mohiuddin, L. Kaiser, D. Belanger, L. Colwell,
+       A. Weller, "Rethinking Attention with Performers", ICLR 2021 (FAVOR+: positive
+       and hyperbolic features, orthogonal samples). https://arxiv.org/abs/2009.14794
+    .. [2] H. Peng, N. Pappas, D. Yogatama, R. Schwartz, N. A. Smith, L. Kong, "Random
+       Feature Attention", ICLR 2021. https://arxiv.org/abs/2103.02143
+    .. [3] A. Rahimi, B. Recht, "Random Features for Large-Scale Kernel Machines",
+       NIPS 2007 (the trigonometric map).
+    .. [4] L. Zheng, C. Wang, L. Kong, "Linear Complexity Randomized Self-attention
+       Mechanism", ICML 2022, §3.1 (RFA as self-normalized importance sampling).
+       https://arxiv.org/abs/2204.04667
+
+    Derivations: :doc:`/theory/01_random_features`,
+    :doc:`/theory/02_rfa_importance_sampling`, :doc:`/theory/05_stabilization`; all
+    papers: :doc:`/bibliography`.
 
     Examples
     --------
