@@ -156,10 +156,8 @@ def ra(
     chunk_size : int
         Number of queries processed at a time.
     check_finite : bool
-        If True, raise ``ValueError`` when q, k or v hold NaN or infinity (this reads the
-        values: not under :func:`jax.jit`, and it computes lazy Dask inputs). Default
-        False: unchecked, and NaN propagates to the output rows that depend on it (see
-        :func:`xattn._array.prepare_attention`).
+        Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
+        NaN propagates); see :ref:`non-finite-inputs`.
 
     Returns
     -------
@@ -174,10 +172,22 @@ def ra(
     TypeError
         Non-bool flags, non-integer counts, wrong dtypes or mixed array libraries.
 
+    See Also
+    --------
+    xattn.softmax_attention : The exact attention whose expectation ra matches.
+    xattn.lara : Linear-cost variant with shared, input-dependent proposals.
+    xattn.diagnostics.estimator_error : Bias, variance and MSE of an estimator over draws.
+
     References
     ----------
-    L. Zheng, C. Wang, L. Kong, "Linear Complexity Randomized Self-attention Mechanism",
-    ICML 2022, §3.2 (randomized attention) and Proposition 3.2.
+    .. [1] L. Zheng, C. Wang, L. Kong, "Linear Complexity Randomized Self-attention
+       Mechanism", ICML 2022, §3.2 (randomized attention) and Proposition 3.2 (it is
+       unbiased). https://arxiv.org/abs/2204.04667
+    .. [2] A. B. Owen, "Monte Carlo theory, methods and examples", 2013, chapter 9
+       (importance sampling). https://artowen.su.domains/mc/
+
+    Derivation: :doc:`/theory/03_randomized_attention`; all papers:
+    :doc:`/bibliography`.
 
     Examples
     --------
