@@ -283,10 +283,8 @@ def lara(
         ``(*batch_shape, C, D)`` (an int seed gives the same draws on every backend;
         pass a JAX key under :func:`jax.jit`).
     check_finite : bool
-        If True, raise ``ValueError`` when q, k or v hold NaN or infinity (this reads the
-        values: not under :func:`jax.jit`, and it computes lazy Dask inputs). Default
-        False: unchecked, and NaN propagates to the output rows that depend on it (see
-        :func:`xattn._array.prepare_attention`).
+        Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
+        NaN propagates); see :ref:`non-finite-inputs`.
 
     Returns
     -------
@@ -303,10 +301,26 @@ def lara(
         If ``num_samples`` is not an int (a pair ``(c_h, c_w)`` without ``grid``, or an
         int with ``grid``), or ``grid`` is not a pair of ints.
 
+    See Also
+    --------
+    xattn.rfa : Shared random features (the ``proposal="standard"`` special case).
+    xattn.ra : Query-specific proposals: unbiased, quadratic cost.
+    xattn.lara_weights : The multiple-importance weights on their own.
+    xattn.balance_heuristic : The balance heuristic of the proposals.
+
     References
     ----------
-    L. Zheng, C. Wang, L. Kong, "Linear Complexity Randomized Self-attention
-    Mechanism", ICML 2022, §4 and Appendix G.3.
+    .. [1] L. Zheng, C. Wang, L. Kong, "Linear Complexity Randomized Self-attention
+       Mechanism", ICML 2022, §4 and Appendix G.3 (proposals eqs. 33-35, weights
+       eqs. 36-38). https://arxiv.org/abs/2204.04667
+    .. [2] E. Veach, L. J. Guibas, "Optimally Combining Sampling Techniques for Monte
+       Carlo Rendering", SIGGRAPH 1995 (multiple importance sampling, the balance
+       heuristic). https://doi.org/10.1145/218380.218498
+    .. [3] A. B. Owen, "Monte Carlo theory, methods and examples", 2013, chapter 9
+       (self-normalized and multiple importance sampling).
+       https://artowen.su.domains/mc/
+
+    Derivation: :doc:`/theory/04_lara`; all papers: :doc:`/bibliography`.
 
     Examples
     --------
