@@ -146,9 +146,18 @@ def log_partition(embeddings: Array) -> Array:
     TypeError
         Non-floating dtype, or not an array.
 
+    See Also
+    --------
+    log_partition_rf : The random-feature estimate, linear in the number of states.
+
     References
     ----------
-    "RFF for MRFs" (technical note, 2020), §2.1.
+    .. [1] L. R. Rabiner, "A Tutorial on Hidden Markov Models and Selected Applications
+       in Speech Recognition", Proceedings of the IEEE 77(2), 1989 (the forward
+       recursion). https://doi.org/10.1109/5.18626
+
+    The construction and its cost are derived in :doc:`/guide/mrf`; all papers:
+    :doc:`/bibliography`.
 
     Examples
     --------
@@ -348,10 +357,24 @@ def log_partition_rf(
     TypeError
         Non-integer ``num_features``, non-floating dtypes, arrays from two libraries.
 
+    See Also
+    --------
+    log_partition : The exact log-partition function (forward recursion).
+    xattn.features.sample_omega : The (orthogonal) sample matrices.
+
     References
     ----------
-    "RFF for MRFs" (technical note, 2020), eq. 3; Choromanski et al., "Rethinking attention with
-    Performers" (2021), positive random features.
+    .. [1] "RFF for MRFs", technical note, 2020, eq. 3 (random features of the pairwise
+       potentials; unpublished, derived in full in :doc:`/guide/mrf`).
+    .. [2] A. S. Rawat, J. Chen, F. X. Yu, A. T. Suresh, S. Kumar, "Sampled Softmax with
+       Random Fourier Features", NeurIPS 2019. https://arxiv.org/abs/1907.10747
+    .. [3] K. Choromanski et al., "Rethinking Attention with Performers", ICLR 2021
+       (positive random features). https://arxiv.org/abs/2009.14794
+    .. [4] J. T. Chiu, Y. Deng, A. M. Rush, "Low-Rank Constraints for Fast Inference in
+       Structured Models", NeurIPS 2021 (the same idea for HMMs).
+       https://arxiv.org/abs/2201.02715
+
+    All papers: :doc:`/bibliography`.
 
     Examples
     --------
