@@ -61,9 +61,6 @@ from make_inventories import PROJECTS
 nitpicky = True
 intersphinx_mapping = {key: (url, f"_inventories/{key}.inv") for key, (_, url) in PROJECTS.items()}
 intersphinx_timeout = 1
-# TEMPORARY: four estimator docstrings still point to a private helper; they are being
-# changed to link the masks guide instead, and this entry goes with them.
-nitpick_ignore = [("py:func", "xattn._array.prepare_attention")]
 
 # -- MyST (Markdown pages, MathJax equations) -------------------------------------------
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
