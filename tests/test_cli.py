@@ -120,7 +120,7 @@ def write_npz(path, **arrays):
 
 @pytest.mark.parametrize("case,message", [
     ("missing", "missing array(s) v"),
-    ("rank", "array k must have shape (..., M, D) (rank >= 2)"),
+    ("rank", "k must have shape (..., M, D) (rank >= 2)"),
     ("nan", "array q contains NaN or inf"),
     ("inf", "array v contains NaN or inf"),
     ("head_dim", "q and k must have the same last dim D"),
@@ -557,3 +557,55 @@ def test_peak_memory_counters_see_a_known_allocation(mebibytes):
         x = jnp.ones(size // 4, dtype=jnp.float32)
         peak = jax_backend.compiled_peak(lambda x: jnp.exp(x) * 2 + x, (x,), {})
         assert size <= peak < 3 * size  # the output, and at most a temporary
+
+
+# --- rfa+window ----------------------------------------------------------------------------
+
+
+def test_compare_window_and_sinks_rows(tmp_path, npz, capsys):
+    """`--window 16 --sinks 1` adds rfa+window next to plain rfa (added when not listed)
+    and the uniform baseline, reproduced by estimator_error with the same options."""
+    code, out, err = run(capsys, "compare", "--input", npz, "--window", 16, "--sinks", 1,
+                         "--estimators", "lara", "--samples", "4,8", "--draws", 2,
+                         "--out", tmp_path, "--no-progress")
+    assert code == 0, err
+    payload = load_json(tmp_path / "compare.json")
+    cells = [(row["estimator"], row["samples"]) for row in payload["results"]]
+    assert cells == [("rfa", 4), ("rfa", 8), ("rfa+window", 4), ("rfa+window", 8),
+                     ("lara", 4), ("lara", 8)]
+    assert payload["estimators"]["rfa+window"]["options"] == {"window": 16, "sinks": 1}
+    assert any(line.startswith("rfa+window ") for line in out.splitlines())
+    assert "uniform" in out
+    q, k, v = (a.astype(np.float32) for a in small_inputs())
+    for row in payload["results"][2:4]:
+        expected = estimator_error(xattn.rfa, q, k, v, draws=2, seed=0, window=16, sinks=1,
+                                   num_features=row["samples"])
+        assert row["mse"] == pytest.approx(expected.mse, rel=1e-9)
+    check_png(tmp_path / "compare.png")
+
+
+@pytest.mark.parametrize("argv,exact", [(["--window", 0], False), (["--window", 23], True),
+                                        (["--window", 23, "--sinks", 3], True)])
+def test_compare_window_limits(tmp_path, npz, capsys, argv, exact):
+    """window 0 (no band, no sinks) is plain rfa for the same seed; a band that covers
+    every key (N = M = 24) is exact attention."""
+    code, _, err = run(capsys, "compare", "--input", npz, *argv, "--estimators", "rfa",
+                       "--samples", 4, "--draws", 2, "--out", tmp_path)
+    assert code == 0, err
+    plain, windowed = load_json(tmp_path / "compare.json")["results"]
+    assert (plain["estimator"], windowed["estimator"]) == ("rfa", "rfa+window")
+    if exact:
+        assert windowed["mse"] < 1e-10 < plain["mse"]
+    else:
+        assert windowed["mse"] == plain["mse"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sinks", 25], "rfa+window with num_features=4:"),
+    (["--window", -1], "expected an int >= 0"),
+    (["--sinks", "x"], "expected an int >= 0"),
+])
+def test_compare_window_bad_values(tmp_path, npz, capsys, argv, message):
+    code, _, err = run(capsys, "compare", "--input", npz, *argv, "--estimators", "rfa",
+                       "--samples", 4, "--out", tmp_path)
+    assert_usage_error(code, err, message)

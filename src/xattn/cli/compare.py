@@ -24,7 +24,7 @@ from xattn.cli.inputs import load_inputs, validate_inputs
 from xattn.cli.measure import Measurement, load_backend, measured
 from xattn.cli.memory import Problem, require_memory, softmax_bytes
 from xattn.cli.options import add_common_options, int_list, nonnegative_int, positive_int
-from xattn.cli.registry import EstimatorSpec, estimator_specs
+from xattn.cli.registry import ESTIMATORS, EstimatorSpec, estimator_specs, windowed_rfa_spec
 from xattn.diagnostics import (
     EstimatorError,
     estimator_error,
@@ -68,6 +68,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--ra-max-samples", type=nonnegative_int, default=64, metavar="S",
                         help="run RA, whose cost is O(N M S D), only at sample counts "
                         "<= S; 0 runs every count (default: 64)")
+    parser.add_argument("--window", type=nonnegative_int, default=None, metavar="W",
+                        help="also run rfa+window: xattn.rfa(..., window=W, sinks=K), exact "
+                        "on the keys |n - m| <= W and the first K keys, random features for "
+                        "the others (next to plain rfa, which is added if not listed)")
+    parser.add_argument("--sinks", type=nonnegative_int, default=0, metavar="K",
+                        help="attention sinks of rfa+window: the first K keys computed "
+                        "exactly (default: 0; alone, it also adds rfa+window)")
     parser.set_defaults(run=run)
     return parser
 
@@ -76,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
     """Run ``xattn compare``."""
     out_dir = output_dir(args.out)  # before any work
     specs = estimator_specs(args.estimators)
+    if args.window is not None or args.sinks:  # rfa+window right after plain rfa
+        if ESTIMATORS["rfa"] not in specs:
+            specs.insert(0, ESTIMATORS["rfa"])
+        specs.insert(specs.index(ESTIMATORS["rfa"]) + 1,
+                     windowed_rfa_spec(args.window, args.sinks))
     functions = {spec.name: spec.load() for spec in specs}
     backend = load_backend(args.backend, args.device, args.dtype)
     if args.input is None:
@@ -255,6 +267,8 @@ def _plot_compare(path: Path, rows: list[dict[str, Any]], baseline: dict[str, An
         points = [(row["samples"], y(row["mse"])) for row in spec_rows
                   if _plottable(row["mse"])]
         label = spec.name.upper()
+        if spec.name == "rfa+window":
+            label += f" (window {spec.options['window']}, sinks {spec.options['sinks']})"
         if not spec.samples_matter:  # one figure for every sample count
             if points:
                 axes.axhline(points[0][1], linestyle="-.", color=color,

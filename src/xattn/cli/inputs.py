@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from xattn._array import prepare_attention
 from xattn.cli import memory
 from xattn.cli.common import CommandError
 from xattn.cli.memory import format_size
@@ -24,7 +25,6 @@ from xattn.cli.memory import format_size
 __all__ = ["largest_safe_value", "load_inputs", "validate_inputs"]
 
 NAMES = ("q", "k", "v")
-SHAPES = {"q": "(..., N, D)", "k": "(..., M, D)", "v": "(..., M, Dv)"}
 READABLE_COMPRESSION = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2,
                         zipfile.ZIP_LZMA)
 NPZ_HINT = "save one with numpy.savez(path, q=q, k=k, v=v)"
@@ -127,45 +127,38 @@ def largest_safe_value(dtype: str, length: int) -> float:
 
 def validate_inputs(q: Any, k: Any, v: Any, dtype: str,
                     source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cast NumPy ``q``, ``k``, ``v`` to ``dtype``; check ranks, sizes and values after it."""
+    """Cast NumPy ``q``, ``k``, ``v`` to ``dtype``; check shapes and values after it.
+
+    The shapes are checked by the library's own input validation
+    (:func:`xattn._array.prepare_attention`), with ``source`` in front of its message.
+    """
     arrays = {"q": q, "k": k, "v": v}
     for name, array in arrays.items():
         if array.dtype.kind not in "fiu":
             raise CommandError(f"{source}: array {name} must be real numbers, got dtype "
                                f"{array.dtype}")
-        if array.ndim < 2:
-            raise CommandError(f"{source}: array {name} must have shape {SHAPES[name]} "
-                               f"(rank >= 2), got shape {array.shape}")
+    with np.errstate(over="ignore"):
+        cast = {name: array.astype(dtype, copy=False) for name, array in arrays.items()}
+    try:
+        prepare_attention(cast["q"], cast["k"], cast["v"])
+    except (ValueError, TypeError) as error:
+        raise CommandError(f"{source}: {error}") from None
+    for name, array in arrays.items():
         if array.size == 0:
             raise CommandError(f"{source}: array {name} is empty (shape {array.shape})")
         if not np.all(np.isfinite(array)):
             raise CommandError(f"{source}: array {name} contains NaN or inf")
-    if q.shape[-1] != k.shape[-1]:
-        raise CommandError(f"{source}: q and k must have the same last dim D, got shapes "
-                           f"{q.shape} and {k.shape}")
-    if k.shape[-2] != v.shape[-2]:
-        raise CommandError(f"{source}: k and v must have the same number of keys M, got "
-                           f"shapes {k.shape} and {v.shape}")
-    try:
-        np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    except ValueError:
-        raise CommandError(f"{source}: the leading dims of q {q.shape}, k {k.shape} and "
-                           f"v {v.shape} do not broadcast") from None
-    length = max(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1])
-    limit = largest_safe_value(dtype, length)
-    cast = {}
-    with np.errstate(over="ignore"):
-        for name, array in arrays.items():
-            cast[name] = array.astype(dtype, copy=False)
-            largest = float(np.max(np.abs(array.astype(np.float64, copy=False))))
-            if not np.all(np.isfinite(cast[name])):
-                raise CommandError(f"{source}: array {name} overflows {dtype} (largest "
-                                   f"|value| {largest:.3g}, {dtype} holds up to "
-                                   f"{float(np.finfo(dtype).max):.3g}); rescale the inputs "
-                                   f"or use --dtype float64")
-            if largest > limit:
-                raise CommandError(f"{source}: array {name} holds values up to "
-                                   f"{largest:.3g}, too large for {dtype} (squared norms "
-                                   f"and sums overflow above about {limit:.3g} at these "
-                                   "sizes); rescale the inputs")
+    limit = largest_safe_value(dtype, max(q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]))
+    for name, array in arrays.items():
+        largest = float(np.max(np.abs(array.astype(np.float64, copy=False))))
+        if not np.all(np.isfinite(cast[name])):
+            raise CommandError(f"{source}: array {name} overflows {dtype} (largest "
+                               f"|value| {largest:.3g}, {dtype} holds up to "
+                               f"{float(np.finfo(dtype).max):.3g}); rescale the inputs "
+                               f"or use --dtype float64")
+        if largest > limit:
+            raise CommandError(f"{source}: array {name} holds values up to "
+                               f"{largest:.3g}, too large for {dtype} (squared norms "
+                               f"and sums overflow above about {limit:.3g} at these "
+                               "sizes); rescale the inputs")
     return cast["q"], cast["k"], cast["v"]

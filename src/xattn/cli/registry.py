@@ -11,7 +11,7 @@ from xattn._softmax import softmax_attention
 from xattn.cli.common import CommandError
 from xattn.cli.memory import Problem, lara_bytes, ra_bytes, rfa_bytes, softmax_bytes
 
-__all__ = ["ESTIMATORS", "SOFTMAX", "EstimatorSpec", "estimator_specs"]
+__all__ = ["ESTIMATORS", "SOFTMAX", "EstimatorSpec", "estimator_specs", "windowed_rfa_spec"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,19 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
                               options={"deterministic": True}, deterministic=True),
 }
 SOFTMAX = EstimatorSpec("softmax", None, lambda: softmax_attention)
+
+
+def windowed_rfa_spec(window: int | None, sinks: int) -> EstimatorSpec:
+    """``rfa+window``: RFA with the keys ``|n - m| <= window`` and the first ``sinks`` keys
+    computed exactly (``xattn.rfa(..., window=, sinks=)``)."""
+    band = (0 if window is None else 2 * window + 1) + sinks
+
+    def memory(problem: Problem, samples: int) -> int:  # + the exact band, in blocks
+        return rfa_bytes(problem, samples) + 3 * problem.itemsize * problem.batch * (
+            problem.num_queries * band)
+
+    return EstimatorSpec("rfa+window", "num_features", lambda: xattn.rfa, memory=memory,
+                         options={"window": window, "sinks": sinks})
 
 
 def estimator_specs(names: Sequence[str]) -> list[EstimatorSpec]:
