@@ -204,10 +204,84 @@ def test_float32_and_chunking(backend, rng):
     q, k, v = make_qkv(rng, **BACKEND_CASE)
     uniforms, noise = host_draws(SEED, (2,), 7, 2, 4)
     expected = reference.randomized_attention(q, k, v, uniforms, noise)
-    for chunk_size in (CHUNK, 100):  # 7 queries: chunks of 3, 3, 1; and one chunk
+    for chunk_size in (CHUNK, 100):  # steps of one query with its 2 samples; one step
         out = xattn.ra(*(backend.asarray(a, dtype=xp.float32) for a in (q, k, v)), num_samples=2,
                        chunk_size=chunk_size, rng=SEED)
         backend.check(out, expected, dtype=xp.float32, rtol=1e-4)
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_result_does_not_depend_on_chunk_size(backend, rng, biased):
+    """Steps of chunk_size (query, sample) rows: several queries with all their samples
+    (chunk_size >= S), or the samples of one query split into groups (chunk_size < S: 5
+    samples in groups of 2, 2, 1). Every split equals the reference with the same draws."""
+    xp = backend.ns
+    q, k, v = make_qkv(rng, **BACKEND_CASE)
+    key_mask = np.array([[True, False, True, True, True, True],
+                         [True, True, True, False, False, True]])
+    uniforms, noise = host_draws(SEED, (2,), 7, 5, 4, biased=biased)
+    expected = reference.randomized_attention(q, k, v, uniforms, noise, biased=biased,
+                                              key_mask=key_mask, causal=True)
+    arrays = tuple(map(backend.asarray, (q, k, v)))
+    for chunk_size in (1, 2, 11, 1000):
+        out = xattn.ra(*arrays, num_samples=5, biased=biased, key_mask=backend.asarray(key_mask),
+                       causal=True, chunk_size=chunk_size, rng=SEED)
+        backend.check(out, expected, dtype=xp.float64)
+
+
+def test_working_memory_does_not_grow_with_samples():
+    """NumPy, tracemalloc: beyond its draws (uniforms and normals, (..., N, S, D + 1)
+    float64), a call holds a few (..., chunk_size, M) arrays, whatever S. Measured peaks
+    at batch 4, N = M = 256, D = 16: 5.9 MiB at S = 4 and 13.4 MiB at S = 64 (draws 0.5
+    and 8.5 MiB; one (4, 128, 256) float64 array is 1 MiB); the earlier implementation,
+    which held all S samples' (..., 128, S, M) statistics at once, peaked at 416 MiB for
+    S = 64. Allow the draws plus twelve such arrays."""
+    from xattn.cli.measure import tracemalloc_peak
+
+    gen = np.random.default_rng(0)
+    batch, length, dim = 4, 256, 16
+    q, k, v = (gen.normal(size=(batch, length, dim)) for _ in range(3))
+    xattn.ra(q[:, :2], k, v, causal=True, rng=0)  # first-call allocations (imports, caches)
+    chunk_array = batch * 128 * length * 8
+    for num_samples in (4, 64):
+        _, peak = tracemalloc_peak(lambda s=num_samples: xattn.ra(
+            q, k, v, num_samples=s, causal=True, rng=0))
+        draws = batch * length * num_samples * (dim + 1) * 8
+        assert peak < draws + 12 * chunk_array, (num_samples, peak / 2**20)
+
+
+def test_dask_causal_keeps_the_keys_chunked():
+    """On Dask, the causal mask, the last allowed key and the one-hot selection of k_z
+    are built from key positions chunked like the keys: no task holds a block spanning
+    all M = 50 keys (keys in chunks of 10; the earlier implementation built an unchunked
+    arange of M). The result equals NumPy's."""
+    da = pytest.importorskip("dask.array")
+    from dask.callbacks import Callback
+
+    class BlockShapes(Callback):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def _posttask(self, key, result, dsk, state, worker_id):
+            if hasattr(result, "shape"):
+                self.shapes.append(tuple(result.shape))
+
+    gen = np.random.default_rng(1)
+    q, k, v = make_qkv(gen, batch=(2,), num_queries=60, num_keys=50, head_dim=8, value_dim=5)
+    key_mask = gen.random((2, 50)) < 0.9
+    for biased in (False, True):
+        options = {"num_samples": 3, "biased": biased, "causal": True, "chunk_size": 24,
+                   "rng": 1}
+        out = xattn.ra(da.from_array(q, chunks=(2, 10, 8)), da.from_array(k, chunks=(2, 10, 8)),
+                       da.from_array(v, chunks=(2, 10, 5)),
+                       key_mask=da.from_array(key_mask, chunks=(2, 10)), **options)
+        with BlockShapes() as recorder:
+            result = out.compute(scheduler="sync")
+        assert recorder.shapes  # the recorder saw the tasks
+        assert not [shape for shape in recorder.shapes if 50 in shape], recorder.shapes
+        np.testing.assert_allclose(result, xattn.ra(q, k, v, key_mask=key_mask, **options),
+                                   rtol=1e-12, atol=1e-14)
 
 
 def test_leading_dims_broadcast(backend, rng):

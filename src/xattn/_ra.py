@@ -33,8 +33,16 @@ import math
 import numbers
 from typing import Any
 
-from xattn._array import Array, check_bool, check_positive_int, prepare_attention
-from xattn._primitives import causal_allowed, masked_softmax
+import array_api_compat
+
+from xattn._array import (
+    Array,
+    check_bool,
+    check_positive_int,
+    prepare_attention,
+    sequence_positions,
+)
+from xattn._primitives import finite_shift
 from xattn.random import as_generator
 
 __all__ = ["check_noise_scale", "ra"]
@@ -49,17 +57,76 @@ def check_noise_scale(noise_scale: Any) -> float:
         raise ValueError(f"noise_scale must be a finite number >= 0, got {noise_scale}")
     return float(noise_scale)
 
-def _allowed_keys(xp: Any, key_mask: Array | None, causal: bool, query_start: int,
-                  query_stop: int, num_keys: int, device: Any) -> Array | None:
-    """Boolean ``(..., B, M)`` (or None: every key): may query ``n`` attend key ``m``."""
-    allowed = None
-    if key_mask is not None:
-        allowed = key_mask[..., None, :]
-    if causal:  # top-left aligned, as in softmax_attention: query n sees keys m <= n
-        queries = xp.arange(query_start, query_stop, device=device)
-        in_past = causal_allowed(xp, queries, 0, num_keys, device)
+def _allowed_keys(xp: Any, key_mask: Array | None, query_positions: Array | None,
+                  key_positions: Array) -> Array | None:
+    """Boolean ``(..., R, M)`` (or None: every key): may the query of row r attend key m.
+
+    ``query_positions`` (R,) holds the position of each row's query under causal masking
+    (None: not causal). Top-left aligned, as in softmax_attention: query n sees m <= n.
+    ``key_positions`` is chunked like the keys on Dask (no unchunked arange of M).
+    """
+    allowed = None if key_mask is None else key_mask[..., None, :]
+    if query_positions is not None:
+        in_past = query_positions[:, None] >= key_positions[None, :]
         allowed = in_past if allowed is None else (allowed & in_past)
     return allowed
+
+
+def _softmax_terms(xp: Any, logits: Array, allowed: Array | None) -> tuple[Array, Array]:
+    """Unnormalized softmax weights ``exp(logits - max)`` over the allowed entries of the
+    last axis, and their sums (..., 1). The caller divides only what it needs (a product
+    with the weights, or the thresholds of the inverse CDF): one pass over (..., R, M)
+    fewer than normalizing the weights. A row without allowed entries has all-zero
+    weights and sum 0."""
+    if allowed is not None:
+        logits = xp.where(allowed, logits, -xp.inf)
+    weights = xp.exp(logits - finite_shift(xp, xp.max(logits, axis=-1, keepdims=True)))
+    return weights, xp.sum(weights, axis=-1, keepdims=True)
+
+
+def _cumulative_sum(xp: Any, x: Array, block: int = 32) -> Array:
+    """Inclusive cumulative sum along the last axis.
+
+    Where the namespace can gather (not Dask), blocks of ``block`` entries are summed by one
+    matrix product with an upper-triangular matrix of ones and then offset by the running
+    block totals: the same sums up to rounding, and on NumPy about 1.6 times faster than a
+    sequential ``cumulative_sum`` over the (..., B, M) weights.
+    """
+    length = x.shape[-1]
+    if length < 2 * block or not hasattr(xp, "take_along_axis"):
+        return xp.cumulative_sum(x, axis=-1)
+    full = length - length % block
+    positions = xp.arange(block, device=array_api_compat.device(x))
+    upper = xp.astype(positions[:, None] <= positions[None, :], x.dtype)  # (block, block)
+    sums = xp.reshape(x[..., :full], (*x.shape[:-1], full // block, block)) @ upper
+    block_totals = sums[..., -1]  # (..., M // block)
+    running = xp.cumulative_sum(block_totals, axis=-1)
+    head = xp.reshape(sums + (running - block_totals)[..., None], (*x.shape[:-1], full))
+    if full == length:
+        return head
+    tail = xp.cumulative_sum(x[..., full:], axis=-1) + running[..., -1:]
+    return xp.concat([head, tail], axis=-1)
+
+
+def _normalized(xp: Any, sums: Array, totals: Array) -> Array:
+    """``sums / totals``, with 0 where the total is 0 (a row without allowed keys)."""
+    return sums / xp.where(totals > 0, totals, 1.0)
+
+
+def _gather_keys(xp: Any, k_hat: Array, component: Array, key_positions: Array,
+                 batch: tuple[int, ...]) -> Array:
+    """``k_hat[..., z, :]`` for the components ``z`` (..., R): (..., R, D).
+
+    A gather (``take_along_axis``) where the namespace has one, which is differentiable
+    in k on torch and JAX and costs O(R D). Dask has none: there a one-hot matrix, built
+    against the key positions (chunked like the keys), selects the rows in one matrix
+    product, O(R M D).
+    """
+    if hasattr(xp, "take_along_axis"):
+        keys = xp.broadcast_to(k_hat, (*batch, *k_hat.shape[-2:]))
+        return xp.take_along_axis(keys, component[..., None], axis=-2)
+    one_hot = xp.astype(component[..., None] == key_positions, k_hat.dtype)  # (..., R, M)
+    return one_hot @ k_hat
 
 
 def ra(
@@ -106,8 +173,16 @@ def ra(
     sample: :math:`z` is the number of cumulative probabilities
     :math:`\sum_{m' \le m} \pi_{nm'}` below :math:`u = 1 - U`, :math:`U \sim [0, 1)`,
     clipped to the last allowed key (rounding can leave the total just below 1).
-    Queries are processed ``chunk_size`` at a time, so the largest intermediates are
-    ``(..., chunk_size, num_samples, M)``; no ``N x M x D`` array is formed.
+
+    **Cost.** The work is organized in steps of about ``chunk_size`` (query, sample)
+    pairs: ``max(1, chunk_size // S)`` queries with all their samples (or, when
+    ``S > chunk_size``, one query with ``chunk_size`` of its samples). The query and sample
+    axes of a step are folded into one, so each product of the estimate (:math:`\omega
+    \cdot \hat k_m` and the read-out of v) is one matrix product of ``chunk_size`` rows,
+    and the drawn keys :math:`\hat k_z` are gathered (no one-hot matrix, except on Dask).
+    The largest intermediates are ``(..., chunk_size, M)``: the working memory beyond the
+    draws (``(..., N, S, D)`` normals) does not grow with N or S. The result does not
+    depend on ``chunk_size`` beyond rounding.
 
     **Gradients** with respect to ``q``, ``k`` and ``v`` flow through the continuous
     path: :math:`\pi` (biased form), :math:`\hat q_n + \hat k_z` for the drawn
@@ -154,7 +229,9 @@ def ra(
         uniforms of shape ``(*batch, N, S)`` (unbiased form only), then standard normals
         of shape ``(*batch, N, S, D)``. Unused (nothing is drawn) when deterministic.
     chunk_size : int
-        Number of queries processed at a time.
+        Number of (query, sample) pairs evaluated per step (see **Cost**); 128 by
+        default. Larger steps run fewer, larger matrix products and hold
+        ``(..., chunk_size, M)`` intermediates.
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.
@@ -223,13 +300,17 @@ def ra(
     root_scale = math.sqrt(inputs.scale)
     q_hat, k_hat, v = inputs.q * root_scale, inputs.k * root_scale, inputs.v
     k_hat_t = xp.matrix_transpose(k_hat)  # (..., D, M)
-    key_half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1)  # (..., M)
-    key_index = xp.arange(num_keys, device=device)
+    # [k^_m, -|k^_m|^2 / 2] as columns: [omega, 1] @ this = omega . k^_m - |k^_m|^2 / 2 in
+    # the matrix product itself (no separate pass over the (..., rows, M) logits)
+    key_half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1)[..., None, :]  # (..., 1, M)
+    k_hat_t_extended = xp.concat([k_hat_t, -key_half_sq_norm], axis=-2)  # (..., D + 1, M)
+    key_positions = sequence_positions(inputs.k, axis=-2)  # chunked like the keys (Dask)
+    key_mask = inputs.key_mask
 
     generator = None if deterministic else as_generator(rng)
     if inputs.is_empty:
         return inputs.empty_result()
-    num_draws = 1 if deterministic else num_samples
+    num_draws = 1 if deterministic else num_samples  # deterministic: the samples coincide
     uniforms = None
     if not biased:  # one uniform per query and sample, turned into (0, 1]
         uniforms = 1.0 - generator.uniform(xp, (*batch, num_queries, num_draws), dtype=work,
@@ -241,41 +322,66 @@ def ra(
         if noise_scale != 1.0:  # omega = mu + sigma eps; f_n keeps the unit-covariance form
             noise = noise_scale * noise
 
+    # steps of ~chunk_size (query, sample) rows: whole queries, or samples of one query
+    queries_per_step = max(1, chunk_size // num_draws)
+    samples_per_step = min(num_draws, chunk_size)
     outputs = []
-    for start in range(0, num_queries, chunk_size):
-        stop = min(start + chunk_size, num_queries)
+    for start in range(0, num_queries, queries_per_step):
+        stop = min(start + queries_per_step, num_queries)
+        size = stop - start
         q_chunk = q_hat[..., start:stop, :]  # (..., B, D)
-        allowed = _allowed_keys(xp, inputs.key_mask, causal, start, stop, num_keys, device)
-        # mixture weights pi_nm = softmax_m(q_n . k_m) over the allowed keys, (..., B, M)
-        mixture_weights = masked_softmax(xp, q_chunk @ k_hat_t, allowed)
-
+        query_positions = xp.arange(start, stop, device=device) if causal else None
+        allowed = _allowed_keys(xp, key_mask, query_positions, key_positions)  # (..., B, M)
+        # mixture weights pi_nm = softmax_m(q_n . k_m) over the allowed keys (eq. 29),
+        # kept as exp(q_n . k_m - max) and their sum, (..., B, M) and (..., B, 1)
+        mixture_terms, mixture_total = _softmax_terms(xp, q_chunk @ k_hat_t, allowed)
         if biased:  # one Gaussian at the mixture mean: q_n + sum_m pi_nm k_m   (eq. 31)
-            proposal_means = (q_chunk + mixture_weights @ k_hat)[..., None, :]  # (..., B, 1, D)
+            mixture_mean = q_chunk + _normalized(xp, mixture_terms @ k_hat, mixture_total)
         else:
-            # z ~ Categorical(pi_n) by inverse CDF: count the cumulative weights below u
-            cumulative = xp.cumulative_sum(mixture_weights, axis=-1)  # (..., B, M)
-            below = cumulative[..., None, :] < uniforms[..., start:stop, :, None]
-            component = xp.count_nonzero(below, axis=-1)  # (*batch, B, S)
-            if allowed is None:
-                component = xp.clip(component, max=num_keys - 1)
-            else:  # clip to the last allowed key
-                last_allowed = xp.max(xp.where(allowed, key_index, xp.zeros_like(key_index)),
-                                      axis=-1)  # (..., B)
-                component = xp.minimum(component, last_allowed[..., None])
-            # k_z gathered by a one-hot matmul (Array API, differentiable in k)
-            one_hot = xp.astype(component[..., None] == key_index, work)  # (*batch, B, S, M)
-            proposal_means = q_chunk[..., None, :] + one_hot @ k_hat[..., None, :, :]  # eq. 30
+            cumulative = _cumulative_sum(xp, mixture_terms)  # total * CDF, (..., B, M)
+            if allowed is not None:  # the last allowed key of each query, (..., B, 1)
+                last_key = xp.max(xp.where(allowed, key_positions, 0), axis=-1)[..., None]
 
-        omega = proposal_means if noise is None else proposal_means + noise[..., start:stop, :, :]
-        # f_n(omega) = sum_m softmax_m(omega . k_m - |k_m|^2 / 2) v_m   (eq. 6)
-        logits = omega @ k_hat_t[..., None, :, :] - key_half_sq_norm[..., None, None, :]
-        key_weights = masked_softmax(xp, logits,
-                                      None if allowed is None else allowed[..., None, :])
-        estimates = key_weights @ v[..., None, :, :]  # (*batch, B, S, Dv)
-        outputs.append(xp.mean(estimates, axis=-2))
+        total = None  # sum over the samples of f_n(omega_ns), (..., B, Dv)
+        for sample_start in range(0, num_draws, samples_per_step):
+            sample_stop = min(sample_start + samples_per_step, num_draws)
+            group = sample_stop - sample_start
+            rows = (*batch, size * group)  # query-major: row = (query, sample)
+            if biased:
+                proposal = xp.broadcast_to(mixture_mean[..., None, :],
+                                           (*batch, size, group, head_dim))
+            else:
+                # z_ns ~ Categorical(pi_n) by inverse CDF: the cumulative weights below u
+                # (both sides times the total: no division of the (..., B, M) weights)
+                threshold = uniforms[..., start:stop, sample_start:sample_stop] * mixture_total
+                component = xp.count_nonzero(cumulative[..., None, :] < threshold[..., None],
+                                             axis=-1)  # (..., B, G)
+                # clipped to the last allowed key (rounding can leave the CDF just below u)
+                component = (xp.clip(component, max=num_keys - 1) if allowed is None
+                             else xp.minimum(component, last_key))  # (..., B, G)
+                k_z = _gather_keys(xp, k_hat, xp.reshape(component, rows), key_positions,
+                                   batch)  # (..., B G, D)
+                # omega_ns = q_n + k_z + eps   (eq. 30)
+                proposal = q_chunk[..., None, :] + xp.reshape(k_z, (*rows[:-1], size, group,
+                                                                   head_dim))
+            omega = proposal
+            if noise is not None:
+                omega = omega + noise[..., start:stop, sample_start:sample_stop, :]
+            omega = xp.reshape(omega, (*rows, head_dim))  # (..., B G, D): one GEMM below
+            omega_extended = xp.concat([omega, xp.ones_like(omega[..., :1])], axis=-1)
+            row_positions = None
+            if causal:  # the query position of every (query, sample) row
+                row_positions = xp.reshape(xp.broadcast_to(query_positions[:, None],
+                                                           (size, group)), (size * group,))
+            row_allowed = _allowed_keys(xp, key_mask, row_positions, key_positions)
+            # f_n(omega) = sum_m softmax_m(omega . k_m - |k_m|^2 / 2) v_m   (eq. 6)
+            key_terms, key_total = _softmax_terms(xp, omega_extended @ k_hat_t_extended,
+                                                  row_allowed)  # (..., B G, M), (..., B G, 1)
+            estimates = _normalized(xp, key_terms @ v, key_total)  # (..., B G, Dv)
+            estimates = xp.reshape(estimates, (*batch, size, group, value_dim))
+            step_total = xp.sum(estimates, axis=-2)
+            total = step_total if total is None else total + step_total
+        outputs.append(total if num_draws == 1 else total / num_draws)  # mean over samples
 
-    if not outputs:  # N = 0: no chunk ran; the result is empty
-        outputs = [xp.zeros((*batch, 0, value_dim), dtype=work, device=device)]
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
-    out = xp.broadcast_to(out, (*batch, num_queries, value_dim))
     return inputs.finish(out)
