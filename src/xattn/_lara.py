@@ -384,7 +384,7 @@ def lara(
     # Weights alpha_nc: balance heuristic at each proposal's own sample, plus the
     # query-specific correction with r_nc = softmax over queries of q^_n . q~_c (G.3.2).
     balance = balance_heuristic(omega, proposal_means)  # (..., C samples, C proposals)
-    own_weight = xp.sum(balance * xp.eye(num_samples, dtype=dtype, device=device), axis=-1)
+    own_weight = xp.linalg.diagonal(balance)  # w_c: proposal c at its own sample omega_c
     floor = xp.asarray(WEIGHT_FLOOR, dtype=dtype, device=device)  # 0-d: no N x C array
     if weighting == "balance":  # alpha_nc = w_c for every query: keep it (..., 1, C)
         weights = xp.maximum(own_weight, floor)[..., None, :]

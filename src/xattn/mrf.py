@@ -217,7 +217,7 @@ def _sequential_log_partition(xp: Any, log_out: Array, log_in: Array) -> Array:
 def _normalized(xp: Any, matrices: Array, log_scales: Array) -> tuple[Array, Array]:
     """Rescale each matrix to max entry 1, moving the factor into its log-scale."""
     peak = xp.max(matrices, axis=(-2, -1), keepdims=True)
-    peak = xp.where(peak > 0, peak, xp.ones_like(peak))
+    peak = xp.where(peak > 0, peak, 1.0)
     return matrices / peak, log_scales + xp.log(peak[..., 0, 0])
 
 
