@@ -13,6 +13,11 @@ The positive and hyperbolic maps are evaluated in the log domain with one stabil
 side that cancels exactly (:func:`xattn.features.positive_key_statistics` and
 :func:`xattn.features.weighted_readout`); the trigonometric map, which can be negative, is
 evaluated with the key norms shifted by their maximum and a guarded denominator.
+
+Keys and queries are streamed in chunks (key statistics with a running per-sample maximum,
+read-out chunk by chunk), so the working memory does not grow with the sequence lengths;
+causal mode and the exact band and sinks of ``window=`` / ``sinks=`` are computed by
+:mod:`xattn._rf_scan` and :mod:`xattn._window`.
 """
 
 from __future__ import annotations
@@ -28,14 +33,23 @@ from xattn._array import (
     check_choice,
     check_positive_int,
     concrete_count,
-    device_of,
     prepare_attention,
 )
-from xattn._primitives import causal_allowed, finite_shift
+from xattn._rf_scan import (
+    PAIR_BLOCK,
+    PositiveMap,
+    TrigonometricMap,
+    finish_partial,
+    finite_rows,
+    scan_partials,
+    state_over_keys,
+    stream_bounds,
+)
+from xattn._window import check_window, windowed_rfa
 from xattn.features import (
     FEATURE_MAPS,
     SAMPLE_NORMS,
-    log_positive_features,
+    merge_key_statistics,
     positive_key_statistics,
     sample_omega,
     weighted_readout,
@@ -107,8 +121,11 @@ def rfa(
     causal: bool = False,
     rng: Any = None,
     block_size: int = 128,
+    chunk_size: int = 1024,
     sample_norm: str = "chi",
     check_finite: bool = False,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> Array:
     r"""Random feature attention (RFA / Performer FAVOR+), a linear-cost estimate of
     softmax attention.
@@ -145,14 +162,50 @@ def rfa(
       read (not inside :func:`jax.jit` or for lazy Dask arrays, where only the clamp
       applies). Never inf.
 
-    Causal mode processes the positions in blocks of ``block_size``: inside a block the
-    kernel matrix :math:`\phi(\hat q_n) \cdot \phi(\hat k_m)` of the block (``m <= n``)
-    is formed with a per-query and a per-key shift and combined in log scale; across
-    blocks a carried ``(S, Dv)`` state :math:`A'_s, b'_s` with its running maximum
-    :math:`K_s` is rescaled as the maximum grows (like online softmax). Memory is
-    ``O(S Dv + block_size (S + block_size))`` per batch-head besides inputs and output, and
-    every stabilizer a query uses depends only on keys at or before it: outputs at
-    positions ``<= n`` do not depend on tokens after ``n``.
+    **Streaming.** Without ``causal``, the keys are walked ``chunk_size`` at a time with a
+    running per-sample maximum :math:`K_s` that rescales :math:`A'_s, b'_s` as it grows
+    (:func:`xattn.features.merge_key_statistics`), and the queries are read out
+    ``chunk_size`` at a time: the working memory besides inputs and output is
+    ``O(chunk_size * S + S * Dv)`` per batch-head, independent of ``N`` and ``M``. Dask
+    arrays are handed to Dask whole (it computes them chunk by chunk and the result keeps
+    the chunks of ``q``).
+
+    **Causal mode** walks the positions in blocks of ``block_size`` with a carried
+    ``(S, Dv)`` state :math:`K_s, A'_s, b'_s` of the earlier keys, rescaled as its
+    maximum grows. Inside a block, sub-blocks of 16 positions get exclusive prefix states
+    of the same form, and a query and a key of the same sub-block are paired exactly,
+    :math:`\log \kappa_{nm} = \operatorname{LSE}_s(\omega_s \cdot \hat q_n + a_{ms})`
+    (positive and hyperbolic maps). Every row is stabilized by its own largest term, so
+    the causal result equals the non-causal formula applied to each prefix up to
+    rounding, for scores as large as the non-causal path takes (the log-domain terms
+    only need to be finite), and no row underflows to zero while it has an allowed key.
+    Memory is ``O(S Dv (1 + block_size / 16) + block_size * 16 * S)`` per batch-head
+    besides inputs and output, and every stabilizer a query uses depends only on keys at
+    or before it: outputs at positions ``<= n`` do not depend on tokens after ``n``. A
+    NaN or infinite key or value ``m`` makes the rows that attend it NaN (rows ``>= m``
+    in causal mode, every row otherwise) and leaves the others unchanged.
+
+    **Window and sinks** (beyond the paper). With ``window=w`` (>= 1) the keys
+    :math:`|n - m| \le w` are computed exactly, with ``sinks=K`` the keys :math:`m < K`
+    too (Xiao et al., 2023); the random features estimate only the remaining keys
+    (Scatterbrain's sparse + low-rank split, Chen et al., 2021):
+
+    .. math::
+
+        y_n = \frac{\sum_{m \in E_n} e^{\hat q_n \cdot \hat k_m} v_m
+                    + \sum_{m \notin E_n} \hat\kappa(\hat q_n, \hat k_m) v_m}
+                   {\sum_{m \in E_n} e^{\hat q_n \cdot \hat k_m}
+                    + \sum_{m \notin E_n} \hat\kappa(\hat q_n, \hat k_m)},
+        \qquad E_n = \{m : |n - m| \le w \text{ or } m < K\},
+
+    :math:`\hat\kappa(x, y) = \phi(x) \cdot \phi(y)` the unbiased random-feature estimate
+    of :math:`e^{x \cdot y}`. The remaining keys' sums are prefix and suffix sums over
+    :math:`m \le n - w - 1` and :math:`m \ge n + w + 1` (never totals minus band terms, so
+    nothing is counted twice and nothing cancels); the band is computed block by block
+    (never an ``N x M`` mask); exact and random parts share one log-domain shift per query.
+    With ``causal`` the band is :math:`n - w \le m \le n`. Cost
+    ``O(N (2w + 1 + K) D + (N + M) S D)``. ``window=None`` or ``0`` with ``sinks=0`` is
+    plain RFA (the same code and result).
 
     Parameters
     ----------
@@ -184,12 +237,19 @@ def rfa(
         Source of the samples. An int seed gives the same samples, hence the same output,
         on every backend; a JAX key works under :func:`jax.jit`.
     block_size : int
-        Positions per block in causal mode.
+        Positions per block in causal mode and with ``window`` or ``sinks``.
+    chunk_size : int
+        Keys and queries per streamed chunk (without ``causal``, ``window`` and ``sinks``).
+        The result does not depend on it beyond rounding.
     sample_norm : {"chi", "sqrt_dim"}
         Row norms of orthogonal samples (see :func:`xattn.features.sample_omega`).
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.
+    window : int, optional
+        Half-width ``w`` of the exact band :math:`|n - m| \le w`; ``None`` or 0: no band.
+    sinks : int
+        Number ``K`` of leading keys (attention sinks) computed exactly, ``0 <= K <= M``.
 
     Returns
     -------
@@ -200,10 +260,12 @@ def rfa(
     ------
     ValueError
         ``num_features`` < 1, ``omega`` not of shape ``(S, D)``, unknown ``feature_map``
-        or ``sample_norm``, and the input errors of :func:`xattn.softmax_attention`.
+        or ``sample_norm``, negative ``window`` or ``sinks``, ``sinks`` > M, and the input
+        errors of :func:`xattn.softmax_attention`.
     TypeError
-        Non-integer ``num_features`` or ``block_size``, non-bool ``causal`` or
-        ``orthogonal``, ``omega`` from another library or not floating.
+        Non-integer ``num_features``, ``block_size``, ``chunk_size``, ``window`` or
+        ``sinks``, non-bool ``causal`` or ``orthogonal``, ``omega`` from another library
+        or not floating.
 
     Warns
     -----
@@ -251,6 +313,14 @@ def rfa(
     True
     >>> xattn.rfa(q, k, v, num_features=64, rng=0, causal=True).shape
     (2, 5, 3)
+
+    An exact band of 2 neighbours on each side and the first key as a sink, random
+    features for the other keys; a band that covers every key is exact attention:
+
+    >>> xattn.rfa(q, k, v, num_features=64, rng=0, window=2, sinks=1).shape
+    (2, 5, 3)
+    >>> bool(np.allclose(xattn.rfa(q, k, v, num_features=8, rng=0, window=7), exact))
+    True
     """
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
                                check_finite=check_finite)
@@ -259,6 +329,8 @@ def rfa(
     causal = check_bool(causal, "causal")
     orthogonal = check_bool(orthogonal, "orthogonal")
     block_size = check_positive_int(block_size, "block_size")
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    window, sinks = check_window(window, sinks, inputs.num_keys)
     if num_features is not None:
         num_features = check_positive_int(num_features, "num_features")
     xp, work, device = inputs.xp, inputs.compute_dtype, inputs.device
@@ -271,40 +343,93 @@ def rfa(
                              orthogonal=orthogonal, norm=sample_norm)
     else:
         omega = _check_omega(xp, q, omega, num_features, head_dim, work)
+    if inputs.is_empty:  # the block loops have no block for N = 0
+        return inputs.empty_result()
 
-    root_scale = math.sqrt(inputs.scale)
-    q_hat, k_hat, v = root_scale * inputs.q, root_scale * inputs.k, inputs.v
-    key_mask = inputs.key_mask
-
-    if inputs.num_queries == 0 or 0 in inputs.batch_shape:
-        # an empty result: the causal loops have no block for N = 0, and Dask cannot create
-        # their zero-size states (da.zeros((0, 2, S, Dv)) divides by zero); built from the
-        # inputs (not xp.zeros) for the same reason
-        empty = inputs.q[..., :1] @ v[..., :1, :]  # (..., N, Dv), size 0
-        return inputs.finish(xp.broadcast_to(empty, (*inputs.batch_shape, inputs.num_queries,
-                                                     v.shape[-1])))
-    if feature_map == "trigonometric":
-        if causal:
-            out, invalid = _causal_trigonometric(xp, q_hat, k_hat, v, omega, key_mask,
-                                                 inputs.batch_shape, block_size)
-        else:
-            out, invalid = _trigonometric(xp, q_hat, k_hat, v, omega, key_mask)
-        _warn_if_any(xp, invalid)
-        return inputs.finish(out)
-
+    trigonometric = feature_map == "trigonometric"
     if feature_map == "hyperbolic":
         # xi(x, w) = 2^{-1/2} [xi+(x, w), xi+(x, -w)]: the positive map with samples +-w;
         # the 2^{-1/2} factor is common to numerator and denominator and cancels
         omega = xp.concat([omega, -omega], axis=0)
-    if causal:
-        out = _causal_positive(xp, q_hat, k_hat, v, omega, key_mask, inputs.batch_shape,
-                               block_size)
+    if trigonometric:
+        mapping = TrigonometricMap(xp, omega)
     else:
-        key_max, numerator, denominator = positive_key_statistics(xp, k_hat, v, omega,
-                                                                  key_mask)
-        logits = q_hat @ xp.matrix_transpose(omega) + key_max[..., None, :]  # c_ns
-        out = weighted_readout(xp, logits, numerator, denominator)
+        mapping = PositiveMap(xp, omega, pair_block=min(PAIR_BLOCK, block_size))
+
+    if window or sinks:
+        out, invalid = windowed_rfa(xp, inputs, mapping, window=window, sinks=sinks,
+                                    causal=causal, block_size=block_size,
+                                    chunk_size=chunk_size, guard=trigonometric)
+    elif causal:
+        out, invalid = _causal(xp, inputs, mapping, block_size, chunk_size, trigonometric)
+    elif trigonometric:
+        out, invalid = _trigonometric(xp, inputs, mapping, chunk_size)
+    else:
+        out, invalid = _positive(xp, inputs, omega, chunk_size), None
+    if invalid is not None:
+        _warn_if_any(xp, invalid)
     return inputs.finish(out)
+
+
+def _positive(xp: Any, inputs: Any, omega: Array, chunk_size: int) -> Array:
+    """Non-causal positive-map RFA, keys and queries streamed ``chunk_size`` at a time."""
+    root_scale = math.sqrt(inputs.scale)
+    q, k, v, key_mask = inputs.q, inputs.k, inputs.v, inputs.key_mask
+    statistics = None  # K_s, A'_s, b'_s over the keys seen so far
+    for start, stop in stream_bounds(k, -2, chunk_size):
+        # non-finite keys and values are zeroed and their NaN moved into K_s, which it
+        # makes NaN for every sample and row (no inf - inf or 0 * inf on the way)
+        keys, key_poison = finite_rows(xp, k[..., start:stop, :])
+        values, value_poison = finite_rows(xp, v[..., start:stop, :])
+        key_max, numerator, denominator = positive_key_statistics(
+            xp, root_scale * keys, values, omega,
+            None if key_mask is None else key_mask[..., start:stop])
+        poison = xp.sum(key_poison + value_poison, axis=-1, keepdims=True)
+        chunk = (key_max + poison, numerator, denominator)
+        statistics = chunk if statistics is None else merge_key_statistics(xp, statistics,
+                                                                           chunk)
+    key_max, numerator, denominator = statistics
+    omega_t = xp.matrix_transpose(omega)
+    outputs = []
+    for start, stop in stream_bounds(q, -2, chunk_size):
+        logits = (root_scale * q[..., start:stop, :]) @ omega_t + key_max[..., None, :]  # c_ns
+        outputs.append(weighted_readout(xp, logits, numerator, denominator))
+    return _concat_rows(xp, outputs)
+
+
+def _trigonometric(xp: Any, inputs: Any, mapping: TrigonometricMap,
+                   chunk_size: int) -> tuple[Array, Array]:
+    """Non-causal trigonometric RFA, streamed: the output and the clamped rows."""
+    root_scale = math.sqrt(inputs.scale)
+    state = state_over_keys(xp, mapping, inputs.k, inputs.v, root_scale=root_scale,
+                            key_mask=inputs.key_mask, first_key=0, start=0,
+                            stop=inputs.num_keys, chunk_size=chunk_size,
+                            batch_shape=inputs.batch_shape)
+    outputs, invalid_rows = [], []
+    for start, stop in stream_bounds(inputs.q, -2, chunk_size):
+        queries = mapping.queries(root_scale * inputs.q[..., start:stop, :])
+        out, invalid = finish_partial(xp, mapping.readout(queries, state), guard=True)
+        outputs.append(out)
+        invalid_rows.append(invalid)
+    return _concat_rows(xp, outputs), _concat_rows(xp, invalid_rows)
+
+
+def _causal(xp: Any, inputs: Any, mapping: Any, block_size: int, chunk_size: int,
+            guard: bool) -> tuple[Array, Array | None]:
+    """Causal RFA over blocks of positions (:func:`xattn._rf_scan.scan_partials`)."""
+    outputs, invalid_rows = [], []
+    for partial in scan_partials(xp, mapping, inputs.q, inputs.k, inputs.v,
+                                 root_scale=math.sqrt(inputs.scale), key_mask=inputs.key_mask,
+                                 first_key=0, offset=0, reverse=False, block_size=block_size,
+                                 chunk_size=chunk_size, batch_shape=inputs.batch_shape):
+        out, invalid = finish_partial(xp, partial, guard=guard)
+        outputs.append(out)
+        invalid_rows.append(invalid)
+    return _concat_rows(xp, outputs), (_concat_rows(xp, invalid_rows) if guard else None)
+
+
+def _concat_rows(xp: Any, pieces: list[Array]) -> Array:
+    return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-2)
 
 
 def _check_omega(xp: Any, q: Array, omega: Any, num_features: int | None, head_dim: int,
@@ -321,170 +446,6 @@ def _check_omega(xp: Any, q: Array, omega: Any, num_features: int | None, head_d
     if not xp.isdtype(omega.dtype, "real floating"):
         raise TypeError(f"omega must have a real floating dtype, got {omega.dtype}")
     return omega if omega.dtype == work else xp.astype(omega, work)
-
-
-def _block_allowed(xp: Any, query_start: int, query_stop: int, key_start: int, key_stop: int,
-                   key_mask: Array | None, device: Any) -> Array:
-    """Boolean (..., Bq, Bk): key m <= query n (and allowed by ``key_mask``)."""
-    allowed = causal_allowed(xp, xp.arange(query_start, query_stop, device=device), key_start,
-                             key_stop, device)
-    if key_mask is not None:
-        allowed = allowed & key_mask[..., None, key_start:key_stop]
-    return allowed
-
-
-def _causal_positive(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: Array,
-                     key_mask: Array | None, batch_shape: tuple[int, ...],
-                     block_size: int) -> Array:
-    """Causal positive-map RFA over blocks of positions (stabilized causal form)."""
-    num_queries, num_keys = q_hat.shape[-2], k_hat.shape[-2]
-    num_samples, value_dim = omega.shape[0], v.shape[-1]
-    work, device = q_hat.dtype, device_of(q_hat)
-    omega_t = xp.matrix_transpose(omega)
-    # carried state over keys of earlier blocks: K_s, A'_s, b'_s
-    key_max = xp.full((*batch_shape, num_samples), -xp.inf, dtype=work, device=device)
-    numerator_state = xp.zeros((*batch_shape, num_samples, value_dim), dtype=work, device=device)
-    denominator_state = xp.zeros((*batch_shape, num_samples), dtype=work, device=device)
-    outputs = []
-    for start in range(0, num_queries, block_size):
-        stop = min(start + block_size, num_queries)
-        query_proj = q_hat[..., start:stop, :] @ omega_t  # omega_s . q_n, (..., Bq, S)
-        query_shift = xp.max(query_proj, axis=-1, keepdims=True)  # beta_n
-        # earlier blocks: c_ns = omega_s . q_n + K_s, stabilized by Q_n = max_s c_ns
-        safe_key_max = finite_shift(xp, key_max)
-        state_logits = query_proj + safe_key_max[..., None, :]
-        state_shift = xp.max(state_logits, axis=-1, keepdims=True)
-        state_weights = xp.exp(state_logits - state_shift)
-        numerator = state_weights @ numerator_state
-        denominator = state_weights @ denominator_state[..., None]
-        key_stop = min(stop, num_keys)
-        if start < key_stop:
-            # this block: log kappa_nm = beta_n + alpha_m + log P_nm with per-query and
-            # per-key shifts only, P_nm = sum_s e^{omega_s.q_n - beta_n} e^{a_ms - alpha_m}
-            key_logits = log_positive_features(xp, k_hat[..., start:key_stop, :], omega)
-            key_shift = xp.max(key_logits, axis=-1, keepdims=True)  # alpha_m
-            pair_sums = xp.exp(query_proj - query_shift) @ xp.matrix_transpose(
-                xp.exp(key_logits - key_shift))
-            allowed = _block_allowed(xp, start, stop, start, key_stop, key_mask, device)
-            allowed = allowed & (pair_sums > 0)
-            safe_sums = xp.where(allowed, pair_sums, xp.ones_like(pair_sums))
-            pair_logits = xp.where(allowed, xp.matrix_transpose(key_shift) + xp.log(safe_sums),
-                                   -xp.inf)  # log kappa_nm - beta_n
-            state_log = state_shift - query_shift  # log of the state's scale, minus beta_n
-            row_shift = xp.maximum(state_log, xp.max(pair_logits, axis=-1, keepdims=True))
-            pair_weights = xp.exp(pair_logits - row_shift)
-            state_factor = xp.exp(state_log - row_shift)
-            numerator = state_factor * numerator + pair_weights @ v[..., start:key_stop, :]
-            denominator = state_factor * denominator + xp.sum(pair_weights, axis=-1,
-                                                              keepdims=True)
-            # fold this block's keys into the state, rescaling it as the running max grows
-            if key_mask is not None:
-                key_logits = xp.where(key_mask[..., start:key_stop, None], key_logits, -xp.inf)
-            new_key_max = xp.maximum(key_max, xp.max(key_logits, axis=-2))
-            shift = finite_shift(xp, new_key_max)
-            rescale = xp.exp(key_max - shift)  # 0 while no key was allowed
-            key_weights = xp.exp(key_logits - shift[..., None, :])
-            numerator_state = (numerator_state * rescale[..., None]
-                               + xp.matrix_transpose(key_weights) @ v[..., start:key_stop, :])
-            denominator_state = denominator_state * rescale + xp.sum(key_weights, axis=-2)
-            key_max = new_key_max
-        safe = xp.where(denominator > 0, denominator, xp.ones_like(denominator))
-        outputs.append(numerator / safe)
-    return xp.concat(outputs, axis=-2)
-
-
-def _trig_features(xp: Any, x: Array, omega: Array) -> Array:
-    """``[sin omega_s.x, cos omega_s.x]``, shape (..., L, 2S) (norm factors kept apart)."""
-    projections = x @ xp.matrix_transpose(omega)
-    return xp.concat([xp.sin(projections), xp.cos(projections)], axis=-1)
-
-
-def _half_sq_norms(xp: Any, k_hat: Array, key_mask: Array | None) -> Array:
-    """:math:`\\lVert \\hat k_m \\rVert^2 / 2`, -inf for masked keys, shape (..., M)."""
-    half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1)
-    if key_mask is not None:
-        half_sq_norm = xp.where(key_mask, half_sq_norm, -xp.inf)
-    return half_sq_norm
-
-
-def _guarded_ratio(xp: Any, numerator: Array, denominator: Array,
-                   total_weight: Array) -> tuple[Array, Array]:
-    """``numerator / denominator`` with the denominator floored at sqrt(eps) * W_n."""
-    floor = math.sqrt(xp.finfo(denominator.dtype).eps) * total_weight
-    has_keys = total_weight > 0
-    invalid = has_keys & (denominator <= floor)
-    safe = xp.where(denominator > floor, denominator,
-                    xp.where(has_keys, floor, xp.ones_like(floor)))
-    return numerator / safe, invalid
-
-
-def _trigonometric(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: Array,
-                   key_mask: Array | None) -> tuple[Array, Array]:
-    """Non-causal trigonometric RFA: returns the output and the rows clamped by the guard."""
-    num_samples = omega.shape[0]
-    half_sq_norm = _half_sq_norms(xp, k_hat, key_mask)  # (..., M)
-    norm_max = xp.max(half_sq_norm, axis=-1, keepdims=True)
-    norm_max = finite_shift(xp, norm_max)
-    key_weights = xp.exp(half_sq_norm - norm_max)[..., None]  # w_m, 0 if masked, (..., M, 1)
-    key_features = xp.matrix_transpose(_trig_features(xp, k_hat, omega))  # (..., 2S, M)
-    numerator = key_features @ (key_weights * v)  # (..., 2S, Dv)
-    denominator = key_features @ key_weights  # (..., 2S, 1)
-    query_features = _trig_features(xp, q_hat, omega) / num_samples  # e^{|q|^2/2} cancels
-    total_weight = xp.sum(key_weights, axis=-2, keepdims=True)  # W, (..., 1, 1)
-    return _guarded_ratio(xp, query_features @ numerator, query_features @ denominator,
-                          total_weight)
-
-
-def _causal_trigonometric(xp: Any, q_hat: Array, k_hat: Array, v: Array, omega: Array,
-                          key_mask: Array | None, batch_shape: tuple[int, ...],
-                          block_size: int) -> tuple[Array, Array]:
-    """Causal trigonometric RFA over blocks, with a running max of the key norms."""
-    num_queries, num_keys = q_hat.shape[-2], k_hat.shape[-2]
-    num_samples, value_dim = omega.shape[0], v.shape[-1]
-    work, device = q_hat.dtype, device_of(q_hat)
-    half_sq_norm = _half_sq_norms(xp, k_hat, key_mask)  # (..., M)
-    norm_max = xp.full((*batch_shape, 1, 1), -xp.inf, dtype=work, device=device)
-    numerator_state = xp.zeros((*batch_shape, 2 * num_samples, value_dim), dtype=work,
-                               device=device)
-    denominator_state = xp.zeros((*batch_shape, 2 * num_samples, 1), dtype=work, device=device)
-    weight_state = xp.zeros((*batch_shape, 1, 1), dtype=work, device=device)
-    outputs, invalid_rows = [], []
-    for start in range(0, num_queries, block_size):
-        stop = min(start + block_size, num_queries)
-        query_features = _trig_features(xp, q_hat[..., start:stop, :], omega) / num_samples
-        numerator = query_features @ numerator_state
-        denominator = query_features @ denominator_state
-        total_weight = weight_state
-        key_stop = min(stop, num_keys)
-        if start < key_stop:
-            key_features = _trig_features(xp, k_hat[..., start:key_stop, :], omega)
-            block_norms = half_sq_norm[..., None, start:key_stop]  # (..., 1, Bk)
-            allowed = _block_allowed(xp, start, stop, start, key_stop, None, device)
-            pair_norms = xp.where(allowed, block_norms, -xp.inf)  # (..., Bq, Bk)
-            row_max = xp.maximum(norm_max, xp.max(pair_norms, axis=-1, keepdims=True))
-            row_max = finite_shift(xp, row_max)
-            pair_weights = xp.exp(pair_norms - row_max)  # w_m for m <= n, else 0
-            state_factor = xp.exp(norm_max - row_max)  # 0 while no key was allowed
-            kernel = (query_features @ xp.matrix_transpose(key_features)) * pair_weights
-            numerator = state_factor * numerator + kernel @ v[..., start:key_stop, :]
-            denominator = state_factor * denominator + xp.sum(kernel, axis=-1, keepdims=True)
-            total_weight = state_factor * weight_state + xp.sum(pair_weights, axis=-1,
-                                                                keepdims=True)
-            # fold this block's keys into the state
-            new_max = xp.maximum(norm_max, xp.max(block_norms, axis=-1, keepdims=True))
-            shift = finite_shift(xp, new_max)
-            rescale = xp.exp(norm_max - shift)
-            key_weights = xp.matrix_transpose(xp.exp(block_norms - shift))  # (..., Bk, 1)
-            key_features_t = xp.matrix_transpose(key_features)
-            numerator_state = (numerator_state * rescale
-                               + key_features_t @ (key_weights * v[..., start:key_stop, :]))
-            denominator_state = denominator_state * rescale + key_features_t @ key_weights
-            weight_state = weight_state * rescale + xp.sum(key_weights, axis=-2, keepdims=True)
-            norm_max = new_max
-        out, invalid = _guarded_ratio(xp, numerator, denominator, total_weight)
-        outputs.append(out)
-        invalid_rows.append(xp.broadcast_to(invalid, (*out.shape[:-1], 1)))
-    return xp.concat(outputs, axis=-2), xp.concat(invalid_rows, axis=-2)
 
 
 def _warn_if_any(xp: Any, invalid: Array) -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "FEATURE_MAPS",
     "SAMPLE_NORMS",
     "log_positive_features",
+    "merge_key_statistics",
     "positive_key_statistics",
     "random_features",
     "sample_omega",
@@ -72,7 +73,8 @@ def log_positive_features(xp: Any, x: Array, omega: Array) -> Array:
 
 
 def positive_key_statistics(
-    xp: Any, k_hat: Array, v: Array, omega: Array, key_mask: Array | None = None
+    xp: Any, k_hat: Array, v: Array, omega: Array, key_mask: Array | None = None, *,
+    chunk_size: int | None = None,
 ) -> tuple[Array, Array, Array]:
     r"""Stabilized key-side sums of the positive mapping (RFA, stabilized form).
 
@@ -85,6 +87,12 @@ def positive_key_statistics(
     over the keys allowed by ``key_mask``. A sample with no allowed key gets
     :math:`K_s = 0`, :math:`A'_s = 0`, :math:`b'_s = 0`.
 
+    With ``chunk_size``, the keys are walked ``chunk_size`` at a time and the statistics
+    of each chunk are folded into running ones by :func:`merge_key_statistics` (a running
+    per-sample maximum, rescaled as it grows: the online-softmax trick per random
+    feature), so the working memory is ``O(chunk_size * S + S * Dv)`` per batch element
+    instead of ``O(M * S)``. The result is the same up to rounding.
+
     Parameters
     ----------
     xp : namespace
@@ -96,6 +104,8 @@ def positive_key_statistics(
         Samples as rows (shared ``(S, D)`` or per batch ``(..., S, D)``).
     key_mask : bool array, shape (..., M), optional
         True where the key takes part.
+    chunk_size : int, optional
+        Keys per chunk; ``None`` (default) takes all keys at once.
 
     Returns
     -------
@@ -105,7 +115,37 @@ def positive_key_statistics(
         :math:`A'_s`.
     denominator : array, shape (..., S)
         :math:`b'_s`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.features import positive_key_statistics
+    >>> rng = np.random.default_rng(0)
+    >>> k_hat, v = rng.normal(size=(50, 4)), rng.normal(size=(50, 3))
+    >>> omega = rng.normal(size=(8, 4))
+    >>> whole = positive_key_statistics(np, k_hat, v, omega)
+    >>> chunked = positive_key_statistics(np, k_hat, v, omega, chunk_size=16)
+    >>> all(np.allclose(a, b) for a, b in zip(whole, chunked))
+    True
     """
+    num_keys = k_hat.shape[-2]
+    if chunk_size is None or chunk_size >= num_keys:
+        return _key_statistics(xp, k_hat, v, omega, key_mask)
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    statistics = None
+    for start in range(0, num_keys, chunk_size):
+        stop = min(start + chunk_size, num_keys)
+        chunk_mask = None if key_mask is None else key_mask[..., start:stop]
+        chunk = _key_statistics(xp, k_hat[..., start:stop, :], v[..., start:stop, :], omega,
+                                chunk_mask)
+        statistics = chunk if statistics is None else merge_key_statistics(xp, statistics,
+                                                                           chunk)
+    return statistics
+
+
+def _key_statistics(xp: Any, k_hat: Array, v: Array, omega: Array,
+                    key_mask: Array | None) -> tuple[Array, Array, Array]:
+    """:func:`positive_key_statistics` of all keys at once."""
     logits = log_positive_features(xp, k_hat, omega)  # (..., M, S)
     if key_mask is not None:
         logits = xp.where(key_mask[..., :, None], logits, -xp.inf)
@@ -114,6 +154,63 @@ def positive_key_statistics(
     weights = xp.exp(logits - key_max[..., None, :])  # masked keys: exp(-inf) = 0
     numerator = xp.matrix_transpose(weights) @ v
     denominator = xp.sum(weights, axis=-2)
+    return key_max, numerator, denominator
+
+
+def merge_key_statistics(
+    xp: Any, first: tuple[Array, Array, Array], second: tuple[Array, Array, Array]
+) -> tuple[Array, Array, Array]:
+    r"""The key statistics of two disjoint sets of keys, combined.
+
+    Each argument is a ``(key_max, numerator, denominator)`` triple of
+    :func:`positive_key_statistics`. Per sample, the larger maximum becomes the shift and
+    the other set's sums are rescaled to it,
+
+    .. math::
+
+        K_s = \max(K^{(1)}_s, K^{(2)}_s), \quad
+        A'_s = e^{K^{(1)}_s - K_s} A'^{(1)}_s + e^{K^{(2)}_s - K_s} A'^{(2)}_s
+
+    (and :math:`b'_s` likewise), so no term overflows and the dominant one is exact.
+    A sample without keys in one set (:math:`b'_s = 0`) takes the other set's values;
+    NaN in either set propagates.
+
+    Parameters
+    ----------
+    xp : namespace
+    first, second : tuple of arrays
+        ``(key_max (..., S), numerator (..., S, Dv), denominator (..., S))``.
+
+    Returns
+    -------
+    tuple of arrays
+        The statistics of the union, in the same format.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn.features import merge_key_statistics, positive_key_statistics
+    >>> rng = np.random.default_rng(0)
+    >>> k_hat, v = rng.normal(size=(10, 4)), rng.normal(size=(10, 2))
+    >>> omega = rng.normal(size=(6, 4))
+    >>> head = positive_key_statistics(np, k_hat[:3], v[:3], omega)
+    >>> tail = positive_key_statistics(np, k_hat[3:], v[3:], omega)
+    >>> merged = merge_key_statistics(np, head, tail)
+    >>> whole = positive_key_statistics(np, k_hat, v, omega)
+    >>> all(np.allclose(a, b) for a, b in zip(merged, whole))
+    True
+    """
+    first_max, first_numerator, first_denominator = first
+    second_max, second_numerator, second_denominator = second
+    # an empty set's K_s = 0 is only a placeholder: it must not become the shift
+    first_max = xp.where(first_denominator == 0, -xp.inf, first_max)
+    second_max = xp.where(second_denominator == 0, -xp.inf, second_max)
+    key_max = finite_shift(xp, xp.maximum(first_max, second_max))
+    first_rescale = xp.exp(first_max - key_max)  # 0 for an empty set
+    second_rescale = xp.exp(second_max - key_max)
+    numerator = (first_rescale[..., None] * first_numerator
+                 + second_rescale[..., None] * second_numerator)
+    denominator = first_rescale * first_denominator + second_rescale * second_denominator
     return key_max, numerator, denominator
 
 

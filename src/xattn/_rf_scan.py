@@ -1,0 +1,475 @@
+r"""Random-feature sums over a prefix (or suffix) of the keys, walked in blocks.
+
+Causal RFA needs, for every query :math:`n`, the random-feature sums over the keys
+:math:`m \le n`; the windowed RFA of :mod:`xattn._window` needs them over
+:math:`m \le n - o` and :math:`m \ge n + o` (keys outside a band of half-width
+:math:`o - 1`). This module computes them in one pass over blocks of positions:
+
+* a **carried state** holds the statistics of the keys of earlier blocks with a running
+  maximum per random feature that is rescaled as it grows (online softmax per feature):
+  :math:`K_s = \max_m a_{ms}`, :math:`A'_s = \sum_m e^{a_{ms} - K_s} [v_m, 1]` for the
+  positive map, :math:`a_{ms} = \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2`;
+* inside a block, for the positive map, the keys are split into sub-blocks of
+  :data:`PAIR_BLOCK` positions: the keys of earlier sub-blocks are folded into exclusive
+  prefix states (the same statistics, one per sub-block), and a query and a key of the
+  same sub-block are paired **exactly**: :math:`\log \kappa_{nm} = \operatorname{LSE}_s
+  (\omega_s \cdot \hat q_n + a_{ms})` is summed with one shift per query, the largest term
+  of its row.
+
+Every query therefore gets its sums with the shift of its own dominant term: the result
+equals the non-causal formula applied to its prefix, up to rounding, whatever the size
+of the scores (the dominant term is computed as :math:`e^0 = 1`, so no row can underflow
+to zero), and no stabilizer of a query depends on a key it does not attend.
+
+Results are *partials* ``(shift, sums, weight)``: ``sums[..., :Dv]`` and
+``sums[..., Dv]`` are numerator and denominator times :math:`e^{-\text{shift}}`, and
+``weight`` bounds the absolute denominator (equal to it for positive maps). Partials of
+disjoint key sets add up after rescaling to a common shift (:func:`combine_partials`).
+
+NaN and infinity: a non-finite key or value :math:`m` makes its logits NaN (values are
+zeroed and their non-finiteness moved into the logits, :func:`value_columns`), which
+reaches the rows that attend key :math:`m` and every later state, but never a row that
+does not attend it (masked entries are selected away with ``where``, never multiplied by
+zero).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import array_api_compat
+
+from xattn._array import Array, one_chunk_along
+from xattn._primitives import finite_shift
+from xattn.features import log_positive_features
+
+__all__ = [
+    "PAIR_BLOCK",
+    "PositiveMap",
+    "TrigonometricMap",
+    "combine_partials",
+    "finish_partial",
+    "finite_rows",
+    "scan_partials",
+    "state_over_keys",
+    "stream_bounds",
+    "value_columns",
+]
+
+PAIR_BLOCK = 16
+"""Positions per sub-block whose query-key pairs are computed exactly (positive maps)."""
+
+Partial = tuple[Array, Array, Array]
+
+
+def stream_bounds(x: Array, axis: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the pieces of ``x`` along ``axis`` that are processed one at a time.
+
+    Pieces of ``chunk_size`` for arrays whose values are computed eagerly. A Dask array is
+    one piece: Dask already computes it chunk by chunk, and keeping its chunks in the
+    result keeps it lazy and laid out like the inputs.
+    """
+    length = x.shape[axis]
+    if array_api_compat.is_dask_array(x) or length <= chunk_size:
+        return [(0, length)]
+    return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
+
+
+def _concat(xp: Any, pieces: list[Array], axis: int) -> Array:
+    return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=axis)
+
+
+def finite_rows(xp: Any, x: Array) -> tuple[Array, Array]:
+    """``x`` (..., L, F) with non-finite entries replaced by 0, and its per-row poison.
+
+    The poison (..., L) is 0 for a finite row and NaN for a row holding NaN or infinity.
+    Added to the logits of a key, it moves the key's non-finiteness to exactly the rows
+    that attend it, with no ``inf - inf`` or ``0 * inf`` on the way.
+    """
+    finite = xp.isfinite(x)
+    poison = xp.sum(xp.where(finite, xp.zeros_like(x), xp.full_like(x, xp.nan)), axis=-1)
+    return xp.where(finite, x, xp.zeros_like(x)), poison
+
+
+def value_columns(xp: Any, v: Array) -> tuple[Array, Array]:
+    """Values with a column of ones appended (the denominator) and their per-key poison.
+
+    Returns ``(columns, poison)``: ``columns`` (..., L, Dv + 1) has non-finite entries
+    replaced by 0; ``poison`` (..., L) is that of :func:`finite_rows`.
+    """
+    finite, poison = finite_rows(xp, v)
+    ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=array_api_compat.device(v))
+    return xp.concat([finite, ones], axis=-1), poison
+
+
+def combine_partials(xp: Any, partials: list[Partial]) -> Partial:
+    """Sum the partials of disjoint key sets, rescaled to their common (largest) shift."""
+    if len(partials) == 1:
+        return partials[0]
+    shift = partials[0][0]
+    for partial in partials[1:]:
+        shift = xp.maximum(shift, partial[0])
+    safe = finite_shift(xp, shift)
+    sums = weight = None
+    for part_shift, part_sums, part_weight in partials:
+        factor = xp.exp(part_shift - safe)  # 0 for a part without keys
+        sums = factor * part_sums if sums is None else sums + factor * part_sums
+        weight = factor * part_weight if weight is None else weight + factor * part_weight
+    return shift, sums, weight
+
+
+def finish_partial(xp: Any, partial: Partial, *, guard: bool) -> tuple[Array, Array | None]:
+    """``numerator / denominator`` of a partial; a row without keys gets zeros.
+
+    With ``guard`` (trigonometric map) the denominator is floored at ``sqrt(eps)`` times
+    the weight (the bound on its absolute value); returns the output and the rows that
+    were clamped (None without ``guard``).
+    """
+    _, sums, weight = partial
+    numerator, denominator = sums[..., :-1], sums[..., -1:]
+    if not guard:
+        safe = xp.where(denominator > 0, denominator, xp.ones_like(denominator))
+        return numerator / safe, None
+    floor = math.sqrt(xp.finfo(denominator.dtype).eps) * weight
+    has_keys = weight > 0
+    invalid = has_keys & (denominator <= floor)
+    safe = xp.where(denominator > floor, denominator,
+                    xp.where(has_keys, floor, xp.ones_like(floor)))
+    return numerator / safe, invalid
+
+
+def _pad_rows(xp: Any, x: Array, before: int, after: int, fill: float) -> Array:
+    """``x`` with ``before`` and ``after`` rows of ``fill`` around its axis -2."""
+    if before == 0 and after == 0:
+        return x
+    device = array_api_compat.device(x)
+    pieces = []
+    if before:
+        pieces.append(xp.full((*x.shape[:-2], before, x.shape[-1]), fill, dtype=x.dtype,
+                              device=device))
+    pieces.append(x)
+    if after:
+        pieces.append(xp.full((*x.shape[:-2], after, x.shape[-1]), fill, dtype=x.dtype,
+                              device=device))
+    return xp.concat(pieces, axis=-2)
+
+
+def _lower_triangle(xp: Any, size: int, device: Any, *, strict: bool) -> Array:
+    """Boolean (size, size): True where column <= row (< row if ``strict``)."""
+    rows = xp.arange(size, device=device)[:, None]
+    columns = xp.arange(size, device=device)[None, :]
+    return rows > columns if strict else rows >= columns
+
+
+def key_validity(xp: Any, key_mask: Array | None, first_key: int, start: int, stop: int,
+                 device: Any) -> Array | None:
+    """Boolean (..., stop - start): keys that take part (``key_mask``, and ``m >= first_key``)."""
+    valid = None
+    if first_key > start:
+        valid = xp.arange(start, stop, device=device) >= first_key
+    if key_mask is not None:
+        chunk = key_mask[..., start:stop]
+        valid = chunk if valid is None else (chunk & valid)
+    return valid
+
+
+class PositiveMap:
+    r"""Positive (and hyperbolic: samples :math:`\pm\omega`) features in the log domain.
+
+    Queries are represented by :math:`p_{ns} = \omega_s \cdot \hat q_n`, keys by their
+    masked logits :math:`a_{ms}`; the state is ``(K (..., S), A' (..., S, E))`` with a raw
+    maximum (``-inf`` while no key was seen).
+    """
+
+    key_fills = (-math.inf,)
+
+    def __init__(self, xp: Any, omega: Array, pair_block: int = PAIR_BLOCK) -> None:
+        self.xp = xp
+        self.omega = omega
+        self.omega_t = xp.matrix_transpose(omega)
+        self.num_samples = omega.shape[0]
+        self.multiple = pair_block
+
+    def queries(self, q_hat: Array) -> Array:
+        return q_hat @ self.omega_t  # p_ns, (..., B, S)
+
+    def query_constant(self, q_hat: Array) -> Array:
+        """log of the factors left out of ``queries``: -|q_n|^2/2 - log S (the 1/S mean)."""
+        xp = self.xp
+        return -0.5 * xp.sum(q_hat * q_hat, axis=-1, keepdims=True) - math.log(self.num_samples)
+
+    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array]:
+        xp = self.xp
+        logits = log_positive_features(xp, k_hat, self.omega) + poison[..., None]  # a_ms
+        if valid is not None:
+            logits = xp.where(valid[..., None], logits, -xp.inf)
+        return (logits,)
+
+    def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,
+                    device: Any) -> tuple[Array, Array]:
+        xp = self.xp
+        return (xp.full((*batch_shape, self.num_samples), -xp.inf, dtype=dtype, device=device),
+                xp.zeros((*batch_shape, self.num_samples, width), dtype=dtype, device=device))
+
+    def key_state(self, keys: tuple[Array], values: Array) -> tuple[Array, Array]:
+        """The state of a set of keys: K_s and A'_s over all of them."""
+        xp = self.xp
+        (logits,) = keys
+        key_max = xp.max(logits, axis=-2)  # raw: -inf for a sample without keys
+        weights = xp.exp(logits - finite_shift(xp, key_max)[..., None, :])
+        return key_max, xp.matrix_transpose(weights) @ values
+
+    def merge_states(self, first: tuple[Array, Array],
+                     second: tuple[Array, Array]) -> tuple[Array, Array]:
+        xp = self.xp
+        key_max = xp.maximum(first[0], second[0])
+        safe = finite_shift(xp, key_max)
+        return key_max, (xp.exp(first[0] - safe)[..., None] * first[1]
+                         + xp.exp(second[0] - safe)[..., None] * second[1])
+
+    def readout(self, queries: Array, state: tuple[Array, Array]) -> Partial:
+        """Every query against all keys of ``state``: Q_n = max_s (p_ns + K_s)."""
+        xp = self.xp
+        key_max, sums = state
+        logits = queries + key_max[..., None, :]  # -inf for samples without keys
+        shift = xp.max(logits, axis=-1, keepdims=True)
+        out = xp.exp(logits - finite_shift(xp, shift)) @ sums
+        return shift, out, out[..., -1:]
+
+    def block(self, queries: Array, keys: tuple[Array], values: Array,
+              state: tuple[Array, Array]) -> tuple[Partial, tuple[Array, Array]]:
+        """One block: key ``i`` of the block is allowed for query ``j`` iff ``i <= j``."""
+        xp = self.xp
+        (logits,) = keys
+        pair_block = self.multiple
+        length, num_samples, width = queries.shape[-2], queries.shape[-1], values.shape[-1]
+        num_sub = length // pair_block
+        device = array_api_compat.device(queries)
+        p = xp.reshape(queries, (*queries.shape[:-2], num_sub, pair_block, num_samples))
+        a = xp.reshape(logits, (*logits.shape[:-2], num_sub, pair_block, num_samples))
+        values = xp.reshape(values, (*values.shape[:-2], num_sub, pair_block, width))
+        state_max, state_sums = state  # K (..., S), A' (..., S, E)
+
+        # statistics of each sub-block i: K^i_s, A^i_s (..., J, S) and (..., J, S, E)
+        sub_max = xp.max(a, axis=-2)
+        sub_weights = xp.exp(a - finite_shift(xp, sub_max)[..., None, :])
+        sub_sums = xp.matrix_transpose(sub_weights) @ values
+        # a NaN key or value poisons K^i (hence every later state and row) but must not
+        # reach earlier sub-blocks through a zero weight in the product below
+        sub_sums = xp.where(xp.isnan(sub_max)[..., None], xp.zeros_like(sub_sums), sub_sums)
+
+        # exclusive prefix state of sub-block j: the carried state and sub-blocks i < j
+        earlier = _lower_triangle(xp, num_sub, device, strict=True)[..., None]  # [j, i, 1]
+        earlier_max = xp.where(earlier, sub_max[..., None, :, :], -xp.inf)  # (..., J, J, S)
+        prefix_max = xp.maximum(state_max[..., None, :], xp.max(earlier_max, axis=-2))
+        prefix_safe = finite_shift(xp, prefix_max)
+        earlier_weights = xp.exp(earlier_max - prefix_safe[..., :, None, :])  # 0 for i >= j
+        prefix_sums = xp.moveaxis(
+            xp.moveaxis(earlier_weights, -1, -3) @ xp.moveaxis(sub_sums, -2, -3), -3, -2)
+        prefix_sums = prefix_sums + (xp.exp(state_max[..., None, :] - prefix_safe)[..., None]
+                                     * state_sums[..., None, :, :])  # (..., J, S, E)
+
+        # one shift per query: its largest term, from the prefix state or from an exact pair
+        state_logits = p + prefix_max[..., :, None, :]  # (..., J, b, S); -inf without keys
+        pair_logits = p[..., :, :, None, :] + a[..., :, None, :, :]  # (..., J, b, b, S)
+        pair_logits = xp.where(_lower_triangle(xp, pair_block, device, strict=False)[..., None],
+                               pair_logits, -xp.inf)
+        shift = xp.maximum(xp.max(state_logits, axis=-1, keepdims=True),
+                           xp.max(pair_logits, axis=(-2, -1))[..., None])  # (..., J, b, 1)
+        safe = finite_shift(xp, shift)
+        kernel = xp.sum(xp.exp(pair_logits - safe[..., None]), axis=-1)  # (..., J, b, b)
+        sums = xp.exp(state_logits - safe) @ prefix_sums + kernel @ values
+        sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
+        shift = xp.reshape(shift, (*shift.shape[:-3], length, 1))
+
+        # fold the block into the carried state
+        new_max = xp.maximum(state_max, xp.max(sub_max, axis=-2))
+        new_safe = finite_shift(xp, new_max)
+        new_sums = (xp.exp(state_max - new_safe)[..., None] * state_sums
+                    + xp.sum(xp.exp(sub_max - new_safe[..., None, :])[..., None] * sub_sums,
+                             axis=-3))
+        return (shift, sums, sums[..., -1:]), (new_max, new_sums)
+
+
+class TrigonometricMap:
+    r"""Trigonometric features :math:`[\sin \omega_s \cdot x, \cos \omega_s \cdot x]`.
+
+    The norm factors are kept apart: the query's :math:`e^{\lVert \hat q_n \rVert^2/2}`
+    is a per-query constant, the keys' :math:`w_m = e^{\lVert \hat k_m \rVert^2/2}` are
+    shifted by their running maximum. The state is ``(max (..., 1, 1), A' (..., 2S, E),
+    W (..., 1, 1))`` with :math:`A' = \sum_m w_m \phi(\hat k_m) [v_m, 1]` and
+    :math:`W = \sum_m w_m`, which bounds the absolute denominator.
+    """
+
+    key_fills = (0.0, -math.inf)
+    multiple = 1
+
+    def __init__(self, xp: Any, omega: Array) -> None:
+        self.xp = xp
+        self.omega_t = xp.matrix_transpose(omega)
+        self.num_samples = omega.shape[0]
+
+    def _features(self, x: Array) -> Array:
+        projections = x @ self.omega_t
+        return self.xp.concat([self.xp.sin(projections), self.xp.cos(projections)], axis=-1)
+
+    def queries(self, q_hat: Array) -> Array:
+        return self._features(q_hat) / self.num_samples  # the 1/S of the mean
+
+    def query_constant(self, q_hat: Array) -> Array:
+        return 0.5 * self.xp.sum(q_hat * q_hat, axis=-1, keepdims=True)
+
+    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array, Array]:
+        xp = self.xp
+        features = self._features(k_hat)
+        features = xp.where(xp.isfinite(features), features, xp.zeros_like(features))
+        half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True) + poison[..., None]
+        if valid is not None:
+            half_sq_norm = xp.where(valid[..., None], half_sq_norm, -xp.inf)
+        return features, half_sq_norm
+
+    def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,
+                    device: Any) -> tuple[Array, Array, Array]:
+        xp = self.xp
+        return (xp.full((*batch_shape, 1, 1), -xp.inf, dtype=dtype, device=device),
+                xp.zeros((*batch_shape, 2 * self.num_samples, width), dtype=dtype,
+                         device=device),
+                xp.zeros((*batch_shape, 1, 1), dtype=dtype, device=device))
+
+    def key_state(self, keys: tuple[Array, Array], values: Array) -> tuple[Array, Array, Array]:
+        xp = self.xp
+        features, half_sq_norm = keys
+        norm_max = xp.max(half_sq_norm, axis=-2, keepdims=True)  # (..., 1, 1), raw
+        weights = xp.exp(half_sq_norm - finite_shift(xp, norm_max))  # w_m, (..., L, 1)
+        return (norm_max, xp.matrix_transpose(features) @ (weights * values),
+                xp.sum(weights, axis=-2, keepdims=True))
+
+    def merge_states(self, first: tuple[Array, Array, Array],
+                     second: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        xp = self.xp
+        norm_max = xp.maximum(first[0], second[0])
+        safe = finite_shift(xp, norm_max)
+        first_factor, second_factor = xp.exp(first[0] - safe), xp.exp(second[0] - safe)
+        return (norm_max, first_factor * first[1] + second_factor * second[1],
+                first_factor * first[2] + second_factor * second[2])
+
+    def readout(self, queries: Array, state: tuple[Array, Array, Array]) -> Partial:
+        xp = self.xp
+        norm_max, sums, weight = state
+        out = queries @ sums
+        rows = (*out.shape[:-1], 1)
+        return xp.broadcast_to(norm_max, rows), out, xp.broadcast_to(weight, rows)
+
+    def block(self, queries: Array, keys: tuple[Array, Array], values: Array,
+              state: tuple[Array, Array, Array]) -> tuple[Partial, tuple[Array, Array, Array]]:
+        xp = self.xp
+        features, half_sq_norm = keys
+        norm_max, state_sums, state_weight = state
+        device = array_api_compat.device(queries)
+        allowed = _lower_triangle(xp, queries.shape[-2], device, strict=False)
+        pair_norms = xp.where(allowed, xp.matrix_transpose(half_sq_norm), -xp.inf)  # (.., B, B)
+        row_max = xp.maximum(norm_max, xp.max(pair_norms, axis=-1, keepdims=True))
+        row_safe = finite_shift(xp, row_max)
+        pair_weights = xp.exp(pair_norms - row_safe)  # w_m for allowed keys, else 0
+        state_factor = xp.exp(norm_max - row_safe)  # 0 while no key was seen
+        kernel = (queries @ xp.matrix_transpose(features)) * pair_weights
+        sums = state_factor * (queries @ state_sums) + kernel @ values
+        weight = state_factor * state_weight + xp.sum(pair_weights, axis=-1, keepdims=True)
+        new_state = self.merge_states(state, self.key_state(keys, values))
+        return (row_max, sums, weight), new_state
+
+
+def _key_inputs(xp: Any, mapping: Any, k: Array, v: Array, root_scale: float,
+                key_mask: Array | None, first_key: int, start: int,
+                stop: int) -> tuple[tuple[Array, ...], Array]:
+    """The mapped keys ``start:stop`` and their value columns."""
+    device = array_api_compat.device(k)
+    values, value_poison = value_columns(xp, v[..., start:stop, :])
+    keys, key_poison = finite_rows(xp, k[..., start:stop, :])
+    valid = key_validity(xp, key_mask, first_key, start, stop, device)
+    return mapping.keys(root_scale * keys, valid, key_poison + value_poison), values
+
+
+def state_over_keys(xp: Any, mapping: Any, k: Array, v: Array, *, root_scale: float,
+                    key_mask: Array | None, first_key: int, start: int, stop: int,
+                    chunk_size: int, batch_shape: tuple[int, ...]) -> Any:
+    """The state of the keys ``start:stop`` (all of them for every query), streamed."""
+    state = mapping.empty_state(batch_shape, v.shape[-1] + 1, k.dtype,
+                                array_api_compat.device(k))
+    if start >= stop:
+        return state
+    for chunk_start, chunk_stop in stream_bounds(k[..., start:stop, :], -2, chunk_size):
+        keys, values = _key_inputs(xp, mapping, k, v, root_scale, key_mask, first_key,
+                                   start + chunk_start, start + chunk_stop)
+        state = mapping.merge_states(state, mapping.key_state(keys, values))
+    return state
+
+
+def scan_partials(xp: Any, mapping: Any, q: Array, k: Array, v: Array, *, root_scale: float,
+                  key_mask: Array | None, first_key: int, offset: int, reverse: bool,
+                  block_size: int, chunk_size: int,
+                  batch_shape: tuple[int, ...]) -> Iterator[Partial]:
+    """Partials of the queries, block by block in forward order, over their prefix keys.
+
+    Query ``n`` takes the keys ``m <= n - offset`` (``reverse=False``) or ``m >= n +
+    offset`` (``reverse=True``) that are valid (``key_mask``, ``m >= first_key``). With
+    ``reverse`` the blocks are computed from the last one (a generator would have to hold
+    the whole pass anyway), otherwise they are yielded as they are computed.
+    """
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    num_queries, num_keys = q.shape[-2], k.shape[-2]
+    device = array_api_compat.device(q)
+    width = v.shape[-1] + 1
+    blocks = [(start, min(start + block_size, num_queries))
+              for start in range(0, num_queries, block_size)]
+    state = mapping.empty_state(batch_shape, width, q.dtype, device)
+    if reverse and num_queries + offset < num_keys:
+        # keys after the last query's reach are in every query's suffix
+        state = state_over_keys(xp, mapping, k, v, root_scale=root_scale, key_mask=key_mask,
+                                first_key=first_key, start=num_queries + offset,
+                                stop=num_keys, chunk_size=chunk_size,
+                                batch_shape=batch_shape)
+
+    def run() -> Iterator[Partial]:
+        nonlocal state
+        for start, stop in (reversed(blocks) if reverse else blocks):
+            length = stop - start
+            queries = mapping.queries(root_scale * q[..., start:stop, :])
+            # the block's keys, aligned so that key i is allowed for query j iff i <= j
+            key_start, key_stop = ((start + offset, stop + offset) if reverse
+                                   else (start - offset, stop - offset))
+            low, high = max(key_start, 0), min(key_stop, num_keys)
+            if low >= high:  # no key reaches this block: the carried state only
+                yield mapping.readout(queries, state)
+                continue
+            keys, values = _key_inputs(xp, mapping, k, v, root_scale, key_mask, first_key,
+                                       low, high)
+            keys = tuple(_pad_rows(xp, x, low - key_start, key_stop - high, fill)
+                         for x, fill in zip(keys, mapping.key_fills, strict=True))
+            values = _pad_rows(xp, values, low - key_start, key_stop - high, 0.0)
+            if reverse:
+                queries, values = xp.flip(queries, axis=-2), xp.flip(values, axis=-2)
+                keys = tuple(xp.flip(x, axis=-2) for x in keys)
+            padding = -length % mapping.multiple
+            if padding:
+                queries = _pad_rows(xp, queries, 0, padding, 0.0)
+                values = _pad_rows(xp, values, 0, padding, 0.0)
+                keys = tuple(_pad_rows(xp, x, 0, padding, fill)
+                             for x, fill in zip(keys, mapping.key_fills, strict=True))
+            # Dask: the block (padding included) in one chunk, so that splitting it into
+            # sub-blocks needs no rechunking and its output keeps the block's chunks
+            queries, values = one_chunk_along(queries, -2), one_chunk_along(values, -2)
+            keys = tuple(one_chunk_along(x, -2) for x in keys)
+            partial, state = mapping.block(queries, keys, values, state)
+            if padding:
+                partial = tuple(x[..., :length, :] for x in partial)
+            if reverse:
+                partial = tuple(xp.flip(x, axis=-2) for x in partial)
+            yield partial
+
+    if reverse:
+        return iter(list(run())[::-1])
+    return run()
