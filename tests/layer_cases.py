@@ -19,7 +19,8 @@ BAD_OPTION_VALUES = {
     "softmax": {"scale": [-1.0, "2", math.nan], "chunk_size": [0, 2.5]},
     "rfa": {"num_features": [0, 2.5, True], "feature_map": ["relu"],
             "orthogonal": ["yes", 1], "sample_norm": ["unit"], "scale": [0.0],
-            "block_size": [0, 2.5]},
+            "block_size": [0, 2.5], "chunk_size": [0, 2.5], "window": [-1, 1.5, "a"],
+            "sinks": [-1, 2.5, "a"]},
     "ra": {"num_samples": [0, 2.5, 512.0], "noise_scale": [-1.0, "x", math.nan],
            "scale": ["x"], "chunk_size": [0, 1.5]},
     "lara": {"num_samples": [0, 2.5, 2.0, -1, (2, 2)], "grid": [(0, 4), "8x8", (2.5, 4)],
@@ -65,6 +66,7 @@ BAD_GRID_OPTIONS = [
 PASS_THROUGH_CASES = [
     ("softmax", {"scale": 0.3}),
     ("rfa", {"num_features": 16, "feature_map": "hyperbolic"}),
+    ("rfa", {"num_features": 16, "window": 2, "sinks": 1, "chunk_size": 5}),
     ("ra", {"num_samples": 2, "noise_scale": 0.5}),
     ("ra", {"num_samples": 2, "noise_scale": 0.0}),
     ("lara", {"num_samples": 4, "noise_scale": 0.25}),

@@ -324,18 +324,35 @@ def test_class_signature_is_the_constructors():
 
 @pytest.mark.parametrize("estimator,options", PASS_THROUGH_CASES)
 def test_layer_is_the_estimator_on_its_projections(estimator, options):
-    """In both modes the layer computes multi-head attention with the estimator and its
-    options unchanged (noise_scale, grid, ...), drawing from the call's key."""
+    """In both modes, with and without causal masking, the layer computes multi-head
+    attention with the estimator and its options unchanged (noise_scale, grid, window,
+    sinks, ...), drawing from the call's key."""
     layer = xflax.MultiHeadAttention(NUM_HEADS, IN_FEATURES, estimator=estimator,
                                      redraw_interval=None, rngs=nnx.Rngs(0), **options)
     x = inputs((2, 12, IN_FEATURES))
+    q, k, v = (jnp.swapaxes(projection(x), -3, -2)
+               for projection in (layer.query, layer.key, layer.value))
     for deterministic in (False, True):
-        key = jax.random.key(7)
-        omega = layer.features[...] if estimator == "rfa" else None
-        function, keywords = estimator_call(estimator, options, training=not deterministic,
-                                            omega=omega, rng=key)
-        q, k, v = (jnp.swapaxes(projection(x), -3, -2)
-                   for projection in (layer.query, layer.key, layer.value))
-        expected = layer.out(jnp.swapaxes(function(q, k, v, **keywords), -3, -2))
-        np.testing.assert_allclose(layer(x, deterministic=deterministic, rngs=key), expected,
-                                   rtol=1e-6, atol=1e-6)
+        for causal in (False,) if estimator == "lara" else (False, True):
+            key = jax.random.key(7)
+            omega = layer.features[...] if estimator == "rfa" else None
+            function, keywords = estimator_call(estimator, options, training=not deterministic,
+                                                omega=omega, rng=key)
+            keywords = {**keywords, "causal": True} if causal else keywords
+            expected = layer.out(jnp.swapaxes(function(q, k, v, **keywords), -3, -2))
+            out = layer(x, deterministic=deterministic, rngs=key, is_causal=causal)
+            np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("sinks", [12, 13, 1000])
+def test_rfa_with_every_key_a_sink_is_exact_attention(sinks):
+    """sinks >= the key length (capped there): every key is computed exactly, so the rfa
+    layer equals the softmax layer with the same weights, in both modes and causal."""
+    exact = make_layer("softmax")
+    layer = make_layer("rfa", sinks=sinks)
+    nnx.update(layer, nnx.state(exact, nnx.Param))
+    x = inputs((2, 12, IN_FEATURES))
+    for deterministic in (False, True):
+        for causal in (False, True):
+            np.testing.assert_allclose(layer(x, deterministic=deterministic, is_causal=causal),
+                                       exact(x, is_causal=causal), rtol=1e-5, atol=1e-5)

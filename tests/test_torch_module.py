@@ -457,18 +457,40 @@ def _manual_forward(layer, x, function, keywords):
 
 @pytest.mark.parametrize("estimator,options", PASS_THROUGH_CASES)
 def test_layer_is_the_estimator_on_its_projections(estimator, options):
-    """In both modes the layer computes multi-head attention with the estimator and its
-    options unchanged (noise_scale, grid, ...), drawing from its generator."""
+    """In both modes, with and without causal masking, the layer computes multi-head
+    attention with the estimator and its options unchanged (noise_scale, grid, window,
+    sinks, ...), drawing from its generator."""
     layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator=estimator,
                                       batch_first=True,
                                       generator=torch.Generator().manual_seed(5), **options)
     x = inputs((2, 12, EMBED_DIM))
+    causal_modes = (False,) if estimator == "lara" else (False, True)
+    with torch.no_grad():
+        for training in (True, False):
+            for causal in causal_modes:
+                layer.train(training)
+                rng = torch.Generator()
+                rng.set_state(layer.generator.get_state())
+                function, keywords = estimator_call(estimator, options, training=training,
+                                                    omega=layer.features, rng=rng)
+                keywords = {**keywords, "causal": True} if causal else keywords
+                expected = _manual_forward(layer, x, function, keywords)
+                torch.testing.assert_close(layer(x, x, x, is_causal=causal)[0], expected,
+                                           rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("sinks", [12, 13, 1000])
+def test_rfa_with_every_key_a_sink_is_exact_attention(sinks):
+    """sinks >= the key length (capped there): every key is computed exactly, so the rfa
+    layer equals the softmax layer with the same weights, in both modes and causal."""
+    exact = make_layer("softmax", batch_first=True)
+    layer = make_layer("rfa", batch_first=True, sinks=sinks)
+    layer.load_state_dict(exact.state_dict())
+    x = inputs((2, 12, EMBED_DIM))
     with torch.no_grad():
         for training in (True, False):
             layer.train(training)
-            rng = torch.Generator()
-            rng.set_state(layer.generator.get_state())
-            function, keywords = estimator_call(estimator, options, training=training,
-                                                omega=layer.features, rng=rng)
-            expected = _manual_forward(layer, x, function, keywords)
-            torch.testing.assert_close(layer(x, x, x)[0], expected, rtol=1e-6, atol=1e-6)
+            for causal in (False, True):
+                torch.testing.assert_close(layer(x, x, x, is_causal=causal)[0],
+                                           exact(x, x, x, is_causal=causal)[0],
+                                           rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ The text the two layers' docstrings share lives here too.
 from __future__ import annotations
 
 import math
+import numbers
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,7 @@ ESTIMATORS = ("softmax", "rfa", "ra", "lara")
 ESTIMATOR_OPTIONS = {
     "softmax": ("scale", "chunk_size"),
     "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
-            "block_size"),
+            "block_size", "chunk_size", "window", "sinks"),
     "ra": ("num_samples", "noise_scale", "scale", "chunk_size"),
     "lara": ("num_samples", "grid", "proposal", "weighting", "beta", "noise_scale", "scale"),
 }
@@ -136,6 +137,9 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
     if estimator == "rfa":
         call_options = {name: value for name, value in options.items()
                         if name not in FEATURE_OPTIONS}
+        sinks = call_options.get("sinks")
+        if isinstance(sinks, numbers.Integral) and not isinstance(sinks, bool):
+            call_options["sinks"] = min(int(sinks), k.shape[-2])  # at most every key a sink
         return xattn.rfa(q, k, v, omega=omega, key_mask=key_mask, causal=causal,
                          **call_options)
     if estimator == "ra":
@@ -277,16 +281,23 @@ nothing from the layer's random source).
 
 _ESTIMATOR_OPTIONS_DOC = """\
 **estimator_options
-    Passed to the estimator: ``"rfa"``: ``num_features`` (default
-    ``max(d, int(d ln d))``, d = head_dim), ``feature_map``, ``orthogonal``,
-    ``sample_norm``, ``scale``, ``block_size``; ``"lara"``: ``num_samples`` (C, default
-    16, capped at the query length; with ``grid``, a pair ``(c_h, c_w)``, default
-    ``(4, 4)`` capped at the grid), ``grid`` (``(H, W)``: the tokens are an H x W image
-    in row-major order, segmented into the bins of 2-D adaptive average pooling, so every
-    sequence must have H W tokens), ``proposal``, ``weighting``, ``beta``,
-    ``noise_scale``, ``scale``; ``"ra"``: ``num_samples``, ``noise_scale``, ``scale``,
-    ``chunk_size``; ``"softmax"``: ``scale``, ``chunk_size``. ``noise_scale`` (default 1,
-    the paper's estimator) acts in training mode only: evaluation mode draws no noise."""
+    Passed to the estimator (see its page for each option):
+
+    * ``"rfa"``: ``num_features`` (default ``max(d, int(d ln d))``, d = head_dim),
+      ``feature_map``, ``orthogonal``, ``sample_norm``, ``scale``, ``block_size``,
+      ``chunk_size``, ``window`` and ``sinks`` (exact attention on the keys with
+      ``|n - m| <= window``, ``0 <= n - m <= window`` with causal masking, and on the
+      first ``sinks`` keys, capped at the key length; random features for the others);
+    * ``"lara"``: ``num_samples`` (C, default 16, capped at the query length; with
+      ``grid``, a pair ``(c_h, c_w)``, default ``(4, 4)`` capped at the grid), ``grid``
+      (``(H, W)``: the tokens are an H x W image in row-major order, segmented into the
+      bins of 2-D adaptive average pooling, so every sequence must have H W tokens),
+      ``proposal``, ``weighting``, ``beta``, ``noise_scale``, ``scale``;
+    * ``"ra"``: ``num_samples``, ``noise_scale``, ``scale``, ``chunk_size``;
+    * ``"softmax"``: ``scale``, ``chunk_size``.
+
+    ``noise_scale`` (default 1, the paper's estimator) acts in training mode only:
+    evaluation mode draws no noise."""
 
 
 def module_docstring(intro: str, *, features_home: str) -> str:

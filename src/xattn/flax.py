@@ -113,9 +113,11 @@ class MultiHeadAttention(LayerCore, nnx.Module):
     ------
     ValueError
         ``qkv_features`` not divisible by ``num_heads``, unknown ``estimator``,
-        non-positive ``redraw_interval``, or a bad option value.
+        sizes or ``redraw_interval`` below 1, or a bad option value (checked here, before
+        any call).
     TypeError
-        An option the estimator does not take.
+        An option the estimator does not take, or an argument or option of the wrong
+        type (a float ``num_samples``, a non-bool ``deterministic``, ...).
 
     Examples
     --------

@@ -127,9 +127,11 @@ class MultiheadAttention(LayerCore, nn.Module):
     ------
     ValueError
         ``embed_dim`` not divisible by ``num_heads``, unknown ``estimator``, ``dropout``
-        not 0, non-positive sizes or ``redraw_interval``, or a bad option value.
+        not 0, sizes or ``redraw_interval`` below 1, or a bad option value (checked
+        here, before any forward call).
     TypeError
-        An option the estimator does not take.
+        An option the estimator does not take, or an argument or option of the wrong
+        type (a float ``num_samples``, a non-bool ``batch_first``, ...).
 
     Examples
     --------
