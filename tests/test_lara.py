@@ -246,6 +246,26 @@ def test_noise_scale_to_zero_approaches_deterministic(backend, rng):
     assert distance[1e-2] < 0.1, distance
 
 
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_result_does_not_depend_on_chunk_size(backend, rng, weighting):
+    # the query side runs chunk_size queries at a time, with the softmax over queries of
+    # r_nc combined across pieces; a piece whose queries are all masked (5..9 with pieces
+    # of 5) and pieces whose scores differ by ~40 (so their maxima differ) change nothing
+    xp = backend.ns
+    q, k, v = make_qkv(rng, num_queries=12, num_keys=10)
+    q[:, 10:] *= 6.0  # the last piece's affinities dominate the others by far
+    query_mask = np.ones((2, 12), dtype=bool)
+    query_mask[0, 5:10] = False
+    query_mask[1, [0, 3, 11]] = False
+    expected = reference_lara(q, k, v, num_samples=3, weighting=weighting, beta=1.5,
+                              query_mask=query_mask, seed=9)
+    arrays = tuple(map(backend.asarray, (q, k, v)))
+    for chunk_size in (1, 5, 100):
+        out = run_lara(backend, *arrays, num_samples=3, weighting=weighting, beta=1.5,
+                       query_mask=backend.asarray(query_mask), rng=9, chunk_size=chunk_size)
+        backend.check(out, expected, dtype=xp.float64)
+
+
 # ---------------------------------------------------------------------------------------
 # test 1: standard proposal + balance heuristic is RFA with the same samples
 
@@ -455,6 +475,8 @@ def test_bad_input(rng):
         xattn.lara(q, k, v, num_samples=2, noise_scale=-1.0)
     with pytest.raises(TypeError, match="noise_scale must be a real number"):
         xattn.lara(q, k, v, num_samples=2, noise_scale=None)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        xattn.lara(q, k, v, num_samples=2, chunk_size=0)
 
 
 # ---------------------------------------------------------------------------------------

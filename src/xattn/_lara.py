@@ -26,14 +26,17 @@ import math
 import numbers
 from typing import Any
 
+import array_api_compat
+
 from xattn._array import (
     Array,
     array_namespace,
     check_bool,
     check_choice,
+    check_positive_int,
     prepare_attention,
 )
-from xattn._primitives import masked_softmax
+from xattn._primitives import finite_shift, masked_softmax
 from xattn._ra import check_noise_scale
 from xattn._segments import check_segments, segment_means
 from xattn.features import positive_key_statistics, weighted_readout
@@ -172,6 +175,78 @@ def _check_beta(beta: Any) -> float:
     return float(beta)
 
 
+def _query_affinities(xp: Any, q_hat: Array, query_landmarks: Array,
+                      query_mask: Array | None,
+                      pieces: list[tuple[int, int]]) -> list[tuple[Array, Array]]:
+    r"""The softmax over queries of :math:`s_{nc} = \hat q_n \cdot \tilde q_c`, by pieces.
+
+    One pass over the query pieces: piece p keeps :math:`e_{nc} = e^{s_{nc} - m^{(p)}_c}`
+    with its own maximum :math:`m^{(p)}_c` over its allowed queries. Once every piece is
+    seen, :math:`r_{nc} = e_{nc}\, \rho^{(p)}_c` with :math:`\rho^{(p)}_c = e^{m^{(p)}_c -
+    m_c} / Z_c`, :math:`m_c = \max_p m^{(p)}_c` and :math:`Z_c = \sum_p e^{m^{(p)}_c - m_c}
+    \sum_{n \in p} e_{nc}` (an online softmax along n: no exponential is taken twice).
+    Returns ``(e, rho)`` per piece, (..., B, C) and (..., 1, C); masked queries and pieces
+    without an allowed query get 0.
+    """
+    landmarks_t = xp.matrix_transpose(query_landmarks)
+    exponentials, maxima, totals = [], [], []
+    for start, stop in pieces:
+        scores = q_hat[..., start:stop, :] @ landmarks_t  # (..., B, C)
+        if query_mask is not None:
+            scores = xp.where(query_mask[..., start:stop, None], scores, -xp.inf)
+        piece_max = xp.max(scores, axis=-2, keepdims=True)  # -inf: no allowed query
+        exponential = xp.exp(scores - finite_shift(xp, piece_max))
+        exponentials.append(exponential)
+        maxima.append(piece_max)
+        totals.append(xp.sum(exponential, axis=-2, keepdims=True))
+    overall_max = maxima[0]
+    for piece_max in maxima[1:]:
+        overall_max = xp.maximum(overall_max, piece_max)
+    overall_max = finite_shift(xp, overall_max)
+    rescales = [xp.exp(piece_max - overall_max) for piece_max in maxima]  # exp(-inf) = 0
+    total = sum(rescale * piece_total for rescale, piece_total in zip(rescales, totals,
+                                                                      strict=True))
+    inverse_total = 1.0 / xp.where(total > 0, total, 1.0)
+    return [(exponential, rescale * inverse_total)
+            for exponential, rescale in zip(exponentials, rescales, strict=True)]
+
+
+def _importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array] | None,
+                        weighting: str, beta: float) -> Array:
+    r""":math:`\alpha_{nc}` of a piece of queries, clipped below at the weight floor.
+
+    ``affinity`` is a piece of :func:`_query_affinities` (None for the balance heuristic,
+    whose weights do not depend on the query: then (..., 1, C)). For the decoupled
+    weighting (eq. 38) :math:`\beta r_{nc}` is :math:`e_{nc} (\beta \rho_c)` and the mean
+    over proposals is one matrix-vector product, :math:`\frac1C \sum_c e_{nc} \beta
+    \rho_c`.
+    """
+    floor = xp.asarray(WEIGHT_FLOOR, dtype=own_weight.dtype,
+                       device=array_api_compat.device(own_weight))  # 0-d: no N x C array
+    weights = own_weight[..., None, :]  # w_c, (..., 1, C)
+    if affinity is None:  # "balance": alpha_nc = w_c for every query
+        return xp.maximum(weights, floor)
+    exponential, rho = affinity
+    if weighting == "decoupled":  # w_c + beta (r_nc - mean_c' r_nc')
+        scaled = beta * rho  # (..., 1, C)
+        mean = exponential @ xp.matrix_transpose(scaled / scaled.shape[-1])  # (..., B, 1)
+        return xp.maximum(exponential * scaled + (weights - mean), floor)
+    return xp.maximum(lara_weights(own_weight, exponential * rho, weighting=weighting,
+                                   beta=beta), floor)
+
+
+def stream_bounds(x: Array, chunk_size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the pieces of the rows (axis -2) of x processed one at a time.
+
+    Pieces of ``chunk_size`` rows for eagerly computed arrays; a Dask array is one piece
+    (Dask computes it chunk by chunk, and the result keeps the chunks of the queries).
+    """
+    length = x.shape[-2]
+    if array_api_compat.is_dask_array(x) or length <= chunk_size:
+        return [(0, length)]
+    return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
+
+
 def lara(
     q: Array,
     k: Array,
@@ -188,6 +263,7 @@ def lara(
     key_mask: Array | None = None,
     query_mask: Array | None = None,
     rng: Any = None,
+    chunk_size: int = 1024,
     check_finite: bool = False,
 ) -> Array:
     r"""Linear randomized attention (LARA), O((N + M) C) in time and memory.
@@ -354,6 +430,7 @@ def lara(
     beta = _check_beta(beta)
     deterministic = check_bool(deterministic, "deterministic")
     noise_scale = check_noise_scale(noise_scale)
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
     if inputs.is_empty:  # N = 0 or an empty batch: an empty result, whatever C
         return inputs.empty_result()
 
@@ -385,19 +462,6 @@ def lara(
     # query-specific correction with r_nc = softmax over queries of q^_n . q~_c (G.3.2).
     balance = balance_heuristic(omega, proposal_means)  # (..., C samples, C proposals)
     own_weight = xp.linalg.diagonal(balance)  # w_c: proposal c at its own sample omega_c
-    floor = xp.asarray(WEIGHT_FLOOR, dtype=dtype, device=device)  # 0-d: no N x C array
-    if weighting == "balance":  # alpha_nc = w_c for every query: keep it (..., 1, C)
-        weights = xp.maximum(own_weight, floor)[..., None, :]
-    else:
-        allowed_queries = None if query_mask is None else query_mask[..., :, None]
-        # r_nc, (..., N, C); the decoupled correction is linear in r, so beta * r_nc is
-        # formed in the softmax's normalization and lara_weights gets beta = 1
-        affinity_scale = beta if weighting == "decoupled" else 1.0
-        query_affinity = masked_softmax(xp, q_hat @ xp.matrix_transpose(query_landmarks),
-                                         allowed_queries, axis=-2, scale=affinity_scale)
-        weights = lara_weights(own_weight, query_affinity, weighting=weighting,
-                               beta=1.0 if weighting == "decoupled" else beta)
-        weights = xp.maximum(weights, floor)
 
     # Stabilized estimator (eq. 28): key side exactly as RFA ...
     key_max, numerator, denominator = positive_key_statistics(xp, k_hat, v, omega, key_mask)
@@ -405,8 +469,20 @@ def lara(
     # last two terms are log N(omega_c; 0, I) - log q_c(omega_c).
     offset = omega - proposal_means
     log_density_ratio = 0.5 * (xp.sum(offset * offset, axis=-1) - xp.sum(omega * omega, axis=-1))
-    logits = q_hat @ xp.matrix_transpose(omega) + (key_max + log_density_ratio)[..., None, :]
-    out = weighted_readout(xp, logits, numerator, denominator, coefficients=weights)
-    if query_mask is not None:
-        out = xp.where(query_mask[..., :, None], out, xp.zeros_like(out))
+    logit_offset = (key_max + log_density_ratio)[..., None, :]  # (..., 1, C)
+
+    pieces = stream_bounds(q_hat, chunk_size)
+    affinities = [None] * len(pieces)
+    if weighting != "balance":  # r_nc = softmax over all queries of q^_n . q~_c: first pass
+        affinities = _query_affinities(xp, q_hat, query_landmarks, query_mask, pieces)
+    omega_t = xp.matrix_transpose(omega)
+    outputs = []
+    for (start, stop), affinity in zip(pieces, affinities, strict=True):  # the queries
+        weights = _importance_weights(xp, own_weight, affinity, weighting, beta)  # alpha_nc
+        logits = q_hat[..., start:stop, :] @ omega_t + logit_offset  # e_nc
+        out = weighted_readout(xp, logits, numerator, denominator, coefficients=weights)
+        if query_mask is not None:
+            out = xp.where(query_mask[..., start:stop, None], out, 0.0)
+        outputs.append(out)
+    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
     return inputs.finish(out)
