@@ -1,0 +1,121 @@
+"""Training tasks of ``xattn train``, generated or shipped inside the package (nothing is
+downloaded): ``mqar`` (multi-query associative recall), ``listops`` (the Long Range Arena's
+ListOps) and ``digits`` (scikit-learn's 8x8 handwritten digits, vendored).
+
+Every task gives NumPy arrays: ``tokens`` (n, L, F) int32 with F token fields whose
+embeddings the model sums, ``mask`` (n, L) bool (True = a real token) or None, and
+``targets``: (n,) class labels, or (n, L) per-position labels with -1 where nothing is
+predicted (``per_token``). The data do not depend on the run's seed: every estimator and
+seed trains on the same training set and is tested on the same held-out test set, as on a
+fixed benchmark; the seed changes the initialization, the batch order and the attention's
+random samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+from xattn._tasks import digits, listops, mqar
+
+__all__ = ["TASKS", "Dataset", "Task", "get_task"]
+
+TASKS = ("mqar", "listops", "digits")
+
+#: MQAR's fixed sizes (see :mod:`xattn._tasks.mqar`).
+MQAR_PAIRS, MQAR_KEYS, MQAR_VALUES = 16, 64, 64
+#: Shortest ListOps length accepted (an expression of a few nested operators).
+LISTOPS_MIN_LENGTH = 32
+#: Data seeds of the generated tasks (fixed: the run's seed does not change the data).
+_TRAIN_SEED, _TEST_SEED = 1, 2
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Arrays of one split; see the module docstring."""
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    mask: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def take(self, index: np.ndarray) -> Dataset:
+        return Dataset(self.tokens[index], self.targets[index],
+                       None if self.mask is None else self.mask[index])
+
+
+@dataclass(frozen=True)
+class Task:
+    """A training task: sizes the model needs and how its data are made."""
+
+    name: str
+    length: int
+    vocabulary_sizes: tuple[int, ...]
+    num_classes: int
+    per_token: bool = False
+    grid: tuple[int, int] | None = None
+    description: str = ""
+
+    def datasets(self, train_size: int, test_size: int) -> tuple[Dataset, Dataset]:
+        """The (train, test) splits; the generated tasks give ``train_size`` and
+        ``test_size`` examples, ``digits`` its fixed 1,437 / 360 split."""
+        return _datasets(self.name, self.length, train_size, test_size)
+
+
+def get_task(name: str, length: int | None = None) -> Task:
+    """The task ``name`` at sequence length ``length`` (default: the task's own).
+
+    Raises
+    ------
+    ValueError
+        Unknown task, or a length the task cannot use (too short; ``digits`` has 64).
+    """
+    if name == "mqar":
+        length = 256 if length is None else length
+        needed = 2 * MQAR_PAIRS
+        if length < needed:
+            raise ValueError(f"--length {length} is too short for mqar: it needs at least "
+                             f"{needed} ({MQAR_PAIRS} key-value pairs and {MQAR_PAIRS} "
+                             "queries)")
+        return Task("mqar", length, mqar.vocabulary_sizes(MQAR_KEYS, MQAR_VALUES),
+                    MQAR_VALUES, per_token=True,
+                    description=f"{MQAR_PAIRS} key-value pairs (one position each, keys "
+                    f"from {MQAR_KEYS}, values from {MQAR_VALUES}), {MQAR_PAIRS} queries")
+    if name == "listops":
+        length = 512 if length is None else length
+        if length < LISTOPS_MIN_LENGTH:
+            raise ValueError(f"--length {length} is too short for listops: it needs at "
+                             f"least {LISTOPS_MIN_LENGTH}")
+        return Task("listops", length, (listops.VOCABULARY_SIZE,), 10,
+                    description=f"expressions of {length // 4} to {length} tokens, depth <= "
+                    "10, <= 10 arguments")
+    if name == "digits":
+        size = digits.GRID[0] * digits.GRID[1]
+        if length is not None and length != size:
+            raise ValueError(f"--length {length} does not fit digits: its images are "
+                             f"{digits.GRID[0]}x{digits.GRID[1]} = {size} tokens")
+        return Task("digits", size, (digits.NUM_LEVELS,), 10, grid=digits.GRID,
+                    description="8x8 images, pixel intensities 0-16 as tokens, row-major")
+    raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
+
+
+@cache
+def _datasets(name: str, length: int, train_size: int,
+              test_size: int) -> tuple[Dataset, Dataset]:
+    if name == "mqar":
+        options = {"length": length, "num_pairs": MQAR_PAIRS, "num_keys": MQAR_KEYS,
+                   "num_values": MQAR_VALUES}
+        return (Dataset(*mqar.generate(train_size, _TRAIN_SEED, **options)),
+                Dataset(*mqar.generate(test_size, _TEST_SEED, **options)))
+    if name == "listops":
+        splits = []
+        for size, seed in ((train_size, _TRAIN_SEED), (test_size, _TEST_SEED)):
+            tokens, labels = listops.generate(size, seed, max_length=length)
+            splits.append(Dataset(tokens[..., None], labels, tokens != listops.PAD))
+        return splits[0], splits[1]
+    (train_x, train_y), (test_x, test_y) = digits.split()
+    return Dataset(train_x[..., None], train_y), Dataset(test_x[..., None], test_y)

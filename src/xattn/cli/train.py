@@ -1,0 +1,248 @@
+"""``xattn train``: train the Long Range Arena model with each estimator as its attention,
+through the public layers (:class:`xattn.torch.MultiheadAttention`,
+:class:`xattn.flax.MultiHeadAttention`), on generated or shipped tasks, and report test
+accuracy, training loss, time per step and peak memory.
+
+The run configuration (model, optimizer, schedule, estimator options) is in
+:mod:`xattn.cli.train_core`, the tasks in :mod:`xattn._tasks`, the outputs in
+:mod:`xattn.cli.train_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+import time
+from typing import Any
+
+from xattn._layers import ESTIMATORS
+from xattn._tasks import TASKS, Task, get_task
+from xattn.cli.common import CommandError, output_dir
+from xattn.cli.options import int_at_least, name_list, nonnegative_int, positive_int
+from xattn.cli.train_core import (
+    RunResult,
+    RunSpec,
+    attention_options,
+    progress_bar,
+    train_run,
+)
+from xattn.cli.train_report import write_outputs
+
+__all__ = ["FRAMEWORKS", "SETTINGS", "add_parser", "run"]
+
+FRAMEWORKS = {"torch": "torch", "flax": "flax"}  # framework -> extra to install
+EXIT_INTERRUPTED = 130
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSettings:
+    """Optimization of one task: steps (full run, ``--quick``), batch size, peak learning
+    rate, and how many generated training / test examples there are."""
+
+    steps: int
+    quick_steps: int
+    batch_size: int
+    peak_lr: float
+    train_size: int
+    test_size: int
+    quick_train_size: int
+
+
+SETTINGS = {
+    "mqar": TaskSettings(steps=600, quick_steps=300, batch_size=32, peak_lr=3e-3,
+                         train_size=19_200, test_size=500, quick_train_size=9_600),
+    "listops": TaskSettings(steps=600, quick_steps=200, batch_size=32, peak_lr=1e-3,
+                            train_size=8_000, test_size=1_000, quick_train_size=3_000),
+    "digits": TaskSettings(steps=600, quick_steps=200, batch_size=32, peak_lr=3e-3,
+                           train_size=0, test_size=0, quick_train_size=0),
+}
+DEFAULT_SAMPLES = 16
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``train`` sub-command to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "train", help="train a small Transformer with each estimator; test accuracy",
+        description="Train the Long Range Arena model (2 layers, embedding 64, feed-forward "
+        "128, 2 heads, mean pooling) with each estimator as its attention, through "
+        "xattn.torch.MultiheadAttention or xattn.flax.MultiHeadAttention, with AdamW "
+        "(weight decay 0.01, gradient norm clipped at 1, linear warm-up over 10 % of the "
+        "steps, then cosine decay to 0). Test accuracy is measured on a held-out split "
+        "with every attention in its evaluation mode: RFA with its last features, RA "
+        "biased and deterministic, LARA deterministic (the proposal means as samples). "
+        "Prints a table (test accuracy mean +- std over seeds, final training loss, ms "
+        "per step, peak memory) and writes DIR/train.json (every figure, learning curves, "
+        "configuration, versions) and DIR/train.png (test accuracy against step). "
+        "Ctrl-C stops and writes the runs that finished.")
+    parser.add_argument("--framework", default="torch", metavar="torch|flax",
+                        help="torch or flax (default: torch)")
+    parser.add_argument("--task", type=name_list, default=list(TASKS), metavar="LIST",
+                        help=f"comma-separated tasks among {', '.join(TASKS)} (default: all)")
+    parser.add_argument("--estimators", type=name_list, default=list(ESTIMATORS),
+                        metavar="LIST", help="comma-separated estimators among "
+                        f"{', '.join(ESTIMATORS)} (default: all); on digits, lara runs "
+                        "with 2-D (8x8 image) and 1-D segments")
+    parser.add_argument("--seeds", type=_seed_list, default=None, metavar="LIST",
+                        help="comma-separated seeds (default: 0,1,2; 0 with --quick)")
+    parser.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                        help="training steps of every task (default: mqar 600, listops "
+                        "600, digits 600; with --quick 300, 200, 200)")
+    parser.add_argument("--length", type=positive_int, default=None, metavar="N",
+                        help="sequence length (default: mqar 256, listops 512 at most; "
+                        "digits is always 64)")
+    parser.add_argument("--samples", type=positive_int, default=DEFAULT_SAMPLES,
+                        metavar="S", help="RFA features and LARA proposals, equal for a "
+                        f"fair comparison (default: {DEFAULT_SAMPLES}); RA draws 1 sample")
+    parser.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
+                        help="batch size (default: 32)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one seed and fewer steps and examples (a few minutes)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="device (default: cpu)")
+    parser.add_argument("--threads", type=int_at_least(0), default=1, metavar="N",
+                        help="CPU threads per run (default: 1, which is about as fast for "
+                        "these small models and does not fight other processes; 0: the "
+                        "framework's default)")
+    parser.add_argument("--out", default="xattn-out", metavar="DIR",
+                        help="output directory (default: xattn-out)")
+    progress = parser.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
+                          help="always show the progress bars (default: on a terminal)")
+    progress.add_argument("--no-progress", dest="progress", action="store_false",
+                          help="never show the progress bars")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _seed_list(text: str) -> list[int]:
+    values = [nonnegative_int(item.strip()) for item in text.split(",") if item.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated seeds")
+    return list(dict.fromkeys(values))
+
+
+def _load_framework(framework: str, threads: int) -> Any:
+    """Import the framework's trainer module (naming the extra when it is missing)."""
+    if framework == "flax" and threads and "jax" not in sys.modules:
+        # XLA reads its thread settings when JAX starts
+        os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
+                              f"intra_op_parallelism_threads={threads}")
+    try:
+        module = importlib.import_module(f"xattn.cli.train_{framework}")
+    except ImportError as error:
+        raise CommandError(f"--framework {framework} needs {error.name or framework}, which "
+                           f"is not installed (pip install 'xattn[{FRAMEWORKS[framework]}]')"
+                           ) from None
+    if framework == "torch" and threads:
+        import torch
+        torch.set_num_threads(threads)
+    return module
+
+
+def grid_pools(samples: int, grid: tuple[int, int]) -> tuple[int, int]:
+    """(c_h, c_w) with c_h * c_w = ``samples``, as square as possible, within ``grid``;
+    the nearest smaller count when ``samples`` has no such factorization."""
+    for count in range(min(samples, grid[0] * grid[1]), 0, -1):
+        pairs = [(rows, count // rows) for rows in range(1, grid[0] + 1)
+                 if count % rows == 0 and count // rows <= grid[1]]
+        if pairs:
+            return min(pairs, key=lambda pair: abs(pair[0] - pair[1]))
+    return (1, 1)
+
+
+def attention_variants(task: Task, estimators: list[str], samples: int,
+                       has_grid: bool) -> list[tuple[str, str, dict[str, Any]]]:
+    """(row name, layer estimator, options) of each run on ``task``. On an image task
+    LARA runs twice: ``lara-2d`` (2-D segments on the image grid) and ``lara-1d``."""
+    variants = []
+    for estimator in estimators:
+        options = attention_options(estimator, min(samples, task.length))
+        if estimator == "lara" and task.grid is not None:
+            if has_grid:
+                pools = grid_pools(samples, task.grid)
+                variants.append(("lara-2d", "lara", {"num_samples": pools,
+                                                     "grid": task.grid}))
+            variants.append(("lara-1d", "lara", options))
+        else:
+            variants.append((estimator, estimator, options))
+    return variants
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``xattn train``."""
+    unknown = [name for name in args.estimators if name not in ESTIMATORS]
+    if unknown:
+        raise CommandError(f"unknown estimator {unknown[0]!r}; choose from "
+                           f"{', '.join(ESTIMATORS)}")
+    tasks = []
+    for name in dict.fromkeys(args.task):
+        try:
+            tasks.append(get_task(name, args.length))
+        except ValueError as problem:
+            raise CommandError(str(problem)) from None
+    if args.framework not in FRAMEWORKS:
+        raise CommandError(f"unknown framework {args.framework!r}; choose from "
+                           f"{', '.join(FRAMEWORKS)}")
+    out_dir = output_dir(args.out)  # before any work
+    module = _load_framework(args.framework, args.threads)
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    has_grid = module.supports_grid()
+
+    plan: list[tuple[Task, RunSpec, TaskSettings]] = []
+    for task in tasks:
+        settings = SETTINGS[task.name]
+        steps = args.steps or (settings.quick_steps if args.quick else settings.steps)
+        batch_size = args.batch_size or settings.batch_size
+        for seed in seeds:
+            for name, estimator, options in attention_variants(
+                    task, list(dict.fromkeys(args.estimators)), args.samples, has_grid):
+                plan.append((task, RunSpec(task, name, estimator, options, seed, steps,
+                                           batch_size, settings.peak_lr), settings))
+
+    results: list[RunResult] = []
+    interrupted = False
+    started = time.perf_counter()
+    print(f"xattn train: {args.framework} on {args.device}, {len(plan)} runs "
+          f"({', '.join(task.name for task in tasks)}; seeds {', '.join(map(str, seeds))})",
+          flush=True)
+    try:
+        for index, (task, spec, settings) in enumerate(plan, 1):
+            train_size = settings.quick_train_size if args.quick else settings.train_size
+            train_size = max(train_size, spec.batch_size)
+            train, test = task.datasets(train_size, settings.test_size)
+            trainer = module.Trainer(spec, device=args.device)
+            label = f"[{index}/{len(plan)}] {task.name} {spec.name} seed {spec.seed}"
+            bar = progress_bar(spec.steps, label, args.progress)
+            try:
+                result = train_run(spec, trainer, train, test, bar)
+            except FloatingPointError as problem:
+                print(f"{label}: stopped, {problem}", file=sys.stderr)
+                continue
+            finally:
+                if bar is not None:
+                    bar.close()
+            results.append(result)
+            print(f"{label}: test accuracy {result.test_accuracy:.3f}, train loss "
+                  f"{result.final_train_loss:.3f}, {result.ms_per_step:.0f} ms/step, "
+                  f"{result.wall_s:.0f} s", flush=True)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"\nxattn train: interrupted; writing the {len(results)} finished runs",
+              file=sys.stderr)
+    config = {
+        "framework": args.framework, "device": args.device, "threads": args.threads,
+        "tasks": {task.name: {"length": task.length, "description": task.description,
+                              "grid": task.grid, **dataclasses.asdict(SETTINGS[task.name])}
+                  for task in tasks},
+        "estimators": list(args.estimators), "seeds": seeds, "samples": args.samples,
+        "quick": args.quick, "steps": args.steps, "batch_size": args.batch_size,
+        "model": dataclasses.asdict(plan[0][1].model) if plan else None,
+        "lara_2d_segments": has_grid, "wall_s": time.perf_counter() - started,
+        "interrupted": interrupted,
+    }
+    write_outputs(out_dir, results, config, module.versions(), tasks)
+    return EXIT_INTERRUPTED if interrupted else 0
+

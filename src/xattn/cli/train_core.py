@@ -1,0 +1,224 @@
+"""Framework-independent parts of ``xattn train``: the run configuration, the attention
+options per estimator, the learning-rate schedule, batching, the training loop with its
+learning curve and timing, and the peak-memory probe.
+
+The framework modules (:mod:`xattn.cli.train_torch`, :mod:`xattn.cli.train_flax`) build
+the model and give a :class:`Trainer`; :func:`train_run` drives it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from xattn._tasks import Dataset, Task
+
+__all__ = [
+    "WARMUP_STEPS",
+    "ModelConfig",
+    "RunResult",
+    "RunSpec",
+    "Trainer",
+    "attention_options",
+    "learning_rate",
+    "train_run",
+]
+
+
+#: Steps not timed (compilation, warm-up); the last of them measures the peak memory.
+WARMUP_STEPS = 5
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Long Range Arena model (Tay et al., 2021; the LARA paper's Table 9): a 2-layer
+    pre-norm Transformer encoder, embedding 64, feed-forward 128 (GELU), 2 heads, learned
+    position embeddings, mean pooling over the real tokens, and a 2-layer classifier
+    (64 -> 128 -> classes, ReLU) as in Xiong et al.'s LRA code. Per-position tasks
+    (``mqar``) apply the classifier at every position instead of pooling."""
+
+    dim: int = 64
+    ffn: int = 128
+    heads: int = 2
+    layers: int = 2
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run: a task, an attention (``name`` is the row name, ``estimator``
+    the layer's estimator, ``options`` its options), a seed and the optimization."""
+
+    task: Task
+    name: str
+    estimator: str
+    options: dict[str, Any]
+    seed: int
+    steps: int
+    batch_size: int
+    peak_lr: float
+    weight_decay: float = 0.01
+    warmup_fraction: float = 0.1
+    clip_norm: float = 1.0
+    eval_points: int = 10
+    curve_test_size: int = 500
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    def warmup_steps(self) -> int:
+        return max(1, round(self.warmup_fraction * self.steps))
+
+
+@dataclass
+class RunResult:
+    """Every figure of one run (``curve``: test accuracy and mean training loss at the
+    evaluation points; the last point uses the whole test set)."""
+
+    task: str
+    name: str
+    estimator: str
+    options: dict[str, Any]
+    seed: int
+    steps: int
+    test_accuracy: float
+    final_train_loss: float
+    ms_per_step: float
+    peak_memory_bytes: int | None
+    peak_memory_method: str
+    wall_s: float
+    curve: list[dict[str, float]]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def attention_options(estimator: str, samples: int, *, grid: tuple[int, int] | None = None,
+                      ) -> dict[str, Any]:
+    """Layer options of each estimator at ``samples`` samples.
+
+    RFA: ``samples`` i.i.d. positive features (no orthogonal coupling), redrawn at every
+    training step, as the LARA paper trains Performer (its Appendix G.1). LARA:
+    ``samples`` proposals (one sample each; with ``grid=(H, W)`` the pools
+    ``(sqrt(samples), sqrt(samples))`` of 2-D segments), fresh samples at every training
+    step. RA: one sample per query (``xattn.ra``'s default). Softmax: exact.
+    """
+    if estimator == "rfa":
+        return {"num_features": samples, "orthogonal": False, "redraw_interval": 1}
+    if estimator == "lara":
+        if grid is not None:
+            side = math.isqrt(samples)
+            return {"num_samples": (side, side), "grid": grid}
+        return {"num_samples": samples}
+    if estimator == "ra":
+        return {"num_samples": 1}
+    return {}
+
+
+def learning_rate(step: int, spec: RunSpec) -> float:
+    """The schedule: linear warm-up from ``peak/warmup`` to ``peak_lr`` over the first
+    ``warmup_fraction`` of the steps, then cosine decay to 0 at the last step. ``step``
+    counts from 0 (the rate of the first update)."""
+    warmup = spec.warmup_steps()
+    if step < warmup:
+        return spec.peak_lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, spec.steps - warmup))
+    return spec.peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def batches(data: Dataset, batch_size: int, seed: int) -> Iterator[Dataset]:
+    """Endless shuffled minibatches (a new permutation per epoch, drawn from ``seed``)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(data))
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            yield data.take(order[start:start + batch_size])
+
+
+def accuracy_counts(logits: np.ndarray, targets: np.ndarray) -> tuple[int, int]:
+    """(correct, counted): argmax against targets, positions with target -1 left out."""
+    counted = targets >= 0
+    correct = (np.argmax(logits, axis=-1) == targets) & counted
+    return int(correct.sum()), int(counted.sum())
+
+
+class Trainer(Protocol):
+    """What a framework module gives :func:`train_run`."""
+
+    memory_method: str
+    """How :meth:`step` measures peak memory (written to the JSON)."""
+
+    def step(self, batch: Dataset, lr: float, *,
+             measure_memory: bool = False) -> tuple[float, int | None]:
+        """One optimization step at learning rate ``lr``; waits for it and returns its
+        training loss and, if ``measure_memory``, its peak memory in bytes (else None)."""
+
+    def accuracy(self, data: Dataset) -> float:
+        """Test accuracy in evaluation mode (deterministic attention)."""
+
+
+def train_run(spec: RunSpec, trainer: Trainer, train: Dataset, test: Dataset,
+              progress: Any = None) -> RunResult:
+    """Train for ``spec.steps`` steps, evaluating ``spec.eval_points`` times on the first
+    ``spec.curve_test_size`` test examples and at the end on the whole test set.
+
+    ``progress`` is a tqdm bar (or None). ms per step is the median wall time of the
+    steps after the first :data:`WARMUP_STEPS` (compilation and warm-up), evaluation
+    excluded; the peak memory is measured on the last of those warm-up steps.
+    """
+    curve_test = test.take(np.arange(min(len(test), spec.curve_test_size)))
+    eval_at = {max(1, round(spec.steps * (point + 1) / spec.eval_points))
+               for point in range(spec.eval_points)}
+    eval_at.add(spec.steps)
+    step_times: list[float] = []
+    losses: list[float] = []
+    since_eval: list[float] = []
+    curve: list[dict[str, float]] = []
+    source = batches(train, spec.batch_size, spec.seed)
+    started = time.perf_counter()
+    peak = None
+    memory_step = min(WARMUP_STEPS, spec.steps) - 1
+    for step in range(spec.steps):
+        tic = time.perf_counter()
+        loss, measured = trainer.step(next(source), learning_rate(step, spec),
+                                      measure_memory=step == memory_step)
+        step_times.append(time.perf_counter() - tic)
+        peak = measured if step == memory_step else peak
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss} at step {step + 1}")
+        losses.append(loss)
+        since_eval.append(loss)
+        if progress is not None:
+            progress.set_postfix_str(f"loss {loss:.3f}", refresh=False)
+            progress.update(1)
+        if step + 1 in eval_at:
+            last = step + 1 == spec.steps
+            accuracy = trainer.accuracy(test if last else curve_test)
+            curve.append({"step": step + 1, "test_accuracy": accuracy,
+                          "train_loss": statistics.fmean(since_eval)})
+            since_eval = []
+    timed = step_times[WARMUP_STEPS:] or step_times
+    tail = losses[-max(1, len(losses) // 10):]
+    return RunResult(task=spec.task.name, name=spec.name, estimator=spec.estimator,
+                     options=spec.options, seed=spec.seed, steps=spec.steps,
+                     test_accuracy=curve[-1]["test_accuracy"],
+                     final_train_loss=statistics.fmean(tail),
+                     ms_per_step=1000 * statistics.median(timed), peak_memory_bytes=peak,
+                     peak_memory_method=trainer.memory_method, wall_s=time.perf_counter() - started,
+                     curve=curve)
+
+
+def progress_bar(total: int, description: str, enabled: bool | None) -> Any:
+    """A tqdm bar on stderr (on a terminal unless ``enabled`` says otherwise), or None."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a nicety: run without it
+        return None
+    if enabled is False:
+        return None
+    return tqdm(total=total, desc=description, file=sys.stderr, leave=False,
+                disable=None if enabled is None else False, unit="step")

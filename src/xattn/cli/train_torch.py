@@ -1,0 +1,149 @@
+"""PyTorch side of ``xattn train``: the LRA model with :class:`xattn.torch.MultiheadAttention`
+and its AdamW training step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import xattn.torch as xtorch
+from xattn._tasks import Dataset, Task
+from xattn.cli.measure import _native_stderr_silenced, load_backend
+from xattn.cli.train_core import ModelConfig, RunSpec, accuracy_counts
+
+__all__ = ["Encoder", "TorchTrainer", "Trainer", "supports_grid", "versions"]
+
+
+def versions() -> dict[str, str]:
+    return {"torch": torch.__version__}
+
+
+def supports_grid() -> bool:
+    """Whether this version's layer takes ``grid=`` (2-D LARA segments)."""
+    try:
+        xtorch.MultiheadAttention(2, 1, estimator="lara", num_samples=(1, 1), grid=(1, 2))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class _Block(nn.Module):
+    """Pre-norm Transformer layer: x + attention(norm(x)), then x + FFN(norm(x))."""
+
+    def __init__(self, config: ModelConfig, estimator: str, options: dict[str, Any],
+                 generator: torch.Generator, device: Any) -> None:
+        super().__init__()
+        layer_options = dict(options)
+        redraw = layer_options.pop("redraw_interval", 1000)
+        self.attention_norm = nn.LayerNorm(config.dim, device=device)
+        self.attention = xtorch.MultiheadAttention(
+            config.dim, config.heads, estimator=estimator, redraw_interval=redraw,
+            batch_first=True, generator=generator, device=device, **layer_options)
+        self.ffn_norm = nn.LayerNorm(config.dim, device=device)
+        self.ffn = nn.Sequential(nn.Linear(config.dim, config.ffn, device=device), nn.GELU(),
+                                 nn.Linear(config.ffn, config.dim, device=device))
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+        normed = self.attention_norm(x)
+        x = x + self.attention(normed, normed, normed, key_padding_mask=padding)[0]
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Encoder(nn.Module):
+    """The LRA encoder of :class:`xattn.cli.train_core.ModelConfig` for ``task``."""
+
+    def __init__(self, task: Task, estimator: str, options: dict[str, Any], *,
+                 config: ModelConfig, generator: torch.Generator, device: Any = None) -> None:
+        super().__init__()
+        self.per_token = task.per_token
+        self.embeddings = nn.ModuleList(nn.Embedding(size, config.dim, device=device)
+                                        for size in task.vocabulary_sizes)
+        self.position = nn.Parameter(0.02 * torch.randn(task.length, config.dim,
+                                                        generator=generator).to(device))
+        self.blocks = nn.ModuleList(_Block(config, estimator, options, generator, device)
+                                    for _ in range(config.layers))
+        self.norm = nn.LayerNorm(config.dim, device=device)
+        self.classifier = nn.Sequential(
+            nn.Linear(config.dim, config.ffn, device=device), nn.ReLU(),
+            nn.Linear(config.ffn, task.num_classes, device=device))
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = sum(embedding(tokens[..., field])
+                for field, embedding in enumerate(self.embeddings)) + self.position
+        padding = None if mask is None else ~mask
+        for block in self.blocks:
+            x = block(x, padding)
+        x = self.norm(x)
+        if self.per_token:
+            return self.classifier(x)  # (B, L, classes)
+        if mask is None:
+            pooled = x.mean(dim=1)
+        else:
+            weights = mask.to(x.dtype)[..., None]
+            pooled = (x * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
+        return self.classifier(pooled)  # (B, classes)
+
+
+class TorchTrainer:
+    """AdamW steps and evaluation of an :class:`Encoder` (see ``Trainer``)."""
+
+    def __init__(self, spec: RunSpec, device: str = "cpu") -> None:
+        # peak memory as xattn bench measures it: torch's CPU allocator (profiler) or CUDA
+        self.backend = load_backend("torch", device, "float32")
+        self.memory_method = self.backend.memory_method + " (one training step)"
+        self.device = torch.device(self.backend.device)
+        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
+        # nn.Linear / nn.Embedding draw their initialization from torch's global generator:
+        # seed it inside fork_rng, which restores the caller's global state afterwards
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            self.model = Encoder(spec.task, spec.estimator, spec.options, config=spec.model,
+                                 generator=generator, device=self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.peak_lr,
+                                           weight_decay=spec.weight_decay)
+        self.clip_norm = spec.clip_norm
+
+    def _inputs(self, data: Dataset) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens = torch.as_tensor(data.tokens, dtype=torch.long, device=self.device)
+        mask = None if data.mask is None else torch.as_tensor(data.mask, device=self.device)
+        return tokens, mask
+
+    def step(self, batch: Dataset, lr: float, *,
+             measure_memory: bool = False) -> tuple[float, int | None]:
+        self.model.train()
+        tokens, mask = self._inputs(batch)
+        targets = torch.as_tensor(batch.targets, device=self.device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        def update() -> float:
+            logits = self.model(tokens, mask)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                               targets.reshape(-1), ignore_index=-1)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+            self.optimizer.step()
+            return float(loss.detach())  # waits for the device
+
+        if measure_memory:  # silenced: the profiler's notes on blocks allocated before it
+            with _native_stderr_silenced():
+                return self.backend.peak_memory(update)
+        return update(), None
+
+    @torch.no_grad()
+    def accuracy(self, data: Dataset, batch_size: int = 128) -> float:
+        self.model.eval()
+        correct = counted = 0
+        for start in range(0, len(data), batch_size):
+            part = data.take(np.arange(start, min(len(data), start + batch_size)))
+            logits = self.model(*self._inputs(part)).float().cpu().numpy()
+            hits, total = accuracy_counts(logits, part.targets)
+            correct, counted = correct + hits, counted + total
+        return correct / max(counted, 1)
+
+
+Trainer = TorchTrainer

@@ -1,0 +1,273 @@
+"""xattn train: the tasks (ListOps evaluator, MQAR invariants, digits), the schedule, a
+short training run per framework and estimator, and the command's bad input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import sys
+
+import numpy as np
+import pytest
+
+from xattn._tasks import Dataset, get_task, listops, mqar
+from xattn._tasks import digits as digits_task
+from xattn.cli import main
+from xattn.cli.train_core import ModelConfig, RunSpec, learning_rate, train_run
+
+ESTIMATORS = ("softmax", "rfa", "ra", "lara")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread, as ``xattn train`` uses by default (tiny models: more threads
+    only contend); the caller's setting is restored."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------------------
+# tasks
+# --------------------------------------------------------------------------------------
+
+
+def _python_value(tokens: np.ndarray) -> int:
+    """Python's own evaluation of the expression's source text."""
+    functions = {"MAX": lambda *a: max(a), "MIN": lambda *a: min(a),
+                 "MED": lambda *a: int(np.median(a)), "SM": lambda *a: sum(a) % 10}
+    return eval(listops.to_python(tokens), {"__builtins__": {}}, functions)
+
+
+def test_listops_evaluator_matches_python_evaluation():
+    tokens, labels = listops.generate(300, seed=3, max_length=96, min_length=8)
+    assert tokens.shape == (300, 96) and labels.shape == (300,)
+    assert set(np.unique(labels)) <= set(range(10))
+    for row, label in zip(tokens, labels, strict=True):
+        assert listops.evaluate(row) == label == _python_value(row)
+    lengths = np.sum(tokens != listops.PAD, axis=1)
+    assert lengths.min() >= 8 and lengths.max() <= 96
+    # even-length medians round down, as LRA's int(np.median(...))
+    med = listops.OPERATOR_IDS["MED"]
+    assert listops.evaluate([med, 1, 4, listops.CLOSE]) == 2
+    assert listops.evaluate([med, 1, 3, 8, 9, listops.CLOSE]) == 5
+
+
+def test_listops_generator_is_seeded_and_evaluator_rejects_malformed():
+    first, second = listops.generate(20, seed=5, max_length=64), listops.generate(
+        20, seed=5, max_length=64)
+    np.testing.assert_array_equal(first[0], second[0])
+    assert not np.array_equal(first[0], listops.generate(20, seed=6, max_length=64)[0])
+    maximum = listops.OPERATOR_IDS["MAX"]
+    for bad in ([maximum, 1, 2], [maximum, 1, 2, listops.CLOSE, 3], [listops.CLOSE],
+                [maximum, listops.CLOSE], [99]):
+        with pytest.raises(ValueError):
+            listops.evaluate(bad)
+
+
+def test_mqar_invariants():
+    num_pairs, num_values = 8, 12
+    tokens, targets = mqar.generate(50, seed=0, length=48, num_pairs=num_pairs,
+                                    num_queries=6, num_keys=20, num_values=num_values)
+    marker = mqar.query_value_field(num_values)
+    for sequence, target in zip(tokens, targets, strict=True):
+        queries = np.flatnonzero(sequence[:, 1] == marker)
+        assert len(queries) == 6 and np.array_equal(queries, np.flatnonzero(target >= 0))
+        assert len(set(sequence[queries, 0])) == 6  # distinct queried keys
+        for position in queries:
+            key = sequence[position, 0]
+            before = sequence[:position]
+            holding = np.flatnonzero((before[:, 0] == key) & (before[:, 1] < num_values))
+            assert len(holding) == 1  # the key appears exactly once before its query...
+            assert holding[0] < num_pairs
+            assert target[position] == before[holding[0], 1]  # ...paired with the target
+        assert len(set(sequence[:num_pairs, 0])) == num_pairs
+    again = mqar.generate(50, seed=0, length=48, num_pairs=num_pairs, num_queries=6,
+                          num_keys=20, num_values=num_values)
+    np.testing.assert_array_equal(tokens, again[0])
+    np.testing.assert_array_equal(targets, again[1])
+    other = mqar.generate(50, seed=1, length=48, num_pairs=num_pairs, num_queries=6,
+                          num_keys=20, num_values=num_values)
+    assert not np.array_equal(tokens, other[0])
+
+
+def test_digits_split_and_task_shapes():
+    (train_x, train_y), (test_x, test_y) = digits_task.split()
+    assert train_x.shape == (1437, 64) and test_x.shape == (360, 64)
+    assert set(np.unique(train_y)) == set(range(10)) == set(np.unique(test_y))
+    assert train_x.min() >= 0 and train_x.max() == 16
+    task = get_task("digits")
+    assert (task.length, task.grid, task.num_classes) == (64, (8, 8), 10)
+    train, test = task.datasets(0, 0)
+    assert train.tokens.shape == (1437, 64, 1) and test.mask is None
+    listops_task = get_task("listops", 64)
+    train, test = listops_task.datasets(10, 5)
+    assert train.tokens.shape == (10, 64, 1) and train.mask.shape == (10, 64)
+    mqar_task = get_task("mqar", 64)
+    train, _ = mqar_task.datasets(4, 2)
+    assert mqar_task.per_token and train.tokens.shape == (4, 64, 2)
+
+
+@pytest.mark.parametrize(("name", "length"), [("mqar", 31), ("listops", 16),
+                                              ("digits", 65), ("images", None)])
+def test_bad_task_length(name, length):
+    with pytest.raises(ValueError, match=name):
+        get_task(name, length)
+
+
+def test_schedule_warmup_then_cosine_and_same_in_optax():
+    spec = RunSpec(get_task("digits"), "softmax", "softmax", {}, 0, steps=100, batch_size=4,
+                   peak_lr=1e-3)
+    rates = [learning_rate(step, spec) for step in range(100)]
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
+    assert rates[10] == pytest.approx(1e-3) and rates[-1] < 1e-6
+    assert all(a >= b for a, b in itertools.pairwise(rates[10:]))
+    train_flax = pytest.importorskip("xattn.cli.train_flax")
+    schedule = train_flax.schedule(spec)
+    np.testing.assert_allclose([float(schedule(step)) for step in range(100)], rates,
+                               rtol=1e-5, atol=1e-6 * spec.peak_lr)  # float32
+
+
+# --------------------------------------------------------------------------------------
+# training: 20 steps per framework and estimator
+# --------------------------------------------------------------------------------------
+
+TINY = ModelConfig(dim=16, ffn=32, heads=2, layers=1)
+SMOKE_OPTIONS = {"softmax": {}, "rfa": {"num_features": 8, "orthogonal": False,
+                                        "redraw_interval": 1},
+                 "ra": {"num_samples": 1}, "lara": {"num_samples": 4}}
+
+
+def _smoke(framework: str, estimator: str):
+    module = pytest.importorskip(f"xattn.cli.train_{framework}")
+    task = get_task("digits")
+    train, test = task.datasets(0, 0)
+    train = train.take(np.arange(16))  # one batch, seen 20 times
+    test = Dataset(test.tokens[:64], test.targets[:64])
+    spec = RunSpec(task, estimator, estimator, SMOKE_OPTIONS[estimator], seed=0, steps=20,
+                   batch_size=16, peak_lr=3e-2, warmup_fraction=0.05, eval_points=4,
+                   curve_test_size=64, model=TINY)
+    # XLA's optimization level 0 compiles about 3 times faster (the steps run slower)
+    options = {"compiler_options": {"xla_backend_optimization_level": 0}} if (
+        framework == "flax") else {}
+    return train_run(spec, module.Trainer(spec, **options), train, test)
+
+
+@pytest.mark.parametrize("framework", ["torch", "flax"])
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_twenty_steps_lower_the_training_loss(framework, estimator):
+    result = _smoke(framework, estimator)
+    losses = [point["train_loss"] for point in result.curve]  # means over 5 steps each
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, losses
+    assert 0.0 <= result.test_accuracy <= 1.0 and result.ms_per_step > 0
+    assert result.peak_memory_bytes is None or result.peak_memory_bytes > 0
+
+
+def test_evaluation_is_deterministic_for_random_estimators():
+    torch_trainer = pytest.importorskip("xattn.cli.train_torch")
+    task = get_task("digits")
+    _, test = task.datasets(0, 0)
+    for estimator in ("rfa", "ra", "lara"):
+        spec = RunSpec(task, estimator, estimator, SMOKE_OPTIONS[estimator], seed=0,
+                       steps=1, batch_size=8, peak_lr=1e-3, model=TINY)
+        trainer = torch_trainer.Trainer(spec)
+        part = test.take(np.arange(40))
+        assert trainer.accuracy(part) == trainer.accuracy(part)
+
+
+# --------------------------------------------------------------------------------------
+# the command
+# --------------------------------------------------------------------------------------
+
+
+def test_command_writes_table_json_and_png(tmp_path, capsys):
+    train_torch = pytest.importorskip("xattn.cli.train_torch")
+    pytest.importorskip("matplotlib")
+    code = main(["train", "--task", "digits", "--estimators", "lara", "--steps", "6",
+                 "--seeds", "0", "--samples", "4", "--batch-size", "8", "--no-progress",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "lara-1d" in table and "test accuracy" in table
+    payload = json.loads((tmp_path / "train.json").read_text())
+    rows = {row["name"] for row in payload["summary"]}
+    if train_torch.supports_grid():  # layers with grid=: LARA with 2-D segments too
+        assert rows == {"lara-2d", "lara-1d"}
+        grid_run = next(run for run in payload["runs"] if run["name"] == "lara-2d")
+        assert grid_run["options"] == {"num_samples": [2, 2], "grid": [8, 8]}
+    else:
+        assert rows == {"lara-1d"}
+    assert payload["config"]["lara_2d_segments"] is train_torch.supports_grid()
+    assert payload["evaluation_modes"]["lara"].startswith("deterministic")
+    assert payload["environment"]["torch"] and payload["config"]["interrupted"] is False
+    assert all(len(run["curve"]) >= 1 for run in payload["runs"])
+    assert (tmp_path / "train.png").stat().st_size > 0
+
+
+def test_ctrl_c_keeps_the_finished_runs(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torch")
+    from xattn.cli import train as train_command
+    finished = []
+
+    def interrupt_second(*args, **kwargs):
+        if finished:
+            raise KeyboardInterrupt
+        finished.append(train_run(*args, **kwargs))
+        return finished[-1]
+
+    monkeypatch.setattr(train_command, "train_run", interrupt_second)
+    code = main(["train", "--task", "digits", "--estimators", "softmax,rfa", "--steps", "2",
+                 "--seeds", "0", "--batch-size", "4", "--no-progress", "--out",
+                 str(tmp_path)])
+    assert code == 130
+    payload = json.loads((tmp_path / "train.json").read_text())
+    assert payload["config"]["interrupted"] is True
+    assert [run["name"] for run in payload["runs"]] == ["softmax"]
+    assert "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments", [
+    ["--task", "imagenet"],
+    ["--framework", "jax"],
+    ["--estimators", "softmax,nystrom"],
+    ["--steps", "0"],
+    ["--task", "mqar", "--length", "16"],
+    ["--task", "listops", "--length", "8"],
+    ["--task", "digits", "--length", "128"],
+    ["--seeds", "x"],
+])
+def test_bad_input_is_one_line_and_exit_code_2(arguments, tmp_path, capsys):
+    code = main(["train", *arguments, "--out", str(tmp_path / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # rejected before any work
+
+
+def test_missing_framework_names_the_extra(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flax", None)  # import flax -> ImportError
+    for name in ("xattn.cli.train_flax", "xattn.flax"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    code = main(["train", "--framework", "flax", "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install 'xattn[flax]'" in err and len(err.splitlines()) == 1
+
+
+def test_summary_mean_and_std_over_seeds():
+    from xattn.cli.train_core import RunResult
+    from xattn.cli.train_report import summarize
+
+    def result(seed, accuracy):
+        return RunResult("digits", "rfa", "rfa", {}, seed, 10, accuracy, 1.0, 5.0, None,
+                         "n/a", 1.0, [])
+
+    (row,) = summarize([result(0, 0.5), result(1, 0.7), result(2, 0.9)])
+    assert row["test_accuracy_mean"] == pytest.approx(0.7)
+    assert row["test_accuracy_std"] == pytest.approx(statistics.stdev([0.5, 0.7, 0.9]))
