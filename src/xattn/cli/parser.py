@@ -8,13 +8,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import xattn
-from xattn.cli import bench, compare
+from xattn.cli import bench, compare, train
 from xattn.cli.common import EXIT_USAGE, CommandError
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
 # Each sub-command module exposes add_parser(subparsers) and run(args).
-SUBCOMMANDS = (compare, bench)
+SUBCOMMANDS = (compare, bench, train)
 
 
 class _Parser(argparse.ArgumentParser):
