@@ -38,6 +38,7 @@ from xattn._array import (
 )
 from xattn._primitives import finite_shift, masked_softmax
 from xattn._ra import check_noise_scale
+from xattn._rf_scan import stream_bounds
 from xattn._segments import check_segments, segment_means
 from xattn.features import positive_key_statistics, weighted_readout
 from xattn.random import as_generator
@@ -175,7 +176,7 @@ def _check_beta(beta: Any) -> float:
     return float(beta)
 
 
-def _query_affinities(xp: Any, q_hat: Array, query_landmarks: Array,
+def _query_affinities(xp: Any, q: Array, query_landmarks: Array,
                       query_mask: Array | None,
                       pieces: list[tuple[int, int]]) -> list[tuple[Array, Array]]:
     r"""The softmax over queries of :math:`s_{nc} = \hat q_n \cdot \tilde q_c`, by pieces.
@@ -191,7 +192,7 @@ def _query_affinities(xp: Any, q_hat: Array, query_landmarks: Array,
     landmarks_t = xp.matrix_transpose(query_landmarks)
     exponentials, maxima, totals = [], [], []
     for start, stop in pieces:
-        scores = q_hat[..., start:stop, :] @ landmarks_t  # (..., B, C)
+        scores = q[..., start:stop, :] @ landmarks_t  # (..., B, C)
         if query_mask is not None:
             scores = xp.where(query_mask[..., start:stop, None], scores, -xp.inf)
         piece_max = xp.max(scores, axis=-2, keepdims=True)  # -inf: no allowed query
@@ -233,18 +234,6 @@ def _importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array
         return xp.maximum(exponential * scaled + (weights - mean), floor)
     return xp.maximum(lara_weights(own_weight, exponential * rho, weighting=weighting,
                                    beta=beta), floor)
-
-
-def stream_bounds(x: Array, chunk_size: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of the pieces of the rows (axis -2) of x processed one at a time.
-
-    Pieces of ``chunk_size`` rows for eagerly computed arrays; a Dask array is one piece
-    (Dask computes it chunk by chunk, and the result keeps the chunks of the queries).
-    """
-    length = x.shape[-2]
-    if array_api_compat.is_dask_array(x) or length <= chunk_size:
-        return [(0, length)]
-    return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
 
 
 def lara(
@@ -436,13 +425,16 @@ def lara(
 
     dtype, device = inputs.compute_dtype, inputs.device
     root_scale = math.sqrt(inputs.scale)
-    q_hat, k_hat, v = root_scale * inputs.q, root_scale * inputs.k, inputs.v
+    # q^ = sqrt(s) q is never formed: the square root is folded into the (C, D) landmarks
+    # and samples that multiply q (a pass over (N, D) fewer)
+    q, k_hat, v = inputs.q, root_scale * inputs.k, inputs.v
     key_mask, query_mask = inputs.key_mask, inputs.query_mask
 
     # Landmarks: means of C segments of the allowed queries and keys (G.3.1): contiguous
     # runs, or the bins of 2-D adaptive average pooling on an image grid (Appendix H).
-    query_landmarks, _ = segment_means(xp, q_hat, query_mask, num_samples, device,
-                                       grid=grid, pools=pools)  # q~_c
+    query_landmarks, _ = segment_means(xp, q, query_mask, num_samples, device,
+                                       grid=grid, pools=pools)
+    query_landmarks = root_scale * query_landmarks  # q~_c, the means of q^
     key_landmarks, key_segment_sizes = segment_means(xp, k_hat, key_mask, num_samples,
                                                      device, grid=grid, pools=pools)  # k~_c
     proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
@@ -464,22 +456,26 @@ def lara(
     own_weight = xp.linalg.diagonal(balance)  # w_c: proposal c at its own sample omega_c
 
     # Stabilized estimator (eq. 28): key side exactly as RFA ...
-    key_max, numerator, denominator = positive_key_statistics(xp, k_hat, v, omega, key_mask)
+    # (the keys walked chunk_size at a time, with a running maximum per sample, as RFA)
+    key_chunk = chunk_size if len(stream_bounds(k_hat, -2, chunk_size)) > 1 else None
+    key_max, numerator, denominator = positive_key_statistics(xp, k_hat, v, omega, key_mask,
+                                                              chunk_size=key_chunk)
     # ... and e_nc = omega_c . q^_n + K_c - |omega_c|^2/2 + |omega_c - mu_c|^2/2, where the
     # last two terms are log N(omega_c; 0, I) - log q_c(omega_c).
     offset = omega - proposal_means
     log_density_ratio = 0.5 * (xp.sum(offset * offset, axis=-1) - xp.sum(omega * omega, axis=-1))
     logit_offset = (key_max + log_density_ratio)[..., None, :]  # (..., 1, C)
 
-    pieces = stream_bounds(q_hat, chunk_size)
+    pieces = stream_bounds(q, -2, chunk_size)
     affinities = [None] * len(pieces)
     if weighting != "balance":  # r_nc = softmax over all queries of q^_n . q~_c: first pass
-        affinities = _query_affinities(xp, q_hat, query_landmarks, query_mask, pieces)
-    omega_t = xp.matrix_transpose(omega)
+        affinities = _query_affinities(xp, q, root_scale * query_landmarks, query_mask,
+                                       pieces)  # q . (sqrt(s) q~_c) = q^ . q~_c
+    omega_t = xp.matrix_transpose(root_scale * omega)  # q . (sqrt(s) omega_c) = q^ . omega_c
     outputs = []
     for (start, stop), affinity in zip(pieces, affinities, strict=True):  # the queries
         weights = _importance_weights(xp, own_weight, affinity, weighting, beta)  # alpha_nc
-        logits = q_hat[..., start:stop, :] @ omega_t + logit_offset  # e_nc
+        logits = q[..., start:stop, :] @ omega_t + logit_offset  # e_nc
         out = weighted_readout(xp, logits, numerator, denominator, coefficients=weights)
         if query_mask is not None:
             out = xp.where(query_mask[..., start:stop, None], out, 0.0)
