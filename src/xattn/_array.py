@@ -34,6 +34,7 @@ __all__ = [
     "prepare_attention",
     "qr",
     "sequence_positions",
+    "stream_bounds",
 ]
 
 Array = Any
@@ -288,7 +289,7 @@ def prepare_attention(
     if query_mask is not None:
         leading["query_mask"] = query_mask.shape[:-1]
     try:
-        batch_shape = tuple(xpx.broadcast_shapes(*leading.values()))
+        batch_shape = tuple(np.broadcast_shapes(*leading.values()))
     except ValueError:
         described = ", ".join(f"{name} {tuple(s)}" for name, s in leading.items())
         raise ValueError(f"the leading (batch) dims do not broadcast: {described}") from None
@@ -356,6 +357,20 @@ def one_chunk_along(x: Array, axis: int) -> Array:
     if array_api_compat.is_dask_array(x):
         return x.rechunk({axis % x.ndim: -1})
     return x
+
+
+def stream_bounds(x: Array, axis: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the pieces of ``x`` along ``axis`` that an estimator streams
+    through one at a time (bounded working memory).
+
+    Pieces of ``chunk_size`` for arrays computed eagerly. A Dask array is one piece: Dask
+    already computes it chunk by chunk, and keeping its chunks in the result keeps it
+    lazy and laid out like the inputs.
+    """
+    length = x.shape[axis]
+    if array_api_compat.is_dask_array(x) or length <= chunk_size:
+        return [(0, length)]
+    return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
 
 
 def sequence_positions(x: Array, axis: int = -2) -> Array:
