@@ -266,6 +266,26 @@ def test_result_does_not_depend_on_chunk_size(backend, rng, weighting):
         backend.check(out, expected, dtype=xp.float64)
 
 
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_working_memory_is_about_the_output(weighting):
+    """NumPy, tracemalloc: keys and queries go chunk_size at a time, q^ and k^ are never
+    formed whole, and the first pass's (N, C) exponentials are released piece by piece
+    as the output pieces grow; the peak is the output pieces and their concatenation,
+    2 N Dv floats. Measured at N = M = 65536, C = 16, D = Dv = 32, float32: 16.2 MiB for
+    2 x 8 MiB of output, for every weighting. (Before streaming: q^, k^ and several
+    (N, C) arrays at once.) Allow 1.5 MiB above the output."""
+    from xattn.cli.measure import tracemalloc_peak
+
+    gen = np.random.default_rng(0)
+    length, dim = 65536, 32
+    q, k, v = (gen.normal(size=(1, length, dim)).astype(np.float32) for _ in range(3))
+    xattn.lara(q[:, :64], k[:, :64], v[:, :64], num_samples=16, rng=0)  # first-call costs
+    _, peak = tracemalloc_peak(lambda: xattn.lara(q, k, v, num_samples=16, rng=0,
+                                                  weighting=weighting))
+    output = length * dim * 4
+    assert peak < 2 * output + 1.5 * 2**20, peak / 2**20
+
+
 # ---------------------------------------------------------------------------------------
 # test 1: standard proposal + balance heuristic is RFA with the same samples
 

@@ -40,7 +40,7 @@ from xattn._primitives import finite_shift, masked_softmax
 from xattn._ra import check_noise_scale
 from xattn._rf_scan import stream_bounds
 from xattn._segments import check_segments, segment_means
-from xattn.features import positive_key_statistics, weighted_readout
+from xattn.features import merge_key_statistics, positive_key_statistics, weighted_readout
 from xattn.random import as_generator
 
 __all__ = ["PROPOSALS", "WEIGHTINGS", "WEIGHT_FLOOR", "balance_heuristic", "lara",
@@ -60,7 +60,8 @@ WEIGHT_FLOOR = 1e-8
 
 
 def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
-                    key_segment_sizes: Array, k_hat: Array, key_mask: Array | None) -> Array:
+                    key_segment_sizes: Array, k: Array, root_scale: float,
+                    key_mask: Array | None) -> Array:
     r""":math:`\mu_c` (..., C, D) for each proposal family (Appendix G.3.1)."""
     if proposal == "standard":  # mu_c = 0: LARA reduces to RFA
         return xp.zeros_like(query_landmarks)
@@ -68,9 +69,10 @@ def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmark
         return query_landmarks + key_landmarks
     if proposal == "key_attention":  # eq. 33: q~_c + sum_m softmax_m(q~_c . k_m) k_m, O(CM)
         allowed = None if key_mask is None else key_mask[..., None, :]
-        attention = masked_softmax(xp, query_landmarks @ xp.matrix_transpose(k_hat),
+        # with k^_m = sqrt(s) k_m, folded into the (C, D) landmarks and the (C, D) result
+        attention = masked_softmax(xp, (root_scale * query_landmarks) @ xp.matrix_transpose(k),
                                     allowed, axis=-1)
-        return query_landmarks + attention @ k_hat
+        return query_landmarks + root_scale * (attention @ k)
     # "landmark_attention", eq. 35: q~_c + sum_c' softmax_c'(k~_c . k~_c') k~_c', O(C^2)
     nonempty = (key_segment_sizes > 0)[..., None, :]  # empty key segments take no part
     attention = masked_softmax(xp, key_landmarks @ xp.matrix_transpose(key_landmarks),
@@ -347,6 +349,17 @@ def lara(
         drawn with shape
         ``(*batch_shape, C, D)`` (an int seed gives the same draws on every backend;
         pass a JAX key under :func:`jax.jit`).
+    chunk_size : int
+        Keys and queries per piece (default 1024). The key statistics are accumulated a
+        piece of keys at a time with a running maximum per sample, as in RFA; the query
+        side (affinities, weights, logits and the ratio of eq. 28) runs a piece of
+        queries at a time, after one pass that finds the maxima and totals of the softmax
+        over queries in :math:`r_{nc}`. The (N, C) and (M, C) temporaries are then
+        ``(chunk_size, C)`` and stay in cache; the per-piece exponentials of that first
+        pass, (N, C) in all, are kept for the second and released piece by piece, so the
+        peak working memory is about the output (its pieces and their concatenation).
+        The result does not depend on ``chunk_size`` beyond rounding. Dask arrays are one
+        piece (Dask computes them chunk by chunk).
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.
@@ -359,9 +372,9 @@ def lara(
     Raises
     ------
     ValueError
-        If ``num_samples < 1`` or ``num_samples > N``, or ``proposal`` / ``weighting``
-        is not one of the names above; with ``grid``, if N or M is not H W or a pool size
-        exceeds its grid side.
+        If ``num_samples < 1``, ``num_samples > N`` or ``chunk_size < 1``, or
+        ``proposal`` / ``weighting`` is not one of the names above; with ``grid``, if N or
+        M is not H W or a pool size exceeds its grid side.
     TypeError
         If ``num_samples`` is not an int (a pair ``(c_h, c_w)`` without ``grid``, or an
         int with ``grid``), or ``grid`` is not a pair of ints.
@@ -426,8 +439,8 @@ def lara(
     dtype, device = inputs.compute_dtype, inputs.device
     root_scale = math.sqrt(inputs.scale)
     # q^ = sqrt(s) q is never formed: the square root is folded into the (C, D) landmarks
-    # and samples that multiply q (a pass over (N, D) fewer)
-    q, k_hat, v = inputs.q, root_scale * inputs.k, inputs.v
+    # and samples that multiply q (a pass over (N, D) fewer); k^ is formed a piece at a time
+    q, k, v = inputs.q, inputs.k, inputs.v
     key_mask, query_mask = inputs.key_mask, inputs.query_mask
 
     # Landmarks: means of C segments of the allowed queries and keys (G.3.1): contiguous
@@ -435,10 +448,11 @@ def lara(
     query_landmarks, _ = segment_means(xp, q, query_mask, num_samples, device,
                                        grid=grid, pools=pools)
     query_landmarks = root_scale * query_landmarks  # q~_c, the means of q^
-    key_landmarks, key_segment_sizes = segment_means(xp, k_hat, key_mask, num_samples,
-                                                     device, grid=grid, pools=pools)  # k~_c
+    key_landmarks, key_segment_sizes = segment_means(xp, k, key_mask, num_samples,
+                                                     device, grid=grid, pools=pools)
+    key_landmarks = root_scale * key_landmarks  # k~_c, the means of k^
     proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
-                                     key_segment_sizes, k_hat, key_mask)  # mu_c
+                                     key_segment_sizes, k, root_scale, key_mask)  # mu_c
 
     # One sample per proposal: omega_c = mu_c + sigma eps_c (deterministic: omega_c = mu_c);
     # the weights below are those of N(mu_c, I) whatever sigma = noise_scale.
@@ -457,9 +471,14 @@ def lara(
 
     # Stabilized estimator (eq. 28): key side exactly as RFA ...
     # (the keys walked chunk_size at a time, with a running maximum per sample, as RFA)
-    key_chunk = chunk_size if len(stream_bounds(k_hat, -2, chunk_size)) > 1 else None
-    key_max, numerator, denominator = positive_key_statistics(xp, k_hat, v, omega, key_mask,
-                                                              chunk_size=key_chunk)
+    statistics = None
+    for start, stop in stream_bounds(k, -2, chunk_size):
+        piece = positive_key_statistics(xp, root_scale * k[..., start:stop, :],
+                                        v[..., start:stop, :], omega,
+                                        None if key_mask is None else key_mask[..., start:stop])
+        statistics = piece if statistics is None else merge_key_statistics(xp, statistics,
+                                                                           piece)
+    key_max, numerator, denominator = statistics
     # ... and e_nc = omega_c . q^_n + K_c - |omega_c|^2/2 + |omega_c - mu_c|^2/2, where the
     # last two terms are log N(omega_c; 0, I) - log q_c(omega_c).
     offset = omega - proposal_means
@@ -473,7 +492,8 @@ def lara(
                                        pieces)  # q . (sqrt(s) q~_c) = q^ . q~_c
     omega_t = xp.matrix_transpose(root_scale * omega)  # q . (sqrt(s) omega_c) = q^ . omega_c
     outputs = []
-    for (start, stop), affinity in zip(pieces, affinities, strict=True):  # the queries
+    for index, (start, stop) in enumerate(pieces):  # the queries, a piece at a time
+        affinity, affinities[index] = affinities[index], None  # released once used
         weights = _importance_weights(xp, own_weight, affinity, weighting, beta)  # alpha_nc
         logits = q[..., start:stop, :] @ omega_t + logit_offset  # e_nc
         out = weighted_readout(xp, logits, numerator, denominator, coefficients=weights)
