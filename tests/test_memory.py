@@ -1,0 +1,104 @@
+"""Working memory of the estimators does not grow with the sequence length (issue 18).
+
+NumPy, float32, one batch-head, D = Dv = 64; :mod:`tracemalloc` counts what a call
+allocates, the inputs excluded (they exist before the call). Deterministic: the same
+allocations on every run, whatever the load of the machine.
+
+The targets at full size are
+
+- ``rfa``, N = M = 131072, S = 256: peak <= 96 MiB (both modes, tested in test_rfa.py);
+- ``softmax_attention``, N = M = 16384: peak <= 64 MiB (tested in test_softmax.py);
+- ``lara``, N = M = 131072, C = 64: peak <= 96 MiB (tested here at full size; about 7 s).
+
+Running every estimator at N = 131072 would take over a minute on two cores (causal RFA
+alone about 45 s), so the other tests here prove the property behind the targets at
+small N instead: the peak is the output (held twice while its pieces are joined) plus a
+working set W that does not depend on N or M. Each is measured at a length L and at 4 L;
+W may not grow by more than 1 MiB between them, where any array of N x S (or N x C) floats
+would add 24 (or 6) MiB, and W stays below a bound far under the full-size budget. Then at
+N = 131072 the peak is at most 2 x 32 MiB of output + W <= 96 MiB.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import xattn
+from xattn.cli.measure import tracemalloc_peak
+
+MiB = 2**20
+DIM = 64
+GROWTH_SLACK = 1 * MiB  # allocator rounding and the small per-chunk lists of pieces
+
+
+def inputs(num_queries, num_keys, seed=0):
+    draw = np.random.default_rng(seed)
+    q = draw.normal(size=(1, num_queries, DIM)).astype(np.float32)
+    k = draw.normal(size=(1, num_keys, DIM)).astype(np.float32)
+    v = draw.normal(size=(1, num_keys, DIM)).astype(np.float32)
+    return q, k, v
+
+
+def peak_bytes(function, num_queries, num_keys, **options):
+    """Peak bytes the call allocates (inputs excluded), after a small call of the same
+    function so that one-time costs (imports, caches) are not counted."""
+    function(*inputs(64, 64), **options)
+    q, k, v = inputs(num_queries, num_keys)
+    out, peak = tracemalloc_peak(lambda: function(q, k, v, **options))
+    assert out.shape == (1, num_queries, DIM)
+    return peak
+
+
+def working_set(function, num_queries, num_keys, **options):
+    """Peak beyond two copies of the output (its pieces and their concatenation)."""
+    output_bytes = num_queries * DIM * 4
+    return peak_bytes(function, num_queries, num_keys, **options) - 2 * output_bytes
+
+
+def test_lara_full_size_target():
+    """lara at N = M = 131072, C = 64: at most 96 MiB. Measured 65 MiB: 2 x 32 MiB of
+    output and about 1 MiB more; before streaming it was 258 MiB."""
+    peak = peak_bytes(xattn.lara, 131072, 131072, num_samples=64, rng=0)
+    assert peak <= 96 * MiB, f"peak {peak / MiB:.1f} MiB"
+
+
+CASES = {
+    # name: (function, options, length L, bound on W)
+    # rfa: keys and queries in chunks of 1024; W measured about 1.7-3 MiB (S = 256)
+    "rfa": (xattn.rfa, dict(num_features=256, rng=0), 8192, 16 * MiB),
+    # causal rfa: blocks of 128 positions with per-sample prefix states; W about 4-6 MiB
+    "rfa-causal": (xattn.rfa, dict(num_features=256, rng=0, causal=True), 2048, 16 * MiB),
+    # lara: W about 1 MiB (C = 64); an (N, C) array at 4 L = 65536 would be 16 MiB
+    "lara": (xattn.lara, dict(num_samples=64, rng=0), 16384, 8 * MiB),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_linear_estimators_working_set_independent_of_length(name):
+    function, options, length, bound = CASES[name]
+    small = working_set(function, length, length, **options)
+    large = working_set(function, 4 * length, 4 * length, **options)
+    assert large <= small + GROWTH_SLACK, (
+        f"{name}: W grew from {small / MiB:.2f} MiB at N = {length} to {large / MiB:.2f} "
+        f"MiB at N = {4 * length}")
+    assert max(small, large) <= bound, f"{name}: W = {max(small, large) / MiB:.2f} MiB"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_working_set_independent_of_both_lengths(causal):
+    """Queries in tiles and keys in chunks of 1024: W is a few chunk x chunk tiles of
+    scores (4 MiB each; measured about 15-17 MiB), whatever N and M. The N x chunk scores
+    alone would be 32 MiB at N = 8192. Causal needs N = M, so only the diagonal is
+    scaled there."""
+    length = 2048
+    base = working_set(xattn.softmax_attention, length, length, causal=causal)
+    sizes = [(4 * length, 4 * length)] if causal else [(4 * length, length),
+                                                        (length, 4 * length)]
+    for num_queries, num_keys in sizes:
+        grown = working_set(xattn.softmax_attention, num_queries, num_keys, causal=causal)
+        assert grown <= base + GROWTH_SLACK, (
+            f"W grew from {base / MiB:.2f} MiB at N = M = {length} to {grown / MiB:.2f} "
+            f"MiB at N = {num_queries}, M = {num_keys}")
+        assert grown <= 24 * MiB, f"W = {grown / MiB:.2f} MiB"
+    assert base <= 24 * MiB, f"W = {base / MiB:.2f} MiB"
