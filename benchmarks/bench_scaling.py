@@ -1,0 +1,330 @@
+"""Scaling report: time and peak memory against N for softmax, rfa, lara and ra (issue 18).
+
+One run measures, on NumPy and torch (CPU), float32, one batch-head, D = Dv = 64, N = M
+from 1024 to 131072:
+
+- time and peak memory of ``softmax_attention`` (up to N = 32768), ``rfa`` (S = 256),
+  ``lara`` (C = 64) and ``ra`` (S = 1, up to N = 16384), and on NumPy causal ``rfa``
+  (S = 256) next to the non-causal call; softmax and ra stop at larger N once one of
+  their calls took longer than ``--time-limit`` seconds;
+- the crossover length against exact softmax (``xattn bench``'s rule), the time growth
+  from N = 16384 to 131072 and the log-log slope;
+- the fp32 GEMM peak of the same library on the same threads (a 2048 x 2048 x 2048
+  matmul, and a GEMM of RFA's own shape), timed in the same rounds as RFA at the largest
+  N, and the fraction of it that RFA reaches, counting RFA's FLOPs from its GEMMs:
+  2 (N + M) S D for the feature logits, 2 M S Dv for the key sums and 2 N S Dv for the
+  read-out;
+- the LARA/RFA time ratio at N = 32768, C = S = 64, NumPy (default weighting).
+
+It uses ``xattn bench``'s machinery (:mod:`xattn.cli.measure`: backends, the first call
+traced for peak memory, then timed calls; :func:`xattn.cli.bench.crossover_length`; the
+estimator registry) and differs from the command in one respect: the calls at one length
+run in interleaved rounds (one call of each estimator per round) and the best round
+counts, since the machine is shared. Wall and CPU time (``time.process_time``) are both
+recorded; on one thread the CPU time leaves out the time the process waited for a core.
+Peak memory: tracemalloc on NumPy, ``torch.profiler`` (``profile_memory=True``, the CPU
+allocator's peak) on torch, both above the level before the call, inputs excluded.
+
+Writes ``benchmarks/scaling_results.json`` and ``benchmarks/scaling_results.png``::
+
+    nice -n 5 python benchmarks/bench_scaling.py            # about 20 minutes, 2 cores
+    python benchmarks/bench_scaling.py --quick              # a smoke run, seconds
+
+``BENCH_THREADS`` (default 1) sets the BLAS / OpenMP / torch threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+
+THREADS = os.environ.get("BENCH_THREADS", "1")
+for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_variable, THREADS)
+
+import numpy as np  # noqa: E402
+
+import xattn  # noqa: E402
+from xattn.cli.bench import crossover_length  # noqa: E402
+from xattn.cli.common import environment, write_json  # noqa: E402
+from xattn.cli.figures import loglog_axes, new_figure, save_figure  # noqa: E402
+from xattn.cli.measure import Measurement, load_backend, loglog_slope, measured  # noqa: E402
+from xattn.cli.memory import rfa_bytes  # noqa: E402
+from xattn.cli.registry import ESTIMATORS, SOFTMAX, EstimatorSpec  # noqa: E402
+
+HERE = Path(__file__).parent
+LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+DIM = 64
+SAMPLES = {"rfa": 256, "rfa-causal": 256, "lara": 64, "ra": 1}
+MAX_LENGTH = {"softmax": 32768, "ra": 16384}
+RFA_CAUSAL = EstimatorSpec("rfa-causal", "num_features", lambda: xattn.rfa,
+                           memory=rfa_bytes, options={"causal": True})
+GEMM_SIZE = 2048
+
+
+def rfa_flops(num_queries: int, num_keys: int, samples: int, dim: int, value_dim: int) -> int:
+    """FLOPs of RFA's GEMMs: feature logits of queries and keys, key sums, read-out."""
+    return (2 * (num_queries + num_keys) * samples * dim + 2 * num_keys * samples * value_dim
+            + 2 * num_queries * samples * value_dim)
+
+
+def cpu_clocked(function, sink: list[float]):
+    """``function`` that appends the process CPU time of each call to ``sink``."""
+
+    def call(*args, **kwargs):
+        start = time.process_time()
+        out = function(*args, **kwargs)
+        sink.append(time.process_time() - start)
+        return out
+
+    return call
+
+
+def gemm_calls(backend, length: int) -> dict[str, tuple]:
+    """Square GEMM (the peak) and a GEMM of RFA's shape, as (call, flops)."""
+    draw = np.random.default_rng(1)
+    a, b = (backend.to_backend(draw.normal(size=(GEMM_SIZE, GEMM_SIZE))) for _ in range(2))
+    x = backend.to_backend(draw.normal(size=(length, DIM)))
+    w = backend.to_backend(draw.normal(size=(DIM, SAMPLES["rfa"])))
+    return {"gemm-square": (lambda: backend.sync(a @ b), 2 * GEMM_SIZE**3),
+            "gemm-rfa-shape": (lambda: backend.sync(x @ w), 2 * length * DIM * SAMPLES["rfa"])}
+
+
+def measure_backend(name: str, lengths, repeats: int, causal_repeats: int,
+                    time_limit: float, seed: int) -> dict:
+    backend = load_backend(name, "cpu", "float32")
+    if name == "torch":
+        import torch
+
+        torch.set_num_threads(int(THREADS))
+    specs = [SOFTMAX, ESTIMATORS["rfa"], ESTIMATORS["lara"], ESTIMATORS["ra"]]
+    if name == "numpy":
+        specs.append(RFA_CAUSAL)
+    functions = {spec.name: spec.load() for spec in specs}
+    results = {spec.name: [] for spec in specs}
+    too_slow: set[str] = set()
+    gemm = {}
+    host = np.random.default_rng(seed)
+    print(f"{backend.describe()}: {backend.memory_method}", flush=True)
+    for length in lengths:
+        q, k, v = (backend.to_backend(host.normal(size=(1, length, DIM))) for _ in range(3))
+        runs = {}
+        for spec in specs:
+            if spec.name in too_slow or length > MAX_LENGTH.get(spec.name, length):
+                reason = ("a call took over the time limit at a shorter length"
+                          if spec.name in too_slow else "not run at this length")
+                results[spec.name].append({"length": length, "skipped": reason})
+                continue
+            options = dict(spec.options)
+            if spec.sample_keyword is not None:
+                options[spec.sample_keyword] = SAMPLES[spec.name]
+                options["rng"] = seed
+            measurement, cpu_times = Measurement(), []
+            call = measured(cpu_clocked(functions[spec.name], cpu_times), backend,
+                            measurement)
+            rounds = causal_repeats if spec.name == "rfa-causal" else repeats
+            runs[spec.name] = (lambda call=call, options=options, arrays=(q, k, v):
+                               call(*arrays, **options), measurement, cpu_times, rounds)
+        extra = gemm_calls(backend, length) if length == max(lengths) else {}
+        gemm_best = {key: [np.inf, np.inf] for key in extra}
+        load = os.getloadavg()
+        for run, *_ in runs.values():
+            run()  # warm-up, traced for peak memory
+        for call, _ in extra.values():
+            call()
+        for round_index in range(repeats):
+            for run, _, _, rounds in runs.values():
+                if round_index < rounds:
+                    run()
+            for key, (call, _) in extra.items():
+                wall, cpu = time.perf_counter(), time.process_time()
+                call()
+                gemm_best[key] = [min(gemm_best[key][0], time.perf_counter() - wall),
+                                  min(gemm_best[key][1], time.process_time() - cpu)]
+        for spec_name, (_, measurement, cpu_times, _) in runs.items():
+            row = {"length": length, "samples": SAMPLES.get(spec_name),
+                   "time_s": min(measurement.times), "cpu_s": min(cpu_times[1:]),
+                   "first_call_s": measurement.first_time, "rounds": len(measurement.times),
+                   "peak_memory_bytes": measurement.peak_memory_bytes,
+                   "load_average_1min": load[0]}
+            results[spec_name].append(row)
+            if spec.name in MAX_LENGTH and max(measurement.first_time,
+                                               row["time_s"]) > time_limit:
+                too_slow.add(spec_name)
+            print(f"  N={length:6d} {spec_name:10s} {1e3 * row['time_s']:10.1f} ms wall "
+                  f"{1e3 * row['cpu_s']:10.1f} ms cpu  peak "
+                  f"{(row['peak_memory_bytes'] or 0) / 2**20:7.1f} MiB  load {load[0]:.1f}",
+                  flush=True)
+        for key, (_, flops) in extra.items():
+            gemm[key] = {"length": length, "flops": flops, "time_s": gemm_best[key][0],
+                         "cpu_s": gemm_best[key][1],
+                         "gflops_wall": flops / gemm_best[key][0] / 1e9,
+                         "gflops_cpu": flops / gemm_best[key][1] / 1e9}
+            print(f"  {key}: {gemm[key]['gflops_wall']:.1f} GFLOP/s wall, "
+                  f"{gemm[key]['gflops_cpu']:.1f} cpu", flush=True)
+        del q, k, v, runs, extra
+    return {"environment": environment(backend), "peak_memory_method": backend.memory_method,
+            "results": results, "gemm": gemm, **summary(results, gemm, lengths)}
+
+
+def timed(rows, key="time_s"):
+    return {row["length"]: row[key] for row in rows if row.get(key) is not None}
+
+
+def summary(results: dict, gemm: dict, lengths) -> dict:
+    names = [name for name in results if name != "softmax"]
+    padded = {name: [{"length": row["length"], "time_s": row.get("time_s")} for row in rows]
+              for name, rows in results.items()}
+    out = {"crossover_length": {name: crossover_length(padded["softmax"], padded[name])
+                                for name in names},
+           "crossover_length_cpu": {name: crossover_length(
+               [{"length": r["length"], "time_s": r.get("cpu_s")} for r in results["softmax"]],
+               [{"length": r["length"], "time_s": r.get("cpu_s")} for r in results[name]])
+               for name in names},
+           "loglog_slope": {}, "growth_16k_to_128k": {}}
+    for name, rows in results.items():
+        wall, cpu = timed(rows), timed(rows, "cpu_s")
+        out["loglog_slope"][name] = loglog_slope(list(wall), list(wall.values()))
+        if 16384 in wall and 131072 in wall:
+            out["growth_16k_to_128k"][name] = {"wall": wall[131072] / wall[16384],
+                                               "cpu": cpu[131072] / cpu[16384]}
+    largest = max(lengths)
+    rfa = timed(results["rfa"]), timed(results["rfa"], "cpu_s")
+    if largest in rfa[0] and "gemm-square" in gemm:
+        flops = rfa_flops(largest, largest, SAMPLES["rfa"], DIM, DIM)
+        out["rfa_gemm_fraction"] = {
+            "length": largest, "rfa_flops": flops,
+            "rfa_gflops_wall": flops / rfa[0][largest] / 1e9,
+            "rfa_gflops_cpu": flops / rfa[1][largest] / 1e9,
+            "of_square_gemm_peak_wall": flops / rfa[0][largest] / 1e9
+            / gemm["gemm-square"]["gflops_wall"],
+            "of_square_gemm_peak_cpu": flops / rfa[1][largest] / 1e9
+            / gemm["gemm-square"]["gflops_cpu"],
+            "of_rfa_shape_gemm_cpu": flops / rfa[1][largest] / 1e9
+            / gemm["gemm-rfa-shape"]["gflops_cpu"]}
+    if "rfa-causal" in results:
+        causal, plain = timed(results["rfa-causal"]), timed(results["rfa"])
+        causal_cpu, plain_cpu = timed(results["rfa-causal"], "cpu_s"), timed(
+            results["rfa"], "cpu_s")
+        out["causal_over_noncausal_rfa"] = {
+            str(n): {"wall": causal[n] / plain[n], "cpu": causal_cpu[n] / plain_cpu[n]}
+            for n in causal if n in plain}
+    return out
+
+
+def lara_rfa_ratio(length: int, repeats: int) -> dict:
+    """LARA (default decoupled weighting) over RFA at C = S = 64, NumPy, interleaved."""
+    draw = np.random.default_rng(0)
+    q, k, v = (draw.normal(size=(1, length, DIM)).astype(np.float32) for _ in range(3))
+    calls = {"lara": lambda: xattn.lara(q, k, v, num_samples=64, rng=0),
+             "rfa": lambda: xattn.rfa(q, k, v, num_features=64, rng=0)}
+    for call in calls.values():
+        call()
+    best = {name: {"wall_s": np.inf, "cpu_s": np.inf} for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            call()
+            best[name]["cpu_s"] = min(best[name]["cpu_s"], time.process_time() - cpu)
+            best[name]["wall_s"] = min(best[name]["wall_s"], time.perf_counter() - wall)
+    ratio = {clock: best["lara"][clock] / best["rfa"][clock] for clock in ("wall_s", "cpu_s")}
+    print(f"LARA/RFA at N = {length}, C = S = 64, NumPy: wall {ratio['wall_s']:.2f}, "
+          f"cpu {ratio['cpu_s']:.2f}", flush=True)
+    return {"length": length, "samples": 64, "repeats": repeats, "times": best,
+            "ratio": ratio, "load_average": list(os.getloadavg())}
+
+
+def plot(path: Path, report: dict) -> None:
+    figure, (time_axes, memory_axes, causal_axes) = new_figure(ncols=3, width=5.2)
+    for style, backend in (("-", "numpy"), ("--", "torch")):
+        results = report["backends"].get(backend, {}).get("results", {})
+        for index, (name, rows) in enumerate(results.items()):
+            if name == "rfa-causal":
+                continue
+            wall = timed(rows, "cpu_s")
+            label = f"{name} ({backend})"
+            if wall:
+                time_axes.plot(list(wall), list(wall.values()), style, marker="o",
+                               color=f"C{index}", label=label, markersize=3)
+            memory = {row["length"]: row["peak_memory_bytes"] / 2**20 for row in rows
+                      if row.get("peak_memory_bytes")}
+            if memory:
+                memory_axes.plot(list(memory), list(memory.values()), style, marker="o",
+                                 color=f"C{index}", label=label, markersize=3)
+    numpy_results = report["backends"].get("numpy", {}).get("results", {})
+    for index, name in enumerate(("rfa", "rfa-causal")):
+        cpu = timed(numpy_results.get(name, []), "cpu_s")
+        if cpu:
+            causal_axes.plot(list(cpu), list(cpu.values()), marker="o", color=f"C{index + 5}",
+                             label=f"{name} (numpy, S = 256)", markersize=3)
+    loglog_axes(time_axes, "N = M", "best CPU time per call [s]")
+    loglog_axes(memory_axes, "N = M", "peak memory of one call [MiB]")
+    loglog_axes(causal_axes, "N = M", "best CPU time per call [s]")
+    time_axes.set_title("time (solid: NumPy, dashed: torch)", fontsize="small")
+    memory_axes.set_title("tracemalloc (NumPy), torch.profiler (torch)", fontsize="small")
+    causal_axes.set_title("causal and non-causal RFA", fontsize="small")
+    for axes in (time_axes, memory_axes, causal_axes):
+        axes.legend(fontsize="x-small")
+    save_figure(figure, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="numpy,torch")
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--causal-repeats", type=int, default=2,
+                        help="rounds that include causal RFA (its calls are the longest)")
+    parser.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS",
+                        help="softmax and ra stop at larger N once a call took longer")
+    parser.add_argument("--ratio-length", type=int, default=32768)
+    parser.add_argument("--ratio-repeats", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(HERE / "scaling_results.json"))
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: N = 1024, 2048, one round, ratio at N = 4096")
+    args = parser.parse_args()
+    if args.quick:
+        args.lengths, args.repeats, args.causal_repeats = "1024,2048", 1, 1
+        args.ratio_length, args.ratio_repeats = 4096, 1
+    lengths = sorted(int(item) for item in args.lengths.split(","))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    report = {
+        "description": __doc__.splitlines()[0],
+        "command": "nice -n 5 python benchmarks/bench_scaling.py" + (
+            " --quick" if args.quick else ""),
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
+                    "machine": platform.machine(), "threads": int(THREADS),
+                    "nice": os.nice(0), "load_average_start": list(os.getloadavg()),
+                    "shared": "a 2-core machine shared with other jobs (a training run and "
+                              "other engineers' tests) during the run"},
+        "shape": {"batch_heads": 1, "D": DIM, "Dv": DIM, "dtype": "float32", "N=M": lengths},
+        "samples": SAMPLES, "max_length": MAX_LENGTH, "repeats": args.repeats,
+        "causal_repeats": args.causal_repeats, "time_limit_s": args.time_limit,
+        "timing": "best of the interleaved rounds (wall: perf_counter, cpu: process_time)",
+        "rfa_flops": "2 (N + M) S D + 2 M S Dv + 2 N S Dv",
+        "crossover_rule": "xattn.cli.bench.crossover_length: the smallest measured length "
+                          "from which on the estimator beats softmax at every larger length "
+                          "(softmax's last measured time bounds it beyond its largest N)",
+        "backends": {},
+    }
+    report["lara_over_rfa"] = lara_rfa_ratio(args.ratio_length, args.ratio_repeats)
+    for name in args.backends.split(","):
+        report["backends"][name] = measure_backend(name, lengths, args.repeats,
+                                                   args.causal_repeats, args.time_limit,
+                                                   args.seed)
+        write_json(out, report)  # what is finished survives an interrupted run
+    report["machine"]["load_average_end"] = list(os.getloadavg())
+    report["duration_s"] = time.time() - started
+    write_json(out, report)
+    plot(out.with_suffix(".png"), report)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
