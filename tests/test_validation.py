@@ -94,3 +94,45 @@ def test_empty_key_set_is_an_error_and_empty_query_set_is_empty():
         xattn.softmax_attention(q[..., :0], k[..., :0], v)
     assert xattn.softmax_attention(q[:, :0], k, v).shape == (2, 0, 3)
     assert xattn.softmax_attention(q[:, :0], k, v, causal=True).shape == (2, 0, 3)
+
+
+ESTIMATORS = {
+    "softmax": xattn.softmax_attention,
+    "rfa": lambda q, k, v: xattn.rfa(q, k, v, num_features=4, rng=0),
+    "ra": lambda q, k, v: xattn.ra(q, k, v, rng=0),
+    "lara": lambda q, k, v: xattn.lara(q, k, v, num_samples=2, rng=0),
+}
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_masked_array_is_rejected_naming_the_argument(estimator, position):
+    """A NumPy masked array as q, k or v (its mask would be silently ignored) is a
+    TypeError naming the argument, whatever the estimator and its mask."""
+    arrays = list(good_inputs())
+    arrays[position] = np.ma.masked_array(arrays[position], mask=arrays[position] > 1.0)
+    name = "qkv"[position]
+    with pytest.raises(TypeError, match=rf"^{name} is a numpy\.ma\.MaskedArray"):
+        ESTIMATORS[estimator](*arrays)
+
+
+@pytest.mark.parametrize("option", ["causal", "check_finite"])
+@pytest.mark.parametrize("estimator", ["softmax", "rfa", "ra"])
+def test_numpy_bools_are_accepted_like_python_bools(estimator, option):
+    """Every bool option takes np.True_ / np.False_ and gives the Python-bool result."""
+    q, k, v = good_inputs()
+    function = {"softmax": xattn.softmax_attention,
+                "rfa": lambda *a, **o: xattn.rfa(*a, num_features=4, rng=0, **o),
+                "ra": lambda *a, **o: xattn.ra(*a, rng=0, **o)}[estimator]
+    for flag in (True, False):
+        np.testing.assert_array_equal(function(q, k, v, **{option: np.bool_(flag)}),
+                                      function(q, k, v, **{option: flag}))
+    with pytest.raises(TypeError, match=f"{option} must be a bool, got int"):
+        function(q, k, v, **{option: 1})
+
+
+def test_numpy_scalar_beta_is_accepted():
+    q, k, v = good_inputs()
+    options = dict(num_samples=2, rng=0, weighting="decoupled")
+    np.testing.assert_array_equal(xattn.lara(q, k, v, beta=np.float32(2.0), **options),
+                                  xattn.lara(q, k, v, beta=2.0, **options))

@@ -68,6 +68,11 @@ def array_namespace(*arrays: Any, names: tuple[str, ...] | None = None) -> Any:
     names = names or tuple(f"argument {i}" for i in range(len(arrays)))
     present = [(name, a) for name, a in zip(names, arrays, strict=True) if a is not None]
     for name, a in present:
+        if isinstance(a, np.ma.MaskedArray):
+            raise TypeError(
+                f"{name} is a numpy.ma.MaskedArray, whose mask array libraries ignore; pass "
+                f"a plain array ({name}.filled(0.0)) and the mask as key_mask / query_mask"
+            )
         if not array_api_compat.is_array_api_obj(a):
             raise TypeError(
                 f"{name} must be an array (NumPy, CuPy, PyTorch, JAX, Dask or any Array API "
