@@ -10,10 +10,10 @@ from 1024 to 131072:
 - the crossover length against exact softmax (``xattn bench``'s rule), the time growth
   from N = 16384 to 131072 and the log-log slope;
 - the fp32 GEMM peak of the same library on the same threads (a 2048 x 2048 x 2048
-  matmul, and a GEMM of RFA's own shape), timed in the same rounds as RFA at the largest
-  N, and the fraction of it that RFA reaches, counting RFA's FLOPs from its GEMMs:
-  2 (N + M) S D for the feature logits, 2 M S Dv for the key sums and 2 N S Dv for the
-  read-out;
+  matmul, and a GEMM of RFA's own shape, 1024 x 64 by 64 x 256), timed in the same rounds
+  as RFA at the largest N, and the fraction of it that RFA reaches, counting RFA's FLOPs
+  from its GEMMs: 2 (N + M) S D for the feature logits, 2 M S Dv for the key sums and
+  2 N S Dv for the read-out;
 - the LARA/RFA time ratio at N = 32768, C = S = 64, NumPy (default weighting).
 
 It uses ``xattn bench``'s machinery (:mod:`xattn.cli.measure`: backends, the first call
@@ -36,8 +36,10 @@ Writes ``benchmarks/scaling_results.json`` and ``benchmarks/scaling_results.png`
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -63,6 +65,7 @@ MAX_LENGTH = {"softmax": 32768, "ra": 16384}
 RFA_CAUSAL = EstimatorSpec("rfa-causal", "num_features", lambda: xattn.rfa,
                            memory=rfa_bytes, options={"causal": True})
 GEMM_SIZE = 2048
+CHUNK = 1024  # the estimators' default chunk_size
 
 
 def rfa_flops(num_queries: int, num_keys: int, samples: int, dim: int, value_dim: int) -> int:
@@ -83,14 +86,27 @@ def cpu_clocked(function, sink: list[float]):
     return call
 
 
-def gemm_calls(backend, length: int) -> dict[str, tuple]:
-    """Square GEMM (the peak) and a GEMM of RFA's shape, as (call, flops)."""
+def gemm_calls(backend) -> dict[str, tuple]:
+    """Square GEMM (the peak) and one GEMM of RFA's shape (a chunk of 1024 queries or keys
+    against the (D, S) samples), as (call, flops)."""
     draw = np.random.default_rng(1)
     a, b = (backend.to_backend(draw.normal(size=(GEMM_SIZE, GEMM_SIZE))) for _ in range(2))
-    x = backend.to_backend(draw.normal(size=(length, DIM)))
+    x = backend.to_backend(draw.normal(size=(CHUNK, DIM)))
     w = backend.to_backend(draw.normal(size=(DIM, SAMPLES["rfa"])))
     return {"gemm-square": (lambda: backend.sync(a @ b), 2 * GEMM_SIZE**3),
-            "gemm-rfa-shape": (lambda: backend.sync(x @ w), 2 * length * DIM * SAMPLES["rfa"])}
+            "gemm-rfa-shape": (lambda: backend.sync(x @ w), 2 * CHUNK * DIM * SAMPLES["rfa"])}
+
+
+def source_state() -> dict:
+    """The commit measured and the source files that differed from it (shared checkout)."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified_sources": git("diff", "--name-only", "HEAD", "--", "src").split()}
 
 
 def measure_backend(name: str, lengths, repeats: int, causal_repeats: int,
@@ -128,7 +144,7 @@ def measure_backend(name: str, lengths, repeats: int, causal_repeats: int,
             rounds = causal_repeats if spec.name == "rfa-causal" else repeats
             runs[spec.name] = (lambda call=call, options=options, arrays=(q, k, v):
                                call(*arrays, **options), measurement, cpu_times, rounds)
-        extra = gemm_calls(backend, length) if length == max(lengths) else {}
+        extra = gemm_calls(backend) if length == max(lengths) else {}
         gemm_best = {key: [np.inf, np.inf] for key in extra}
         load = os.getloadavg()
         for run, *_ in runs.values():
@@ -271,6 +287,64 @@ def plot(path: Path, report: dict) -> None:
     save_figure(figure, path)
 
 
+def _cell(value, scale=1e3, digits=1):
+    return "–" if value is None else f"{scale * value:,.{digits}f}"
+
+
+def markdown_tables(report: dict) -> str:
+    """The report's tables in Markdown (for the scaling page of the guide)."""
+    lines = []
+    backends = report["backends"]
+    for backend, data in backends.items():
+        names = list(data["results"])
+        lines += [f"**{backend}**, best CPU time (wall time) per call in ms:", "",
+                  "| N | " + " | ".join(f"`{name}`" for name in names) + " |",
+                  "|---:|" + "---:|" * len(names)]
+        for index, length in enumerate(report["shape"]["N=M"]):
+            cells = []
+            for name in names:
+                row = data["results"][name][index]
+                cells.append("–" if row.get("time_s") is None else
+                             f"{_cell(row['cpu_s'])} ({_cell(row['time_s'])})")
+            lines.append(f"| {length:,} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["Peak memory of one call in MiB (NumPy: tracemalloc; torch: torch.profiler):",
+              "", "| N | " + " | ".join(f"`{name}` {backend}" for backend, data in
+                                     backends.items() for name in data["results"]) + " |",
+              "|---:|" + "---:|" * sum(len(data["results"]) for data in backends.values())]
+    for index, length in enumerate(report["shape"]["N=M"]):
+        cells = [_cell(data["results"][name][index].get("peak_memory_bytes"), 2**-20)
+                 for data in backends.values() for name in data["results"]]
+        lines.append(f"| {length:,} | " + " | ".join(cells) + " |")
+    lines += ["", "| backend | estimator | crossover N (wall / CPU) | growth 16k to 128k "
+              "(wall / CPU) | log-log slope (wall) |", "|---|---|---|---|---|"]
+    for backend, data in backends.items():
+        for name in data["results"]:
+            growth = data["growth_16k_to_128k"].get(name)
+            cross = " / ".join(str(data[key][name] or "never") for key in (
+                "crossover_length", "crossover_length_cpu")) if name != "softmax" else ""
+            lines.append(f"| {backend} | `{name}` | {cross} | " + (
+                f"{growth['wall']:.2f} / {growth['cpu']:.2f}" if growth else "") +
+                f" | {data['loglog_slope'][name]:.2f} |")
+    lines += ["", "| backend | square GEMM GFLOP/s (wall / CPU) | RFA-shape GEMM GFLOP/s "
+              "(CPU) | RFA GFLOP/s at the largest N (wall / CPU) | fraction of the square "
+              "peak (wall / CPU) |", "|---|---|---|---|---|"]
+    for backend, data in backends.items():
+        gemm, fraction = data["gemm"].get("gemm-square"), data.get("rfa_gemm_fraction")
+        if gemm and fraction:
+            lines.append(
+                f"| {backend} | {gemm['gflops_wall']:.1f} / {gemm['gflops_cpu']:.1f} | "
+                f"{data['gemm']['gemm-rfa-shape']['gflops_cpu']:.1f} | "
+                f"{fraction['rfa_gflops_wall']:.1f} / {fraction['rfa_gflops_cpu']:.1f} | "
+                f"{100 * fraction['of_square_gemm_peak_wall']:.0f} % / "
+                f"{100 * fraction['of_square_gemm_peak_cpu']:.0f} % |")
+    ratio = report.get("lara_over_rfa")
+    if ratio:
+        lines += ["", f"LARA/RFA at N = {ratio['length']:,}, C = S = {ratio['samples']}: "
+                  f"wall {ratio['ratio']['wall_s']:.2f}, CPU {ratio['ratio']['cpu_s']:.2f}"]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="numpy,torch")
@@ -286,7 +360,12 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "scaling_results.json"))
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: N = 1024, 2048, one round, ratio at N = 4096")
+    parser.add_argument("--tables", metavar="JSON",
+                        help="print the Markdown tables of a finished run and exit")
     args = parser.parse_args()
+    if args.tables:
+        print(markdown_tables(json.loads(Path(args.tables).read_text())))
+        return
     if args.quick:
         args.lengths, args.repeats, args.causal_repeats = "1024,2048", 1, 1
         args.ratio_length, args.ratio_repeats = 4096, 1
@@ -303,6 +382,7 @@ def main() -> None:
                     "nice": os.nice(0), "load_average_start": list(os.getloadavg()),
                     "shared": "a 2-core machine shared with other jobs (a training run and "
                               "other engineers' tests) during the run"},
+        "source": source_state(),
         "shape": {"batch_heads": 1, "D": DIM, "Dv": DIM, "dtype": "float32", "N=M": lengths},
         "samples": SAMPLES, "max_length": MAX_LENGTH, "repeats": args.repeats,
         "causal_repeats": args.causal_repeats, "time_limit_s": args.time_limit,
