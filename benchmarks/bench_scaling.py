@@ -14,7 +14,9 @@ from 1024 to 131072:
   as RFA at the largest N, and the fraction of it that RFA reaches, counting RFA's FLOPs
   from its GEMMs: 2 (N + M) S D for the feature logits, 2 M S Dv for the key sums and
   2 N S Dv for the read-out;
-- the LARA/RFA time ratio at N = 32768, C = S = 64, NumPy (default weighting).
+- the LARA/RFA time ratio at N = 32768, C = S = 64, NumPy (default weighting);
+- on JAX (CPU), the memory XLA plans for the jit-compiled call (``memory_analysis()``:
+  temp + output bytes), without running it.
 
 It uses ``xattn bench``'s machinery (:mod:`xattn.cli.measure`: backends, the first call
 traced for peak memory, then timed calls; :func:`xattn.cli.bench.crossover_length`; the
@@ -231,6 +233,31 @@ def summary(results: dict, gemm: dict, lengths) -> dict:
     return out
 
 
+def jax_compiled_memory(lengths) -> dict:
+    """Temp + output bytes of the XLA program jit-compiled for each call (JAX on the CPU,
+    ``memory_analysis()``, no run): what XLA plans to hold at once."""
+    backend = load_backend("jax", "cpu", "float32")
+    specs = {"softmax": (SOFTMAX, {}), "rfa": (ESTIMATORS["rfa"], {}),
+             "lara": (ESTIMATORS["lara"], {})}
+    rows = {name: [] for name in specs}
+    for length in lengths:
+        arrays = tuple(backend.to_backend(np.random.default_rng(index).normal(
+            size=(1, length, DIM))) for index in range(3))
+        for name, (spec, options) in specs.items():
+            if name == "softmax" and length > 16384:  # XLA plans all N x M scores
+                continue
+            if spec.sample_keyword is not None:
+                options = {**options, spec.sample_keyword: SAMPLES[name], "rng": 0}
+            start = time.perf_counter()
+            peak = backend.compiled_peak(spec.load(), arrays, options)
+            rows[name].append({"length": length, "peak_memory_bytes": peak,
+                               "compile_s": time.perf_counter() - start})
+            print(f"  jax N={length:6d} {name:8s} {(peak or 0) / 2**20:8.1f} MiB (compiled)",
+                  flush=True)
+    return {"environment": environment(backend), "peak_memory_method":
+            backend.memory_method, "results": rows}
+
+
 def lara_rfa_ratio(length: int, repeats: int) -> dict:
     """LARA (default decoupled weighting) over RFA at C = S = 64, NumPy, interleaved."""
     draw = np.random.default_rng(0)
@@ -338,6 +365,14 @@ def markdown_tables(report: dict) -> str:
                 f"{fraction['rfa_gflops_wall']:.1f} / {fraction['rfa_gflops_cpu']:.1f} | "
                 f"{100 * fraction['of_square_gemm_peak_wall']:.0f} % / "
                 f"{100 * fraction['of_square_gemm_peak_cpu']:.0f} % |")
+    jax = report.get("jax_compiled_memory")
+    if jax:
+        lines += ["", "JAX (CPU), XLA memory_analysis() of the jit-compiled call, temp + output "
+                  "in MiB:", ""]
+        for name, rows in jax["results"].items():
+            lines.append(f"- `{name}`: " + ", ".join(
+                f"N = {row['length']:,}: {_cell(row['peak_memory_bytes'], 2**-20)}"
+                for row in rows))
     ratio = report.get("lara_over_rfa")
     if ratio:
         lines += ["", f"LARA/RFA at N = {ratio['length']:,}, C = S = {ratio['samples']}: "
@@ -356,6 +391,9 @@ def main() -> None:
                         help="softmax and ra stop at larger N once a call took longer")
     parser.add_argument("--ratio-length", type=int, default=32768)
     parser.add_argument("--ratio-repeats", type=int, default=7)
+    parser.add_argument("--jax-lengths", default="16384,131072",
+                        help="lengths of the JAX memory_analysis figures ('' skips them; "
+                        "compiling at N = 131072 takes a minute or two)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(HERE / "scaling_results.json"))
     parser.add_argument("--quick", action="store_true",
@@ -368,7 +406,7 @@ def main() -> None:
         return
     if args.quick:
         args.lengths, args.repeats, args.causal_repeats = "1024,2048", 1, 1
-        args.ratio_length, args.ratio_repeats = 4096, 1
+        args.ratio_length, args.ratio_repeats, args.jax_lengths = 4096, 1, "2048"
     lengths = sorted(int(item) for item in args.lengths.split(","))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -399,6 +437,9 @@ def main() -> None:
                                                    args.causal_repeats, args.time_limit,
                                                    args.seed)
         write_json(out, report)  # what is finished survives an interrupted run
+    if args.jax_lengths:
+        report["jax_compiled_memory"] = jax_compiled_memory(
+            [int(item) for item in args.jax_lengths.split(",")])
     report["machine"]["load_average_end"] = list(os.getloadavg())
     report["duration_s"] = time.time() - started
     write_json(out, report)
