@@ -29,7 +29,7 @@ allocator's peak) on torch, both above the level before the call, inputs exclude
 
 Writes ``benchmarks/scaling_results.json`` and ``benchmarks/scaling_results.png``::
 
-    nice -n 5 python benchmarks/bench_scaling.py            # about 20 minutes, 2 cores
+    nice -n 5 python benchmarks/bench_scaling.py            # about 4 minutes here
     python benchmarks/bench_scaling.py --quick              # a smoke run, seconds
 
 ``BENCH_THREADS`` (default 1) sets the BLAS / OpenMP / torch threads.
@@ -297,6 +297,9 @@ def plot(path: Path, report: dict) -> None:
             if memory:
                 memory_axes.plot(list(memory), list(memory.values()), style, marker="o",
                                  color=f"C{index}", label=label, markersize=3)
+    lengths = report["shape"]["N=M"]
+    memory_axes.plot(lengths, [2 * n * DIM * 4 / 2**20 for n in lengths], ":", color="black",
+                     label="2 x output")
     numpy_results = report["backends"].get("numpy", {}).get("results", {})
     for index, name in enumerate(("rfa", "rfa-causal")):
         cpu = timed(numpy_results.get(name, []), "cpu_s")
@@ -400,9 +403,14 @@ def main() -> None:
                         help="smoke run: N = 1024, 2048, one round, ratio at N = 4096")
     parser.add_argument("--tables", metavar="JSON",
                         help="print the Markdown tables of a finished run and exit")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="redraw the PNG of a finished run (next to it) and exit")
     args = parser.parse_args()
     if args.tables:
         print(markdown_tables(json.loads(Path(args.tables).read_text())))
+        return
+    if args.replot:
+        plot(Path(args.replot).with_suffix(".png"), json.loads(Path(args.replot).read_text()))
         return
     if args.quick:
         args.lengths, args.repeats, args.causal_repeats = "1024,2048", 1, 1
