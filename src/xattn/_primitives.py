@@ -35,7 +35,7 @@ def masked_softmax(xp: Any, logits: Array, allowed: Array | None = None, *, axis
     top = finite_shift(xp, xp.max(logits, axis=axis, keepdims=True))
     weights = xp.exp(logits - top)  # entries not allowed: exp(-inf) = 0
     total = xp.sum(weights, axis=axis, keepdims=True)
-    return weights * (scale / xp.where(total > 0, total, xp.ones_like(total)))
+    return weights * (scale / xp.where(total > 0, total, 1.0))
 
 
 def causal_allowed(xp: Any, query_positions: Array, key_start: int, key_stop: int,

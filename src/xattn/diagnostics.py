@@ -321,7 +321,7 @@ def uniform_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = 
         weights = xp.astype(inputs.key_mask, values.dtype)[..., None]
         total = xp.sum(weights * values, axis=-2, keepdims=True)
         count = xp.sum(weights, axis=-2, keepdims=True)
-        mean = total / xp.where(count > 0, count, xp.ones_like(count))
+        mean = total / xp.where(count > 0, count, 1.0)
     shape = (*inputs.batch_shape, inputs.num_queries, values.shape[-1])
     return inputs.finish(xp.zeros(shape, dtype=values.dtype, device=inputs.device) + mean)
 

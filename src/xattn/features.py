@@ -253,7 +253,7 @@ def weighted_readout(
         weights = coefficients * weights
     out_numerator = weights @ numerator
     out_denominator = weights @ denominator[..., None]
-    safe = xp.where(out_denominator > 0, out_denominator, xp.ones_like(out_denominator))
+    safe = xp.where(out_denominator > 0, out_denominator, 1.0)
     return out_numerator / safe
 
 
@@ -333,7 +333,8 @@ def sample_omega(
     q_factor, r_factor = qr(xp, gaussian)
     identity = xp.eye(dim, dtype=dtype, device=device)
     r_diagonal = xp.sum(r_factor * identity, axis=-1)  # (blocks, D)
-    signs = xp.where(r_diagonal < 0, -xp.ones_like(r_diagonal), xp.ones_like(r_diagonal))
+    ones = xp.ones_like(r_diagonal)
+    signs = xp.where(r_diagonal < 0, -ones, ones)
     # columns of Q * sign(diag R) form a Haar-distributed orthogonal matrix; take them as rows
     directions = xp.matrix_transpose(q_factor * signs[..., None, :])
     directions = xp.reshape(directions, (num_blocks * dim, dim))[:num_features, :]
