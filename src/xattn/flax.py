@@ -12,8 +12,8 @@ Randomness comes from the ``rng_collection`` stream (default ``"attention"``, wh
 back to the ``default`` stream) of the :class:`flax.nnx.Rngs` given at construction, or
 from ``rngs=`` passed to the call. Everything works under :func:`flax.nnx.jit`.
 
-This module needs Flax and is therefore imported explicitly (``import xattn.flax``);
-``import xattn`` does not import it.
+This module needs Flax, so ``import xattn`` does not import it: it is loaded on the first
+use of ``xattn.flax`` (or by ``import xattn.flax``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ touches torch's global random state. Without it, the draws come from torch's def
 generator of the device (the one :func:`torch.manual_seed` seeds), as ``torch.nn.Dropout``
 does, and advance it (see the ``generator`` parameter of :class:`MultiheadAttention`).
 
-This module needs PyTorch and is therefore imported explicitly (``import xattn.torch``);
-``import xattn`` does not import it.
+This module needs PyTorch, so ``import xattn`` does not import it: it is loaded on the first
+use of ``xattn.torch`` (or by ``import xattn.torch``).
 """
 
 from __future__ import annotations
