@@ -41,7 +41,7 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._array import Array, one_chunk_along
+from xattn._array import Array, one_chunk_along, stream_bounds
 from xattn._primitives import finite_shift
 from xattn.features import log_positive_features
 
@@ -54,31 +54,13 @@ __all__ = [
     "finite_rows",
     "scan_partials",
     "state_over_keys",
-    "stream_bounds",
     "value_columns",
 ]
 
-PAIR_BLOCK = 16
+PAIR_BLOCK = 8
 """Positions per sub-block whose query-key pairs are computed exactly (positive maps)."""
 
 Partial = tuple[Array, Array, Array]
-
-
-def stream_bounds(x: Array, axis: int, chunk_size: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` of the pieces of ``x`` along ``axis`` that are processed one at a time.
-
-    Pieces of ``chunk_size`` for arrays whose values are computed eagerly. A Dask array is
-    one piece: Dask already computes it chunk by chunk, and keeping its chunks in the
-    result keeps it lazy and laid out like the inputs.
-    """
-    length = x.shape[axis]
-    if array_api_compat.is_dask_array(x) or length <= chunk_size:
-        return [(0, length)]
-    return [(start, min(start + chunk_size, length)) for start in range(0, length, chunk_size)]
-
-
-def _concat(xp: Any, pieces: list[Array], axis: int) -> Array:
-    return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=axis)
 
 
 def finite_rows(xp: Any, x: Array) -> tuple[Array, Array]:

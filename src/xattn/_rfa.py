@@ -34,6 +34,7 @@ from xattn._array import (
     check_positive_int,
     concrete_count,
     prepare_attention,
+    stream_bounds,
 )
 from xattn._rf_scan import (
     PAIR_BLOCK,
@@ -43,7 +44,6 @@ from xattn._rf_scan import (
     finite_rows,
     scan_partials,
     state_over_keys,
-    stream_bounds,
 )
 from xattn._window import check_window, windowed_rfa
 from xattn.features import (
@@ -172,14 +172,14 @@ def rfa(
 
     **Causal mode** walks the positions in blocks of ``block_size`` with a carried
     ``(S, Dv)`` state :math:`K_s, A'_s, b'_s` of the earlier keys, rescaled as its
-    maximum grows. Inside a block, sub-blocks of 16 positions get exclusive prefix states
+    maximum grows. Inside a block, sub-blocks of 8 positions get exclusive prefix states
     of the same form, and a query and a key of the same sub-block are paired exactly,
     :math:`\log \kappa_{nm} = \operatorname{LSE}_s(\omega_s \cdot \hat q_n + a_{ms})`
     (positive and hyperbolic maps). Every row is stabilized by its own largest term, so
     the causal result equals the non-causal formula applied to each prefix up to
     rounding, for scores as large as the non-causal path takes (the log-domain terms
     only need to be finite), and no row underflows to zero while it has an allowed key.
-    Memory is ``O(S Dv (1 + block_size / 16) + block_size * 16 * S)`` per batch-head
+    Memory is ``O(S Dv (1 + block_size / 8) + 8 block_size S)`` per batch-head
     besides inputs and output, and every stabilizer a query uses depends only on keys at
     or before it: outputs at positions ``<= n`` do not depend on tokens after ``n``. A
     NaN or infinite key or value ``m`` makes the rows that attend it NaN (rows ``>= m``
