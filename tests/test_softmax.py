@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -71,12 +73,37 @@ def test_causal_with_key_mask_first_key_masked(backend, rng):
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 11, 64])
 def test_chunked_equals_unchunked(backend, rng, chunk_size):
+    """Queries in tiles and keys in chunks of chunk_size: the same result, with masks and
+    causal (a tile stops at its last query's key)."""
     xp = backend.ns
-    q, k, v = make_qkv(rng)
+    q, k, v = make_qkv(rng, num_queries=13)
+    key_mask = rng.random((2, 1, 11)) < 0.7
     arrays = tuple(map(backend.asarray, (q, k, v)))
     whole = backend.to_numpy(xattn.softmax_attention(*arrays, chunk_size=10_000))
     out = xattn.softmax_attention(*arrays, chunk_size=chunk_size)
     backend.check(out, whole, dtype=xp.float64)
+    for causal in (False, True):
+        out = xattn.softmax_attention(*arrays, chunk_size=chunk_size, causal=causal,
+                                      key_mask=backend.asarray(key_mask))
+        expected = reference.softmax_attention(q, k, v, key_mask=key_mask, causal=causal)
+        backend.check(out, expected, dtype=xp.float64)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_working_memory_is_bounded(causal):
+    """N = M = 16384, D = Dv = 64, float32 on NumPy: the call allocates at most 64 MiB
+    (tracemalloc; inputs excluded). The N x M scores alone would take 1 GiB and N x chunk
+    scores 64 MiB; query tiles keep them at chunk x chunk. The output is 4 MiB."""
+    draw = np.random.default_rng(0)
+    q, k, v = (draw.normal(size=(1, 16384, 64)).astype(np.float32) for _ in range(3))
+    tracemalloc.start()
+    try:
+        out = xattn.softmax_attention(q, k, v, causal=causal)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (1, 16384, 64)
+    assert peak <= 64 * 2**20, f"peak {peak / 2**20:.1f} MiB"
 
 
 def test_leading_dims_broadcast(backend, rng):

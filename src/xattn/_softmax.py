@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from xattn._array import (
     Array,
+    AttentionInputs,
     check_bool,
     check_positive_int,
     prepare_attention,
     sequence_positions,
+    stream_bounds,
 )
 from xattn._primitives import causal_allowed, finite_shift
 
@@ -33,9 +35,13 @@ def softmax_attention(
         y_n = \sum_m \frac{\exp(s\, q_n \cdot k_m)}{\sum_{m'} \exp(s\, q_n \cdot k_{m'})} v_m
 
     over the allowed keys ``m`` (``key_mask`` and, if ``causal``, ``m <= n``), with
-    score scale ``s``. Keys are processed ``chunk_size`` at a time with a running
-    maximum and running normalizer (online softmax), so memory is
-    ``O(N * chunk_size + (N + M) * D)`` per batch-head instead of ``O(N * M)``.
+    score scale ``s``. Queries are processed in tiles of ``chunk_size`` and, for each
+    tile, keys ``chunk_size`` at a time with a running maximum and running normalizer
+    (online softmax), so the working memory besides inputs and output is
+    ``O(chunk_size^2 + chunk_size * Dv)`` per batch-head instead of ``O(N * M)``. In
+    causal mode a tile stops at its last query's key. Dask arrays are tiled by Dask
+    itself (their query chunks; keys in ``chunk_size`` steps), and the result keeps the
+    chunks of ``q``.
 
     Parameters
     ----------
@@ -53,7 +59,8 @@ def softmax_attention(
         If True, query ``n`` attends keys ``m <= n`` only (top-left aligned, as in
         PyTorch's ``is_causal``).
     chunk_size : int
-        Number of keys processed at a time.
+        Number of queries per tile and of keys processed at a time. The result does not
+        depend on it beyond rounding.
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.
@@ -95,21 +102,31 @@ def softmax_attention(
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     if inputs.is_empty:
         return inputs.empty_result()
-    xp, q, k, v = inputs.xp, inputs.q, inputs.k, inputs.v
-    num_queries, num_keys = inputs.num_queries, inputs.num_keys
-    device = inputs.device
-    batch = inputs.batch_shape
+    xp = inputs.xp
+    tiles = [_attend_tile(inputs, start, stop, causal, chunk_size)
+             for start, stop in stream_bounds(inputs.q, -2, chunk_size)]
+    out = tiles[0] if len(tiles) == 1 else xp.concat(tiles, axis=-2)
+    return inputs.finish(out)
 
-    q_scaled = q * inputs.scale
+
+def _attend_tile(inputs: AttentionInputs, query_start: int, query_stop: int, causal: bool,
+                 chunk_size: int) -> Array:
+    """Softmax attention of the queries ``query_start:query_stop``, keys in chunks."""
+    xp, k, v = inputs.xp, inputs.k, inputs.v
+    q_scaled = inputs.q[..., query_start:query_stop, :] * inputs.scale
+    num_queries = query_stop - query_start
+    batch = inputs.batch_shape
     # the running state is derived from q (not created with xp.zeros) so that it is laid
     # out like the queries: chunked along N on Dask, sharded like q on JAX
     query_zeros = xp.broadcast_to(xp.zeros_like(q_scaled[..., :1]), (*batch, num_queries, 1))
     running_max = query_zeros - xp.inf
     normalizer = query_zeros
     numerator = xp.broadcast_to(query_zeros, (*batch, num_queries, v.shape[-1]))
-    # under causal masking, keys past the last query are never seen
-    key_stop = min(num_keys, num_queries) if causal else num_keys
-    query_positions = sequence_positions(q, axis=-2) if causal else None  # chunked like q
+    # under causal masking, keys past the tile's last query are never seen
+    key_stop = min(inputs.num_keys, query_stop) if causal else inputs.num_keys
+    query_positions = None
+    if causal:  # chunked like q on Dask
+        query_positions = sequence_positions(q_scaled, axis=-2) + query_start
     for start in range(0, key_stop, chunk_size):
         stop = min(start + chunk_size, key_stop)
         scores = q_scaled @ xp.matrix_transpose(k[..., start:stop, :])
@@ -117,7 +134,7 @@ def softmax_attention(
         if inputs.key_mask is not None:
             allowed = inputs.key_mask[..., None, start:stop]
         if causal:
-            in_past = causal_allowed(xp, query_positions, start, stop, device)
+            in_past = causal_allowed(xp, query_positions, start, stop, inputs.device)
             allowed = in_past if allowed is None else (allowed & in_past)
         if allowed is not None:
             scores = xp.where(allowed, scores, -xp.inf)
@@ -130,4 +147,4 @@ def softmax_attention(
         numerator = numerator * rescale + weights @ v[..., start:stop, :]
         running_max = new_max
     safe_normalizer = xp.where(normalizer > 0, normalizer, xp.ones_like(normalizer))
-    return inputs.finish(numerator / safe_normalizer)
+    return numerator / safe_normalizer
