@@ -112,13 +112,13 @@ def finish_partial(xp: Any, partial: Partial, *, guard: bool) -> tuple[Array, Ar
     _, sums, weight = partial
     numerator, denominator = sums[..., :-1], sums[..., -1:]
     if not guard:
-        safe = xp.where(denominator > 0, denominator, xp.ones_like(denominator))
+        safe = xp.where(denominator > 0, denominator, 1.0)
         return numerator / safe, None
     floor = math.sqrt(xp.finfo(denominator.dtype).eps) * weight
     has_keys = weight > 0
     invalid = has_keys & (denominator <= floor)
     safe = xp.where(denominator > floor, denominator,
-                    xp.where(has_keys, floor, xp.ones_like(floor)))
+                    xp.where(has_keys, floor, 1.0))
     return numerator / safe, invalid
 
 

@@ -146,5 +146,5 @@ def _attend_tile(inputs: AttentionInputs, query_start: int, query_stop: int, cau
         normalizer = normalizer * rescale + xp.sum(weights, axis=-1, keepdims=True)
         numerator = numerator * rescale + weights @ v[..., start:stop, :]
         running_max = new_max
-    safe_normalizer = xp.where(normalizer > 0, normalizer, xp.ones_like(normalizer))
+    safe_normalizer = xp.where(normalizer > 0, normalizer, 1.0)
     return numerator / safe_normalizer
