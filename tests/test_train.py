@@ -71,15 +71,18 @@ def test_listops_generator_is_seeded_and_evaluator_rejects_malformed():
             listops.evaluate(bad)
 
 
-def test_mqar_invariants():
-    num_pairs, num_values = 8, 12
-    tokens, targets = mqar.generate(50, seed=0, length=48, num_pairs=num_pairs,
-                                    num_queries=6, num_keys=20, num_values=num_values)
+@pytest.mark.parametrize("num_queries", [6, None])  # None: every key queried
+def test_mqar_invariants(num_queries):
+    num_pairs, num_values, length = 8, 12, 48
+    options = {"length": length, "num_pairs": num_pairs, "num_queries": num_queries,
+               "num_keys": 20, "num_values": num_values}
+    tokens, targets = mqar.generate(50, seed=0, **options)
     marker = mqar.query_value_field(num_values)
     for sequence, target in zip(tokens, targets, strict=True):
         queries = np.flatnonzero(sequence[:, 1] == marker)
-        assert len(queries) == 6 and np.array_equal(queries, np.flatnonzero(target >= 0))
-        assert len(set(sequence[queries, 0])) == 6  # distinct queried keys
+        assert np.array_equal(queries, np.flatnonzero(target >= 0))
+        assert len(queries) == (num_queries or num_pairs)
+        assert len(set(sequence[queries, 0])) == len(queries)  # distinct queried keys
         for position in queries:
             key = sequence[position, 0]
             before = sequence[:position]
@@ -88,12 +91,10 @@ def test_mqar_invariants():
             assert holding[0] < num_pairs
             assert target[position] == before[holding[0], 1]  # ...paired with the target
         assert len(set(sequence[:num_pairs, 0])) == num_pairs
-    again = mqar.generate(50, seed=0, length=48, num_pairs=num_pairs, num_queries=6,
-                          num_keys=20, num_values=num_values)
+    again = mqar.generate(50, seed=0, **options)
     np.testing.assert_array_equal(tokens, again[0])
     np.testing.assert_array_equal(targets, again[1])
-    other = mqar.generate(50, seed=1, length=48, num_pairs=num_pairs, num_queries=6,
-                          num_keys=20, num_values=num_values)
+    other = mqar.generate(50, seed=1, **options)
     assert not np.array_equal(tokens, other[0])
 
 

@@ -58,6 +58,7 @@ class Task:
     num_classes: int
     per_token: bool = False
     grid: tuple[int, int] | None = None
+    positional: bool = True  # False: the order of the positions carries no information
     description: str = ""
 
     def datasets(self, train_size: int, test_size: int) -> tuple[Dataset, Dataset]:
@@ -82,9 +83,10 @@ def get_task(name: str, length: int | None = None) -> Task:
                              f"{needed} ({MQAR_PAIRS} key-value pairs and {MQAR_PAIRS} "
                              "queries)")
         return Task("mqar", length, mqar.vocabulary_sizes(MQAR_KEYS, MQAR_VALUES),
-                    MQAR_VALUES, per_token=True,
+                    MQAR_VALUES, per_token=True, positional=False,
                     description=f"{MQAR_PAIRS} key-value pairs (one position each, keys "
-                    f"from {MQAR_KEYS}, values from {MQAR_VALUES}), {MQAR_PAIRS} queries")
+                    f"from {MQAR_KEYS}, values from {MQAR_VALUES}), {MQAR_PAIRS} queries, "
+                    "blanks elsewhere")
     if name == "listops":
         length = 512 if length is None else length
         if length < LISTOPS_MIN_LENGTH:

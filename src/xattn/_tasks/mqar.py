@@ -9,10 +9,20 @@ positions each carry a key id (drawn without replacement from ``num_keys``) and 
 (drawn with replacement from ``num_values``), fed to the model as two token fields whose
 embeddings are summed. ``num_queries`` of the keys (distinct, in random order) are then
 queried at random positions after the pairs, each query position carrying the key id and
-the marker :data:`QUERY` in the value field; every other position is blank. The target at a
-query position is the paired value; other positions have the target -1 (ignored). With key
-and value at separate positions (Zoology's two-token form) a small model must first learn
-an induction circuit, which takes thousands of steps before any estimator is compared.
+the query marker (:func:`query_value_field`) in the value field; every other position is
+blank. The target at a query position is the paired value; other positions have the
+target -1 (ignored).
+
+Why this form (measured with softmax attention, the ``xattn train`` model, 16 pairs):
+with key and value at separate positions (Zoology's two-token form) the model must first
+learn an induction circuit and stayed near chance for 3,000 steps. In the single-position
+form at length 64 it solves the task in about 150 steps, but at length 256 the one
+informative position of a query holds about 1/256 of the attention mass at
+initialization, and with independently initialized query and key projections softmax
+stayed at chance for 1,500 steps in 2 of 3 seeds (also with every free position a
+query). ``xattn train`` therefore starts the key projection equal to the query projection
+(see :class:`xattn.cli.train_core.ModelConfig`), and then softmax reached 99.9 % within
+300 steps.
 """
 
 from __future__ import annotations

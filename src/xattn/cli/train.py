@@ -11,9 +11,12 @@ The run configuration (model, optimizer, schedule, estimator options) is in
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import importlib
+import multiprocessing
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -49,6 +52,7 @@ class TaskSettings:
     train_size: int
     test_size: int
     quick_train_size: int
+    warmup_fraction: float = 0.1
 
 
 SETTINGS = {
@@ -106,6 +110,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="CPU threads per run (default: 1, which is about as fast for "
                         "these small models and does not fight other processes; 0: the "
                         "framework's default)")
+    parser.add_argument("--jobs", type=positive_int, default=1, metavar="N",
+                        help="runs at a time, each in its own process (default: 1; on a "
+                        "free machine up to the number of cores, with --threads 1)")
     parser.add_argument("--out", default="xattn-out", metavar="DIR",
                         help="output directory (default: xattn-out)")
     progress = parser.add_mutually_exclusive_group()
@@ -171,6 +178,88 @@ def attention_variants(task: Task, estimators: list[str], samples: int,
     return variants
 
 
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    index: int
+    label: str
+    spec: RunSpec
+    train_size: int
+    test_size: int
+
+
+def _sizes(settings: TaskSettings, spec: RunSpec, quick: bool) -> tuple[int, int]:
+    train_size = settings.quick_train_size if quick else settings.train_size
+    return max(train_size, spec.batch_size), settings.test_size
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(framework: str, threads: int) -> None:
+    """Process-pool initializer: load the framework; leave Ctrl-C to the main process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER["module"] = _load_framework(framework, threads)
+
+
+def _execute(job: _Job, device: str, progress: bool | None,
+             position: int | None = None) -> RunResult | str:
+    """One run (in this process or a worker); a message instead when it diverged."""
+    module = _WORKER["module"]
+    train, test = job.spec.task.datasets(job.train_size, job.test_size)
+    trainer = module.Trainer(job.spec, device=device)
+    bar = progress_bar(job.spec.steps, job.label, progress, position)
+    try:
+        return train_run(job.spec, trainer, train, test, bar)
+    except FloatingPointError as problem:
+        return f"stopped, {problem}"
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _execute_in_worker(job: _Job, device: str, progress: bool | None) -> RunResult | str:
+    identity = multiprocessing.current_process()._identity  # 1, 2, ... per pool worker
+    return _execute(job, device, progress, position=identity[0] - 1 if identity else None)
+
+
+def _report(job: _Job, result: RunResult | str, finished: dict[int, RunResult]) -> None:
+    if isinstance(result, str):
+        print(f"{job.label}: {result}", file=sys.stderr, flush=True)
+        return
+    finished[job.index] = result
+    print(f"{job.label}: test accuracy {result.test_accuracy:.3f}, train loss "
+          f"{result.final_train_loss:.3f}, {result.ms_per_step:.0f} ms/step, "
+          f"{result.wall_s:.0f} s", flush=True)
+
+
+def run_jobs(jobs: list[_Job], args: argparse.Namespace,
+             finished: dict[int, RunResult] | None = None) -> dict[int, RunResult]:
+    """Run ``jobs``, ``args.jobs`` at a time (in spawned processes when more than one),
+    reporting each; the results, by job index, go into ``finished`` as they come."""
+    finished = {} if finished is None else finished
+    if args.jobs == 1:
+        if "module" not in _WORKER:
+            _WORKER["module"] = _load_framework(args.framework, args.threads)
+        for job in jobs:
+            _report(job, _execute(job, args.device, args.progress), finished)
+        return finished
+    executor = concurrent.futures.ProcessPoolExecutor(
+        max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker, initargs=(args.framework, args.threads))
+    try:
+        futures = {executor.submit(_execute_in_worker, job, args.device, args.progress): job
+                   for job in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            _report(futures[future], future.result(), finished)
+    except BaseException:
+        for process in list(getattr(executor, "_processes", {}).values()):
+            process.terminate()  # the workers ignore Ctrl-C: end the runs in flight
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise
+    executor.shutdown()
+    return finished
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn train``."""
     unknown = [name for name in args.estimators if name not in ESTIMATORS]
@@ -187,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"unknown framework {args.framework!r}; choose from "
                            f"{', '.join(FRAMEWORKS)}")
     out_dir = output_dir(args.out)  # before any work
-    module = _load_framework(args.framework, args.threads)
+    module = _WORKER["module"] = _load_framework(args.framework, args.threads)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     has_grid = module.supports_grid()
 
@@ -200,40 +289,29 @@ def run(args: argparse.Namespace) -> int:
             for name, estimator, options in attention_variants(
                     task, list(dict.fromkeys(args.estimators)), args.samples, has_grid):
                 plan.append((task, RunSpec(task, name, estimator, options, seed, steps,
-                                           batch_size, settings.peak_lr), settings))
+                                           batch_size, settings.peak_lr,
+                                           warmup_fraction=settings.warmup_fraction),
+                             settings))
 
-    results: list[RunResult] = []
-    interrupted = False
+    jobs = [_Job(index, f"[{index}/{len(plan)}] {task.name} {spec.name} seed {spec.seed}",
+                 spec, *_sizes(settings, spec, args.quick))
+            for index, (task, spec, settings) in enumerate(plan, 1)]
     started = time.perf_counter()
     print(f"xattn train: {args.framework} on {args.device}, {len(plan)} runs "
-          f"({', '.join(task.name for task in tasks)}; seeds {', '.join(map(str, seeds))})",
-          flush=True)
+          f"({', '.join(task.name for task in tasks)}; seeds {', '.join(map(str, seeds))}; "
+          f"{args.jobs} at a time)", flush=True)
+    finished: dict[int, RunResult] = {}
+    interrupted = False
     try:
-        for index, (task, spec, settings) in enumerate(plan, 1):
-            train_size = settings.quick_train_size if args.quick else settings.train_size
-            train_size = max(train_size, spec.batch_size)
-            train, test = task.datasets(train_size, settings.test_size)
-            trainer = module.Trainer(spec, device=args.device)
-            label = f"[{index}/{len(plan)}] {task.name} {spec.name} seed {spec.seed}"
-            bar = progress_bar(spec.steps, label, args.progress)
-            try:
-                result = train_run(spec, trainer, train, test, bar)
-            except FloatingPointError as problem:
-                print(f"{label}: stopped, {problem}", file=sys.stderr)
-                continue
-            finally:
-                if bar is not None:
-                    bar.close()
-            results.append(result)
-            print(f"{label}: test accuracy {result.test_accuracy:.3f}, train loss "
-                  f"{result.final_train_loss:.3f}, {result.ms_per_step:.0f} ms/step, "
-                  f"{result.wall_s:.0f} s", flush=True)
+        run_jobs(jobs, args, finished)
     except KeyboardInterrupt:
         interrupted = True
-        print(f"\nxattn train: interrupted; writing the {len(results)} finished runs",
+        print(f"\nxattn train: interrupted; writing the {len(finished)} finished runs",
               file=sys.stderr)
+    results = [finished[index] for index in sorted(finished)]
     config = {
         "framework": args.framework, "device": args.device, "threads": args.threads,
+        "jobs": args.jobs,
         "tasks": {task.name: {"length": task.length, "description": task.description,
                               "grid": task.grid, **dataclasses.asdict(SETTINGS[task.name])}
                   for task in tasks},

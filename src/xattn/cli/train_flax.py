@@ -47,6 +47,10 @@ class _Block(nnx.Module):
                                                   estimator=estimator,
                                                   redraw_interval=redraw, rngs=rngs,
                                                   **layer_options)
+        if config.equal_query_key_init:  # see ModelConfig
+            # a copy: two parameters sharing one buffer cannot both be donated to the step
+            self.attention.key.kernel[...] = jnp.array(self.attention.query.kernel[...],
+                                                       copy=True)
         self.ffn_norm = nnx.LayerNorm(config.dim, rngs=rngs)
         self.ffn_in = nnx.Linear(config.dim, config.ffn, rngs=rngs)
         self.ffn_out = nnx.Linear(config.ffn, config.dim, rngs=rngs)
@@ -64,8 +68,10 @@ class Encoder(nnx.Module):
         self.per_token = task.per_token
         self.embeddings = nnx.List([nnx.Embed(size, config.dim, rngs=rngs)
                                     for size in task.vocabulary_sizes])
-        self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(),
-                                                           (task.length, config.dim)))
+        # learned positions, initialized like the token embeddings (N(0, 1)); none where
+        # the order carries no information (mqar)
+        self.position = nnx.Param(jax.random.normal(rngs.params(), (task.length, config.dim))
+                                  ) if task.positional else nnx.data(None)
         self.blocks = nnx.List([_Block(config, estimator, options, rngs)
                                 for _ in range(config.layers)])
         self.norm = nnx.LayerNorm(config.dim, rngs=rngs)
@@ -73,8 +79,9 @@ class Encoder(nnx.Module):
         self.classifier = nnx.Linear(config.ffn, task.num_classes, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, mask: jax.Array | None) -> jax.Array:
-        x = sum(embedding(tokens[..., field])
-                for field, embedding in enumerate(self.embeddings)) + self.position[...]
+        x = sum(embedding(tokens[..., field]) for field, embedding in enumerate(self.embeddings))
+        if self.position is not None:
+            x = x + self.position[...]
         key_mask = None if mask is None else mask[:, None, None, :]
         for block in self.blocks:
             x = block(x, key_mask)
@@ -171,7 +178,10 @@ class FlaxTrainer:
                 peak = int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
         return float(loss), peak  # float() waits for the device
 
-    def accuracy(self, data: Dataset, batch_size: int = 128) -> float:
+    def accuracy(self, data: Dataset, batch_size: int = 128, *,
+                 sampled: bool = False) -> float:
+        if sampled:
+            raise NotImplementedError("sampled evaluation is measured with torch only")
         model, _ = nnx.merge(self.graphdef, self.state)
         model.eval()  # deterministic attention
         graphdef, state = nnx.split(model)

@@ -42,6 +42,10 @@ class _Block(nn.Module):
         self.attention = xtorch.MultiheadAttention(
             config.dim, config.heads, estimator=estimator, redraw_interval=redraw,
             batch_first=True, generator=generator, device=device, **layer_options)
+        if config.equal_query_key_init:  # see ModelConfig
+            with torch.no_grad():
+                weight = self.attention.in_proj_weight  # packed [W_q; W_k; W_v]
+                weight[config.dim:2 * config.dim].copy_(weight[:config.dim])
         self.ffn_norm = nn.LayerNorm(config.dim, device=device)
         self.ffn = nn.Sequential(nn.Linear(config.dim, config.ffn, device=device), nn.GELU(),
                                  nn.Linear(config.ffn, config.dim, device=device))
@@ -61,8 +65,10 @@ class Encoder(nn.Module):
         self.per_token = task.per_token
         self.embeddings = nn.ModuleList(nn.Embedding(size, config.dim, device=device)
                                         for size in task.vocabulary_sizes)
-        self.position = nn.Parameter(0.02 * torch.randn(task.length, config.dim,
-                                                        generator=generator).to(device))
+        # learned positions, initialized like the token embeddings (N(0, 1)); none where
+        # the order carries no information (mqar)
+        self.position = nn.Parameter(torch.randn(task.length, config.dim, generator=generator)
+                                     .to(device)) if task.positional else None
         self.blocks = nn.ModuleList(_Block(config, estimator, options, generator, device)
                                     for _ in range(config.layers))
         self.norm = nn.LayerNorm(config.dim, device=device)
@@ -71,8 +77,9 @@ class Encoder(nn.Module):
             nn.Linear(config.ffn, task.num_classes, device=device))
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = sum(embedding(tokens[..., field])
-                for field, embedding in enumerate(self.embeddings)) + self.position
+        x = sum(embedding(tokens[..., field]) for field, embedding in enumerate(self.embeddings))
+        if self.position is not None:
+            x = x + self.position
         padding = None if mask is None else ~mask
         for block in self.blocks:
             x = block(x, padding)
@@ -135,8 +142,9 @@ class TorchTrainer:
         return update(), None
 
     @torch.no_grad()
-    def accuracy(self, data: Dataset, batch_size: int = 128) -> float:
-        self.model.eval()
+    def accuracy(self, data: Dataset, batch_size: int = 128, *,
+                 sampled: bool = False) -> float:
+        self.model.train(sampled)
         correct = counted = 0
         for start in range(0, len(data), batch_size):
             part = data.take(np.arange(start, min(len(data), start + batch_size)))
