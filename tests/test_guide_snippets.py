@@ -89,3 +89,15 @@ def test_snippet_runs_alone(page, line, code, tmp_path):
     assert result.returncode == 0, (
         f"the snippet at {page}:{line} failed when run alone:\n{code}\n"
         f"--- stderr ---\n{result.stderr[-4000:]}")
+
+
+def test_pages_hold_no_control_characters():
+    """A TeX escape written through a Python string (``"\\times"``, ``"\\rfloor"``) turns
+    into a tab or a carriage return and breaks the formula silently: no page may hold a
+    control character other than the newline."""
+    control = re.compile(r"[\x00-\x09\x0b-\x1f\x7f]")
+    found = [f"{page.relative_to(ROOT)}:{number}"
+             for page in PAGES if not IGNORED_FOLDERS & set(page.relative_to(ROOT).parts)
+             for number, line in enumerate(page.read_text(encoding="utf-8").split("\n"), 1)
+             if control.search(line)]
+    assert not found, f"control characters at {found}"
