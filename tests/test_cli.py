@@ -80,7 +80,7 @@ def test_compare_end_to_end(tmp_path, npz, capsys):
         draws = 1 if spec.deterministic else 3
         expected = estimator_error(spec.load(), q, k, v, draws=draws, seed=5,
                                    **{spec.sample_keyword: row["samples"] or 1}, **spec.options)
-        assert row["seeds"] == [5, 6, 7][:draws]
+        assert row["seeds"] == {"first": 5, "last": 5 + draws - 1}  # summarized
         for field in ("mse", "bias_squared", "variance", "relative_error"):
             assert row[field] == pytest.approx(getattr(expected, field), rel=1e-9, abs=0)
         assert row["mse"] > 0 and row["time_s"] > 0 and row["peak_memory_bytes"] > 0
@@ -175,6 +175,11 @@ def test_bad_input_files(tmp_path, capsys, case, message):
     (["compare", "--samples", "16,x"], "expected comma-separated ints"),
     (["compare", "--draws", "0"], "expected an int >= 1"),
     (["bench", "--samples", "rfa=0"], "--samples: expected an int >= 1"),
+    (["bench", "--samples", "rfa=4,rfa=8"], "--samples: rfa is given twice (rfa=4 and rfa=8)"),
+    (["bench", "--estimators", "rfa,lara", "--samples", "lara=2,rfa=4,lara=2"],
+     "--samples: lara is given twice"),
+    (["bench", "--samples", "4,8"], "--samples: two counts for all estimators (4 and 8)"),
+    (["compare", "--draws", "1000001"], "argument --draws: expected an int <= 1000000"),
     (["bench", "--time-limit", "-1"], "expected a number >= 0"),
     (["frobnicate"], "invalid choice"),
 ])
@@ -295,6 +300,58 @@ def test_repeated_or_reference_estimators_are_rejected(tmp_path, capsys, command
     assert not list(tmp_path.glob("*.json"))
 
 
+def test_compare_measures_each_sample_count_once(tmp_path, npz, capsys, monkeypatch):
+    """--samples 4,4,8,4: S = 4 and S = 8 are measured once each (in the order given)."""
+    calls = []
+    real = cli.compare.estimator_error
+
+    def counting(estimator, *args, **kwargs):
+        calls.append(kwargs.get("num_features"))
+        return real(estimator, *args, **kwargs)
+
+    monkeypatch.setattr(cli.compare, "estimator_error", counting)
+    code, out, err = run(capsys, "compare", "--input", npz, "--samples", "4,4,8,4",
+                         "--draws", 1, "--estimators", "rfa", "--out", tmp_path,
+                         "--no-progress")
+    assert code == 0, err
+    payload = load_json(tmp_path / "compare.json")
+    assert payload["samples"] == [4, 8]
+    assert [row["samples"] for row in payload["results"]] == [4, 8]
+    assert calls == [None, 4, 8]  # the uniform baseline, then each cell once
+    assert [line.split()[:2] for line in out.splitlines()
+            if line.startswith("rfa ")] == [["rfa", "4"], ["rfa", "8"]]
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("4", {"rfa": 4, "lara": 4}),
+    ("rfa=4,lara=2", {"rfa": 4, "lara": 2}),
+    ("lara=2,4", {"rfa": 4, "lara": 2}),  # the plain int: every estimator not named
+    ("4,lara=2", {"rfa": 4, "lara": 2}),  # ... in either order
+])
+def test_bench_samples_each_estimator_once(tmp_path, capsys, spec, expected):
+    code, _, err = run(capsys, "bench", "--estimators", "rfa,lara", "--lengths", 8,
+                       "--head-dim", 4, "--samples", spec, "--out", tmp_path, "--no-progress")
+    assert code == 0, err
+    payload = load_json(tmp_path / "bench.json")
+    assert payload["samples"] == {"softmax": None, **expected}
+
+
+def test_compare_draws_are_bounded_up_front(tmp_path, capsys, monkeypatch):
+    """A billion draws per cell is refused with one line naming the figure, before any
+    work and without listing the seeds; the bound itself is accepted."""
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started on an absurd --draws")
+
+    for name in ("load_backend", "estimator_error", "output_dir"):
+        monkeypatch.setattr(cli.compare, name, no_work)
+    code, _, err = run(capsys, "compare", "--draws", "1000000000", "--samples", 2,
+                       "--out", tmp_path)
+    assert_usage_error(code, err, "--draws", "1000000000", "<= 1000000")
+    assert not list(tmp_path.iterdir())
+    args = cli.build_parser().parse_args(["compare", "--draws", str(cli.compare.MAX_DRAWS)])
+    assert args.draws == cli.compare.MAX_DRAWS == 10**6
+
+
 def test_bench_measures_each_estimator_once_per_length(tmp_path, capsys):
     code, out, err = run(capsys, "bench", "--estimators", "lara,rfa", "--lengths", "16,8,16",
                          "--head-dim", 4, "--samples", 4, "--out", tmp_path, "--no-progress")
@@ -315,6 +372,7 @@ def unwritable_out_dirs(tmp_path):
     regular_file = tmp_path / "a-file"
     regular_file.write_text("not a directory")
     cases = {"under /proc": Path("/proc/xattn-test/out"),
+             "/proc itself": Path("/proc"),  # exists, but takes no new file, even as root
              "under a file": regular_file / "out",
              "a file": regular_file}
     if hasattr(os, "geteuid") and os.geteuid() != 0:  # root may write anywhere
@@ -336,6 +394,35 @@ def test_unwritable_out_fails_before_any_work(tmp_path, capsys, monkeypatch, com
         code, _, err = run(capsys, command, "--out", out)
         assert_usage_error(code, err, f"--out {out}: cannot")
         assert not Path("/proc/xattn-test").exists(), name
+
+
+@pytest.mark.parametrize("command", ["compare", "bench"])
+@pytest.mark.parametrize("suffix", ["json", "png"])
+def test_output_name_taken_by_a_directory_fails_before_any_work(tmp_path, capsys,
+                                                                 monkeypatch, command, suffix):
+    """DIR/compare.json (or .png) existing as a directory: nothing could be written at the
+    end, so the command fails first, naming it."""
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the output files were checked")
+
+    monkeypatch.setattr(cli.compare, "load_backend", no_work)
+    monkeypatch.setattr(cli.bench, "load_backend", no_work)
+    taken = tmp_path / f"{command}.{suffix}"
+    taken.mkdir()
+    code, _, err = run(capsys, command, "--out", tmp_path)
+    assert_usage_error(code, err, f"--out {tmp_path}: cannot write {taken}: it is a directory")
+    assert taken.is_dir() and list(tmp_path.iterdir()) == [taken]
+
+
+def test_existing_output_files_are_overwritten(tmp_path, npz, capsys):
+    """Regular files of the output names are no obstacle: they are replaced."""
+    for name in ("compare.json", "compare.png"):
+        (tmp_path / name).write_text("old")
+    code, _, err = run(capsys, "compare", "--input", npz, "--samples", 2, "--draws", 1,
+                       "--estimators", "rfa", "--out", tmp_path, "--no-progress")
+    assert code == 0, err
+    assert load_json(tmp_path / "compare.json")["command"] == "compare"
+    check_png(tmp_path / "compare.png")
 
 
 # --- hostile .npz files ---------------------------------------------------------------
@@ -464,8 +551,44 @@ def test_accepted_values_give_strict_json_and_a_plot(tmp_path, capsys, dtype):
     payload = load_json(tmp_path / "compare.json")
     for row in payload["results"]:
         assert row["mse"] is None or np.isfinite(row["mse"])
-    if any(row["mse"] is None for row in payload["results"]):
-        assert "non-finite outputs" in out
+    assert ("non-finite outputs" in out) == any(row["mse"] is None
+                                                for row in payload["results"])
+    check_png(tmp_path / "compare.png")
+
+
+@pytest.mark.parametrize("estimators", ["rfa,lara,ra-det", "rfa,lara"])
+def test_non_finite_rows_are_null_in_the_json_and_left_out_of_the_plot(
+        tmp_path, npz, capsys, monkeypatch, estimators):
+    """Estimators forced to give NaN (rfa) and inf (lara, lara-det) outputs: the run
+    completes (exit 0), their figures are null in strict JSON, the table says so, and
+    the plot is drawn from what is finite (ra-det and the baseline; the baseline alone
+    in the second case)."""
+    real_rfa, real_lara = xattn.rfa, xattn.lara
+
+    def spoiled(function, value):
+        def estimator(*args, **kwargs):
+            out = np.array(function(*args, **kwargs))
+            out[..., 1, 0] = value
+            return out
+        return estimator
+
+    monkeypatch.setattr(xattn, "rfa", spoiled(real_rfa, np.nan))
+    monkeypatch.setattr(xattn, "lara", spoiled(real_lara, np.inf))
+    code, out, err = run(capsys, "compare", "--input", npz, "--samples", "2,4", "--draws", 2,
+                         "--estimators", estimators, "--out", tmp_path, "--no-progress")
+    assert code == 0, err
+    payload = load_json(tmp_path / "compare.json")
+    spoilt = {"rfa", "lara"}
+    names = {row["estimator"] for row in payload["results"]}
+    assert spoilt <= names
+    for row in payload["results"]:
+        figures = [row[field] for field in ("mse", "bias_squared", "relative_error")]
+        if row["estimator"] in spoilt:
+            assert figures == [None, None, None], row
+        else:
+            assert all(np.isfinite(figure) for figure in figures), row
+    assert np.isfinite(payload["baseline"]["mse"])
+    assert "non-finite outputs (rfa S=2, rfa S=4, lara S=2, lara S=4)" in out
     check_png(tmp_path / "compare.png")
 
 

@@ -41,7 +41,8 @@ def test_constant_offset_is_pure_bias(backend, rng):
     assert error.bias_squared == pytest.approx(0.0625, rel=1e-10)
     assert error.variance == pytest.approx(0.0, abs=1e-14)
     assert error.mse == pytest.approx(0.0625, rel=1e-10)
-    assert error.seeds == (4, 5, 6)
+    assert error.seeds == range(4, 7)
+    assert error.as_dict()["seeds"] == {"first": 4, "last": 6}
 
 
 def test_matches_float64_reference_of_the_same_draws(backend, rng):
@@ -79,6 +80,31 @@ def test_int_seed_gives_the_same_figures_on_every_backend(backend, rng):
     assert on_numpy.mse > 0
     for field in ("bias_squared", "variance", "mse", "relative_error"):
         assert getattr(on_backend, field) == pytest.approx(getattr(on_numpy, field), rel=1e-8)
+
+
+@pytest.mark.parametrize("spoilt_draw", [1, 2])
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_non_finite_outputs_give_non_finite_figures_without_warnings(backend, rng, value,
+                                                                     spoilt_draw):
+    """One draw with an inf (or NaN) output element: the figures are not finite, and the
+    running sums raise no floating-point warning (inf - inf in later draws)."""
+    import warnings
+
+    arrays = tuple(map(backend.asarray, make_qkv(rng)))
+    marker = backend.asarray(np.where(np.arange(5) == 2, value, 0.0))  # one column spoilt
+    calls = []
+
+    def spoilt(q, k, v, *, rng):
+        calls.append(rng)
+        out = xattn.softmax_attention(q, k, v)
+        if len(calls) >= spoilt_draw:  # from this draw on
+            out = out + marker
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        error = estimator_error(spoilt, *arrays, draws=3, seed=0)
+    assert not np.isfinite(error.mse) and not np.isfinite(error.relative_error)
 
 
 def test_generator_draws_continue_one_stream(rng):
@@ -178,10 +204,73 @@ def test_bad_arguments():
         estimator_error(lambda q, k, v, rng: q[:2], q, q, q, draws=1)
     with pytest.raises(ValueError, match="seed must be a non-negative int"):
         draw_seeds(-1, 2)
+    with pytest.raises(ValueError, match="seed must be a non-negative int"):
+        draw_seeds(np.int64(-1), 2)
     with pytest.raises(ValueError, match="same D"):
         kernel_mse_positive(np.zeros(3), np.zeros(4), num_features=2)
     with pytest.raises(ValueError, match="num_features must be >= 1"):
         kernel_mse_positive(np.zeros(3), np.zeros(3), num_features=0)
+
+
+@pytest.mark.parametrize("seed", [3, np.int64(3), np.int32(3), np.uint8(3)])
+def test_draw_seeds_takes_python_and_numpy_integers(seed):
+    seeds = draw_seeds(seed, np.int64(4))
+    assert list(seeds) == [3, 4, 5, 6]
+    assert all(type(value) is int for value in seeds)  # plain ints, JSON-ready
+    q = np.zeros((3, 2))
+    error = estimator_error(lambda q, k, v, rng: q, q, q, q, draws=2, seed=seed)
+    assert error.seeds == range(3, 5) and error.as_dict()["seeds"] == {"first": 3, "last": 4}
+
+
+@pytest.mark.parametrize("seed", [3.0, "3", None, True, np.True_, np.float64(3.0),
+                                  np.array([3])])
+def test_draw_seeds_rejects_a_non_integer_seed_with_a_type_error(seed):
+    with pytest.raises(TypeError, match="seed must be a non-negative int"):
+        draw_seeds(seed, 2)
+
+
+def test_many_draws_hold_no_sequence_of_every_seed(rng):
+    """Ten million draws: the seeds are a range (constant size), estimator_error walks it
+    without listing it (a list of them would take hundreds of MiB), and the JSON-ready
+    dict summarizes it (first, last)."""
+    import sys
+    import tracemalloc
+
+    many = 10**7
+    seeds = draw_seeds(5, many)
+    assert len(seeds) == many and seeds[0] == 5 and seeds[-1] == 5 + many - 1
+    assert sys.getsizeof(seeds) < 1000
+
+    q, k, v = make_qkv(rng, num_queries=2, num_keys=2, head_dim=2, value_dim=1)
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def estimator(q, k, v, *, rng):
+        calls.append(rng)
+        if len(calls) == 3:
+            raise Stop
+        return xattn.softmax_attention(q, k, v)
+
+    with pytest.raises(Stop):  # warm-up: first-call caches are not what is measured
+        estimator_error(estimator, q, k, v, draws=3, seed=5)
+    calls.clear()
+    tracemalloc.start()
+    try:
+        with pytest.raises(Stop):  # the third draw stops the run; its start costs nothing
+            estimator_error(estimator, q, k, v, draws=many, seed=5)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert calls == [5, 6, 7]
+    assert peak < 2**20  # a list of the seeds would take hundreds of MiB
+
+    summary = estimator_error(lambda q, k, v, rng: xattn.softmax_attention(q, k, v), q, k, v,
+                              draws=3, seed=5).as_dict()
+    assert summary["seeds"] == {"first": 5, "last": 7} and summary["draws"] == 3
+    no_seeds = estimator_error(xattn.softmax_attention, q, k, v, draws=2, rng_keyword=None)
+    assert no_seeds.as_dict()["seeds"] is None
 
 
 def test_uniform_attention(backend, rng):

@@ -7,6 +7,7 @@ import inspect
 import numpy as np
 import pytest
 
+import xattn
 from layer_cases import (
     BAD_GRID_OPTIONS,
     BAD_OPTION_CASES,
@@ -211,6 +212,88 @@ def test_bad_arguments():
         layer(x, None, x)
     with pytest.raises(ValueError, match="redraw_features needs estimator='rfa'"):
         layer.redraw_features()
+
+
+# --- bool options and flags: NumPy bools accepted, anything else a TypeError naming it ---
+
+
+def bool_options(function):
+    """The parameters of ``function`` annotated ``bool`` (or ``bool | None``), found with
+    :mod:`inspect`."""
+    return [name for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.annotation in (bool, "bool", "bool | None")]
+
+
+_ESTIMATOR_FUNCTIONS = {"softmax": xattn.softmax_attention, "rfa": xattn.rfa, "ra": xattn.ra,
+                        "lara": xattn.lara}
+# (estimator, option): the layer's own bool arguments, and the bool options of each
+# estimator that the layer passes on (**estimator_options)
+CONSTRUCTOR_BOOL_CASES = [
+    *(("rfa", name) for name in bool_options(xflax.MultiHeadAttention.__init__)),
+    *((estimator, name) for estimator, options in _layers.ESTIMATOR_OPTIONS.items()
+      for name in options if name in bool_options(_ESTIMATOR_FUNCTIONS[estimator])),
+]
+CALL_BOOL_CASES = bool_options(xflax.MultiHeadAttention.__call__)
+
+
+def leaf_data(leaf):
+    """A state leaf as a NumPy array (a PRNG key as its key data)."""
+    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        leaf = jax.random.key_data(leaf)
+    return np.asarray(leaf)
+
+
+def test_bool_arguments_are_found():
+    assert {"use_bias", "deterministic"} <= {name for _, name in CONSTRUCTOR_BOOL_CASES}
+    assert ("rfa", "orthogonal") in CONSTRUCTOR_BOOL_CASES
+    assert {"deterministic", "is_causal"} <= set(CALL_BOOL_CASES)
+
+
+@pytest.mark.parametrize("estimator,option", CONSTRUCTOR_BOOL_CASES)
+def test_constructor_bool_options_take_numpy_bools(estimator, option):
+    """np.True_ / np.False_ build the layer a Python bool builds (same state, same
+    output); a str or an int is a TypeError naming the option, at construction."""
+    x = inputs()
+    for flag in (True, False):
+        layers = [make_layer(estimator, **{option: value}) for value in (np.bool_(flag), flag)]
+        states = [nnx.state(layer) for layer in layers]
+        assert jax.tree.structure(states[0]) == jax.tree.structure(states[1])
+        for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1]), strict=True):
+            np.testing.assert_array_equal(*map(leaf_data, (a, b)))
+        np.testing.assert_array_equal(layers[0](x, deterministic=True),
+                                      layers[1](x, deterministic=True))
+    for bad in ("x", 1):
+        with pytest.raises(TypeError, match=rf"{option} must be a bool, got "):
+            make_layer(estimator, **{option: bad})
+
+
+@pytest.mark.parametrize("option", CALL_BOOL_CASES)
+@pytest.mark.parametrize("estimator", ["softmax", "rfa"])
+def test_call_bool_flags_take_numpy_bools(estimator, option):
+    """Each flag of the call gives the same output with np.True_ / np.False_ as with
+    True / False (the same draws in training mode); a str or an int is a TypeError naming
+    the flag, never taken as truthy (is_causal="x" is not causal)."""
+    x = inputs()
+    for flag in (True, False):
+        outputs = [make_layer(estimator)(x, rngs=nnx.Rngs(attention=3), **{option: value})
+                   for value in (np.bool_(flag), flag)]
+        np.testing.assert_array_equal(outputs[0], outputs[1])
+    layer = make_layer(estimator)
+    for bad in ("x", 1):
+        with pytest.raises(TypeError, match=rf"^{option} must be a bool, got "):
+            layer(x, **{option: bad})
+
+
+def test_feature_state_signature_is_the_variables():
+    """FeatureState shows nnx.Variable's constructor arguments, not ``(*args, **kwargs)``
+    of its metaclass."""
+    signature = inspect.signature(xflax.FeatureState)
+    assert next(iter(signature.parameters)) == "value"
+    assert "args" not in signature.parameters
+    assert list(signature.parameters) == list(
+        inspect.signature(nnx.Variable.__init__).parameters)[1:]
+    state = xflax.FeatureState(jnp.ones(3))
+    np.testing.assert_array_equal(state[...], np.ones(3))
 
 
 @pytest.mark.parametrize("estimator,option,value", BAD_OPTION_CASES)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
+import numpy as np
 import pytest
 
+import xattn
 from layer_cases import (
     BAD_GRID_OPTIONS,
     BAD_OPTION_CASES,
@@ -357,6 +360,80 @@ def test_torch_state_dict_loads_strictly(estimator, kdim, bias):
                       if name != missing}
         with pytest.raises(RuntimeError, match=f"Missing key.*{missing}"):
             layer.load_state_dict(incomplete)
+
+
+# --- bool options and flags: NumPy bools accepted, anything else a TypeError naming it ---
+
+
+def bool_options(function):
+    """The parameters of ``function`` annotated ``bool``, found with :mod:`inspect`."""
+    return [name for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.annotation in (bool, "bool", "bool | None")]
+
+
+_ESTIMATOR_FUNCTIONS = {"softmax": xattn.softmax_attention, "rfa": xattn.rfa, "ra": xattn.ra,
+                        "lara": xattn.lara}
+# (estimator, option): the layer's own bool arguments, and the bool options of each
+# estimator that the layer passes on (**estimator_options)
+CONSTRUCTOR_BOOL_CASES = [
+    *(("rfa", name) for name in bool_options(xtorch.MultiheadAttention)),
+    *((estimator, name) for estimator, options in _layers.ESTIMATOR_OPTIONS.items()
+      for name in options if name in bool_options(_ESTIMATOR_FUNCTIONS[estimator])),
+]
+FORWARD_BOOL_CASES = bool_options(xtorch.MultiheadAttention.forward)
+
+
+def outcome(layer, x, **flags):
+    """The output of ``layer(x, x, x, **flags)``, or the type of the error it raises."""
+    try:
+        return layer(x, x, x, **flags)[0]
+    except (TypeError, ValueError) as error:
+        return type(error)
+
+
+def test_bool_arguments_are_found():
+    assert {"bias", "batch_first"} <= {name for _, name in CONSTRUCTOR_BOOL_CASES}
+    assert ("rfa", "orthogonal") in CONSTRUCTOR_BOOL_CASES
+    assert {"need_weights", "is_causal", "average_attn_weights"} <= set(FORWARD_BOOL_CASES)
+
+
+@pytest.mark.parametrize("estimator,option", CONSTRUCTOR_BOOL_CASES)
+def test_constructor_bool_options_take_numpy_bools(estimator, option):
+    """np.True_ / np.False_ build the layer a Python bool builds (same parameters, same
+    output); a str or an int is a TypeError naming the option, at construction."""
+    x = inputs()
+    for flag in (True, False):
+        layers = [make_layer(estimator, **{option: value}).eval()
+                  for value in (np.bool_(flag), flag)]
+        assert layers[0].state_dict().keys() == layers[1].state_dict().keys()
+        for name, tensor in layers[1].state_dict().items():
+            assert torch.equal(layers[0].state_dict()[name], tensor), name
+        torch.testing.assert_close(layers[0](x, x, x)[0], layers[1](x, x, x)[0],
+                                   rtol=0, atol=0)
+    for bad in ("x", 1):
+        with pytest.raises(TypeError, match=rf"{option} must be a bool, got "):
+            make_layer(estimator, **{option: bad})
+
+
+@pytest.mark.parametrize("option", FORWARD_BOOL_CASES)
+@pytest.mark.parametrize("estimator", ["softmax", "rfa"])
+def test_forward_bool_flags_take_numpy_bools(estimator, option):
+    """Each flag of forward behaves the same with np.True_ / np.False_ as with True /
+    False (the same output, or the same error: need_weights=True is refused); a str or an
+    int is a TypeError naming the flag, never taken as truthy (is_causal="x" is not
+    causal, need_weights="x" is not reported as need_weights=True)."""
+    layer = make_layer(estimator).eval()
+    x = inputs()
+    for flag in (True, False):
+        with_numpy = outcome(layer, x, **{option: np.bool_(flag)})
+        with_python = outcome(layer, x, **{option: flag})
+        if isinstance(with_python, type):
+            assert with_numpy is with_python
+        else:
+            torch.testing.assert_close(with_numpy, with_python, rtol=0, atol=0)
+    for bad in ("x", 1, None):
+        with pytest.raises(TypeError, match=rf"^{option} must be a bool, got "):
+            layer(x, x, x, **{option: bad})
 
 
 def test_bad_option_table_covers_every_option():

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
 import xattn
+from xattn.features import sample_omega
+from xattn.mrf import log_partition_rf
 
 
 def good_inputs(batch=(2,), num_queries=5, num_keys=6, head_dim=4, value_dim=3):
@@ -98,37 +102,81 @@ def test_empty_key_set_is_an_error_and_empty_query_set_is_empty():
 
 ESTIMATORS = {
     "softmax": xattn.softmax_attention,
-    "rfa": lambda q, k, v: xattn.rfa(q, k, v, num_features=4, rng=0),
-    "ra": lambda q, k, v: xattn.ra(q, k, v, rng=0),
-    "lara": lambda q, k, v: xattn.lara(q, k, v, num_samples=2, rng=0),
+    "rfa": lambda q, k, v, **o: xattn.rfa(q, k, v, num_features=4, rng=0, **o),
+    "ra": lambda q, k, v, **o: xattn.ra(q, k, v, rng=0, **o),
+    "lara": lambda q, k, v, **o: xattn.lara(q, k, v, num_samples=2, rng=0, **o),
 }
 
 
-@pytest.mark.parametrize("estimator", list(ESTIMATORS))
-@pytest.mark.parametrize("position", [0, 1, 2])
-def test_masked_array_is_rejected_naming_the_argument(estimator, position):
-    """A NumPy masked array as q, k or v (its mask would be silently ignored) is a
-    TypeError naming the argument, whatever the estimator and its mask."""
-    arrays = list(good_inputs())
-    arrays[position] = np.ma.masked_array(arrays[position], mask=arrays[position] > 1.0)
-    name = "qkv"[position]
-    with pytest.raises(TypeError, match=rf"^{name} is a numpy\.ma\.MaskedArray"):
-        ESTIMATORS[estimator](*arrays)
+MASKED_ARGUMENT_CASES = [*((estimator, name) for estimator in ESTIMATORS
+                           for name in ("q", "k", "v", "key_mask")), ("lara", "query_mask")]
 
 
-@pytest.mark.parametrize("option", ["causal", "check_finite"])
-@pytest.mark.parametrize("estimator", ["softmax", "rfa", "ra"])
-def test_numpy_bools_are_accepted_like_python_bools(estimator, option):
-    """Every bool option takes np.True_ / np.False_ and gives the Python-bool result."""
+@pytest.mark.parametrize("estimator,name", MASKED_ARGUMENT_CASES)
+def test_masked_array_is_rejected_naming_the_argument(estimator, name):
+    """A NumPy masked array as q, k, v, key_mask or query_mask (its mask would be
+    silently ignored) is a TypeError naming the argument, whatever the estimator and the
+    masked entries (none, some)."""
     q, k, v = good_inputs()
-    function = {"softmax": xattn.softmax_attention,
-                "rfa": lambda *a, **o: xattn.rfa(*a, num_features=4, rng=0, **o),
-                "ra": lambda *a, **o: xattn.ra(*a, rng=0, **o)}[estimator]
+    arguments = {"q": q, "k": k, "v": v}
+    if name in ("key_mask", "query_mask"):
+        mask = np.ones((2, (k if name == "key_mask" else q).shape[-2]), dtype=bool)
+        mask[:, -1] = False
+        ESTIMATORS[estimator](**arguments, **{name: mask})  # the plain array is fine
+        arguments[name] = mask
+    for hidden in (np.zeros(arguments[name].shape, dtype=bool), arguments[name] != 0):
+        masked = {**arguments, name: np.ma.masked_array(arguments[name], mask=hidden)}
+        with pytest.raises(TypeError, match=rf"^{name} is a numpy\.ma\.MaskedArray"):
+            ESTIMATORS[estimator](**masked)
+
+
+def bool_options(function):
+    """The options of ``function`` annotated ``bool`` (or ``bool | None``), found with
+    :mod:`inspect`, so that a new bool option is checked without editing the test."""
+    return [name for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.annotation in (bool, "bool", "bool | None")]
+
+
+def _bool_option_calls():
+    q, k, v = good_inputs()
+    embeddings = 0.3 * np.random.default_rng(1).normal(size=(4, 3, 4))
+    return {
+        xattn.softmax_attention: lambda **o: xattn.softmax_attention(q, k, v, **o),
+        xattn.rfa: lambda **o: xattn.rfa(q, k, v, num_features=4, rng=0, **o),
+        # deterministic=True needs biased=True: both flags are tried on the biased form
+        xattn.ra: lambda **o: xattn.ra(q, k, v, rng=0, **({"biased": True} | o)),
+        xattn.lara: lambda **o: xattn.lara(q, k, v, num_samples=2, rng=0, **o),
+        sample_omega: lambda **o: sample_omega(0, 4, 4, xp=np, dtype=np.float64, **o),
+        log_partition_rf: lambda **o: log_partition_rf(embeddings, num_features=8, rng=0, **o),
+    }
+
+
+BOOL_OPTION_CALLS = _bool_option_calls()
+BOOL_OPTION_CASES = [pytest.param(function, option, id=f"{function.__name__}-{option}")
+                     for function in BOOL_OPTION_CALLS for option in bool_options(function)]
+
+
+@pytest.mark.parametrize("function", list(BOOL_OPTION_CALLS), ids=lambda f: f.__name__)
+def test_bool_options_are_found_by_their_annotation(function):
+    """The annotation finds every option with a bool default (so none is left out), and
+    every function has one."""
+    found = bool_options(function)
+    defaults = [name for name, parameter in inspect.signature(function).parameters.items()
+                if isinstance(parameter.default, bool)]
+    assert found and set(defaults) <= set(found), (found, defaults)
+
+
+@pytest.mark.parametrize("function,option", BOOL_OPTION_CASES)
+def test_numpy_bools_are_accepted_like_python_bools(function, option):
+    """Every bool option takes np.True_ / np.False_ and gives the Python-bool result;
+    anything else (a str, an int) is a TypeError naming the option."""
+    call = BOOL_OPTION_CALLS[function]
     for flag in (True, False):
-        np.testing.assert_array_equal(function(q, k, v, **{option: np.bool_(flag)}),
-                                      function(q, k, v, **{option: flag}))
-    with pytest.raises(TypeError, match=f"{option} must be a bool, got int"):
-        function(q, k, v, **{option: 1})
+        np.testing.assert_array_equal(call(**{option: np.bool_(flag)}),
+                                      call(**{option: flag}))
+    for bad in ("x", 1, np.int64(0), None):
+        with pytest.raises(TypeError, match=rf"^{option} must be a bool, got "):
+            call(**{option: bad})
 
 
 def test_numpy_scalar_beta_is_accepted():

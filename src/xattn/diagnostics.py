@@ -17,8 +17,10 @@ sharp, clustered inputs of :func:`structured_attention_inputs` by default.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -60,8 +62,10 @@ class EstimatorError:
         and the error is not, ``0.0`` when both are).
     draws : int
         Number of draws :math:`R`.
-    seeds : tuple of int or None
-        The int seed of each draw (``None`` when an explicit generator was used).
+    seeds : range or None
+        The int seeds of the draws, ``seed, seed + 1, ..., seed + draws - 1``, as a
+        :class:`range` (a sequence of ints of constant size, however many draws);
+        ``None`` when an explicit generator was used or nothing was drawn.
     """
 
     bias_squared: float
@@ -69,32 +73,69 @@ class EstimatorError:
     mse: float
     relative_error: float
     draws: int
-    seeds: tuple[int, ...] | None
+    seeds: range | None
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict (``seeds`` as a list)."""
-        result = asdict(self)
-        result["seeds"] = None if self.seeds is None else list(self.seeds)
+        """The fields as a JSON-ready dict.
+
+        ``seeds`` is summarized as ``{"first": seed, "last": seed + draws - 1}`` (the
+        seeds are consecutive), so the dict stays small however many draws were made.
+
+        Examples
+        --------
+        >>> from xattn.diagnostics import EstimatorError
+        >>> error = EstimatorError(0.0, 1.0, 1.0, 0.5, draws=3, seeds=range(7, 10))
+        >>> error.as_dict()["seeds"]
+        {'first': 7, 'last': 9}
+        """
+        result = {name: value for name, value in asdict(self).items() if name != "seeds"}
+        result["seeds"] = (None if self.seeds is None or len(self.seeds) == 0
+                           else {"first": self.seeds[0], "last": self.seeds[-1]})
         return result
 
 
-def draw_seeds(seed: int, draws: int) -> tuple[int, ...]:
+def draw_seeds(seed: int, draws: int) -> range:
     """Int seeds of the ``draws`` independent draws: ``seed, seed + 1, ..., seed + draws - 1``.
 
     An int seed makes every xattn estimator draw with a portable host generator
     (``numpy.random.default_rng(seed)``, whose seeding hashes the seed, so consecutive
     seeds give independent streams), which gives the same numbers on every backend.
 
+    Parameters
+    ----------
+    seed : int
+        The first seed, >= 0 (a Python or NumPy integer).
+    draws : int
+        Number of draws, >= 1.
+
+    Returns
+    -------
+    range
+        The seeds, as a :class:`range`: a sequence of Python ints that takes constant
+        memory however many draws there are (``tuple(...)`` or ``list(...)`` of it lists
+        them).
+
+    Raises
+    ------
+    TypeError
+        ``seed`` or ``draws`` is not an integer (bools included).
+    ValueError
+        ``seed`` is negative or ``draws`` below 1.
+
     Examples
     --------
     >>> from xattn.diagnostics import draw_seeds
     >>> draw_seeds(7, 3)
-    (7, 8, 9)
+    range(7, 10)
+    >>> list(draw_seeds(7, 3))
+    [7, 8, 9]
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be a non-negative int, got {type(seed).__name__} {seed!r}")
+    if seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     draws = check_positive_int(draws, "draws")
-    return tuple(seed + draw for draw in range(draws))
+    return range(int(seed), int(seed) + draws)
 
 
 def estimator_error(
@@ -124,7 +165,8 @@ def estimator_error(
         + \underbrace{\frac{1}{RE} \sum_{r,e} (y^{(r)}_e - \bar y_e)^2}_{\text{variance}}
 
     over the :math:`E` output elements, with :math:`\bar y = \frac1R \sum_r y^{(r)}`.
-    Running sums are kept (Welford's update), so memory does not grow with ``draws``.
+    Running sums are kept (Welford's update), so memory does not grow with ``draws``. A
+    draw with a non-finite output (NaN or inf) makes the figures non-finite (NaN or inf).
     With a ``query_mask`` among the options (:func:`xattn.lara`), only the rows of the
     queries it selects count: masked queries have no defined attention (LARA returns zero
     rows there), so :math:`E` is the number of elements of the valid rows.
@@ -188,8 +230,8 @@ def estimator_error(
     ...     out = xattn.softmax_attention(q, k, v)
     ...     return out + 0.1 * np.random.default_rng(rng).normal(size=out.shape)
     >>> error = estimator_error(noisy, q, k, v, draws=50, seed=0)
-    >>> round(error.variance, 2), error.seeds[:3]
-    (0.01, (0, 1, 2))
+    >>> round(error.variance, 2), list(error.seeds[:3])
+    (0.01, [0, 1, 2])
     >>> bool(abs(error.mse - error.bias_squared - error.variance) < 1e-12)
     True
     """
@@ -202,20 +244,22 @@ def estimator_error(
                              if name in options}
         exact = softmax_attention(q, k, v, **reference_options)
 
+    rngs: Iterable[Any]
+    seeds: range | None
     if rng_keyword is None:
-        rngs: list[Any] = [None] * draws
+        rngs = itertools.repeat(None, draws)
         seeds = None
     elif rng is not None:
         from xattn.random import as_generator
 
         generator = as_generator(rng)
-        rngs = [generator] * draws
+        rngs = itertools.repeat(generator, draws)
         seeds = None
     else:
         if seed is None:
             raise ValueError("pass an int seed or an rng")
         seeds = draw_seeds(seed, draws)
-        rngs = list(seeds)
+        rngs = seeds  # a range: the seeds are never all held at once
 
     mean_residual = None  # running mean over draws of (y_r - y), elementwise
     sum_sq_deviation = None  # running sum over draws of (y_r - mean)^2 (Welford's M2)
@@ -232,7 +276,7 @@ def estimator_error(
             mean_residual = residual
             sum_sq_deviation = xp.zeros_like(residual)
         else:
-            delta = residual - mean_residual
+            delta = _difference_or_nan(xp, residual, mean_residual)
             mean_residual = mean_residual + delta / draw
             sum_sq_deviation = sum_sq_deviation + delta * (residual - mean_residual)
 
@@ -249,6 +293,19 @@ def estimator_error(
         draws=draws,
         seeds=seeds,
     )
+
+
+def _difference_or_nan(xp: Any, a: Array, b: Array) -> Array:
+    """``a - b`` where both are finite, NaN elsewhere.
+
+    A non-finite output makes the figures non-finite either way; computing the difference
+    on finite operands only keeps ``inf - inf`` from raising floating-point warnings
+    (NumPy's ``invalid value encountered in subtract``) draw after draw.
+    """
+    finite = xp.isfinite(a) & xp.isfinite(b)
+    zero = xp.zeros_like(a)
+    difference = xp.where(finite, a, zero) - xp.where(finite, b, zero)
+    return xp.where(finite, difference, xp.full_like(a, math.nan))
 
 
 def _valid_rows_mean(xp: Any, exact: Array, query_mask: Any) -> Callable[[Array], float]:

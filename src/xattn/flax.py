@@ -49,7 +49,23 @@ default_bias_init = nnx.initializers.zeros_init()
 class FeatureState(nnx.Variable):
     """Non-trainable state of :class:`MultiHeadAttention`: the RFA samples and the count
     of training steps since they were drawn (not a :class:`flax.nnx.Param`, so optimizers
-    leave it alone; it is saved and restored with the rest of the state)."""
+    leave it alone; it is saved and restored with the rest of the state).
+
+    Constructed as any :class:`flax.nnx.Variable`: ``FeatureState(value, **metadata)``.
+    """
+
+
+def _variable_signature() -> inspect.Signature:
+    """The signature of ``FeatureState(...)``: ``nnx.Variable.__init__``'s without
+    ``self`` and without the annotations (Flax's type variables, shown as strings)."""
+    parameters = list(inspect.signature(nnx.Variable.__init__).parameters.values())[1:]
+    return inspect.Signature([parameter.replace(annotation=inspect.Parameter.empty)
+                              for parameter in parameters])
+
+
+# nnx.Variable's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature
+# and Sphinx would show as the class signature: expose the constructor's instead.
+FeatureState.__signature__ = _variable_signature()
 
 
 @fill_docstring
@@ -322,7 +338,8 @@ class MultiHeadAttention(LayerCore, nnx.Module):
             dim); causal masking with ``estimator="lara"``; with LARA's ``grid``,
             sequences of other than H W tokens.
         TypeError
-            A ``mask`` that is not boolean.
+            A ``mask`` that is not boolean; ``deterministic`` (when given) or
+            ``is_causal`` not a bool (NumPy bools are accepted).
 
         Examples
         --------
@@ -345,6 +362,9 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         >>> bool(jnp.array_equal(layer(x, deterministic=True), layer(x, deterministic=True)))
         True
         """
+        deterministic = (self.deterministic if deterministic is None
+                         else check_bool(deterministic, "deterministic"))
+        is_causal = check_bool(is_causal, "is_causal")
         if inputs_k is None:
             if inputs_v is not None:
                 raise ValueError("inputs_k cannot be None if inputs_v is given; pass the "
@@ -359,8 +379,6 @@ class MultiHeadAttention(LayerCore, nnx.Module):
             if inputs.shape[-1] != self.in_kv_features:
                 raise ValueError(f"{name} must have {self.in_kv_features} features in its "
                                  f"last dim, got shape {inputs.shape}")
-        if deterministic is None:
-            deterministic = self.deterministic
         key_mask = self._key_mask(mask, inputs_k.shape[-2])
 
         # (batch..., length, heads, head_dim) -> (batch..., heads, length, head_dim)
@@ -376,7 +394,7 @@ class MultiHeadAttention(LayerCore, nnx.Module):
             self.steps_since_redraw[...] = steps
         if self.estimator == "rfa":
             features = self.features[...]
-        heads = self._estimate(q, k, v, key_mask=key_mask, causal=bool(is_causal),
+        heads = self._estimate(q, k, v, key_mask=key_mask, causal=is_causal,
                                training=not deterministic, features=features, rng=key)
         return self.out(jnp.swapaxes(heads, -3, -2))
 

@@ -44,7 +44,10 @@ __doc__ = module_docstring(__doc__, features_home="the buffer ``features`` (save
 
 
 class _DefaultTorchGenerator(Generator):
-    """Draws with torch's default generator of the target device (no global change)."""
+    """Draws with torch's default generator of the target device (the global generator
+    that :func:`torch.manual_seed` seeds): each draw advances it, and so changes
+    ``torch.get_rng_state()`` (or the CUDA generator's state), as ``torch.nn.Dropout``
+    does."""
 
     def normal(self, xp, shape, *, dtype, device=None):
         return torch.randn(tuple(shape), dtype=dtype, device=device)
@@ -389,7 +392,9 @@ class MultiheadAttention(LayerCore, nn.Module):
             other than the causal mask; causal masking with ``estimator="lara"``; with
             LARA's ``grid``, sequences of other than H W tokens.
         TypeError
-            A ``key_padding_mask`` that is neither bool nor float.
+            A ``key_padding_mask`` that is neither bool nor float; ``need_weights``,
+            ``average_attn_weights`` or ``is_causal`` not a bool (NumPy bools are
+            accepted).
 
         Examples
         --------
@@ -414,6 +419,9 @@ class MultiheadAttention(LayerCore, nn.Module):
         ...                     atol=1e-6))
         True
         """
+        need_weights = check_bool(need_weights, "need_weights")
+        check_bool(average_attn_weights, "average_attn_weights")
+        is_causal = check_bool(is_causal, "is_causal")
         if need_weights:
             raise ValueError(
                 "need_weights=True is not supported: xattn's estimators do not materialize "
@@ -445,7 +453,7 @@ class MultiheadAttention(LayerCore, nn.Module):
         key_mask = self._key_mask(key_padding_mask, batch if batched else None, source_length)
         if key_mask is not None and not batched:
             key_mask = key_mask[None]
-        causal = bool(is_causal)
+        causal = is_causal
         if attn_mask is not None and not causal:
             causal = self._is_causal_mask(attn_mask, target_length, source_length)
             if not causal:

@@ -52,8 +52,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         metavar="LIST", help="comma-separated sequence lengths "
                         "(default: 1024,2048,...,65536)")
     parser.add_argument("--samples", default=None, metavar="SPEC",
-                        help="samples per estimator: an int for all, or name=int pairs, "
-                        "capped at N (default: rfa=64,ra=1,lara=64)")
+                        help="samples per estimator: an int for all, name=int pairs (each "
+                        "name once), or both (the int for the others); capped at N "
+                        "(default: rfa=64,ra=1,lara=64)")
     parser.add_argument("--heads", type=positive_int, default=1,
                         help="number of heads (default: 1)")
     parser.add_argument("--head-dim", type=positive_int, default=64,
@@ -70,7 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn bench``."""
-    out_dir = output_dir(args.out)  # before any work
+    out_dir = output_dir(args.out, ("bench.json", "bench.png"))  # before any work
     specs = [SOFTMAX, *estimator_specs(args.estimators)]  # softmax: the reference, once
     functions = {spec.name: spec.load() for spec in specs}
     samples = _bench_samples(args.samples, specs)
@@ -168,12 +169,18 @@ def _check_memory(specs: list[EstimatorSpec], samples: dict[str, int], lengths: 
     require_memory(needs, backend.memory_available(), backend.describe())
 
 
-def _bench_samples(text: str, specs: list[EstimatorSpec]) -> dict[str, int]:
+def _bench_samples(text: str | None, specs: list[EstimatorSpec]) -> dict[str, int]:
+    """The samples of each sampled estimator: ``--samples`` is an int for all, name=int
+    pairs, or both (the int then applies to the estimators not named). An estimator named
+    twice, or two plain ints, is a CommandError: neither value would be clearly the one."""
     samples = {spec.name: spec.bench_samples for spec in specs if spec.sample_keyword}
     if text is None:
         return samples
+    named: dict[str, int] = {}
+    for_all: int | None = None
     for item in text.split(","):
         name, _, count = item.strip().rpartition("=")
+        name = name.strip()
         try:
             value = int(count)
         except ValueError:
@@ -181,9 +188,18 @@ def _bench_samples(text: str, specs: list[EstimatorSpec]) -> dict[str, int]:
         if value < 1 or (name and name not in samples):
             raise CommandError(f"--samples: expected an int >= 1 or name=int pairs for "
                                f"{', '.join(samples)}, got {item.strip()!r}")
-        for key in [name] if name else list(samples):
-            samples[key] = value
-    return samples
+        if name in named:
+            raise CommandError(f"--samples: {name} is given twice ({name}={named[name]} "
+                               f"and {name}={value}); give each estimator once")
+        if not name and for_all is not None:
+            raise CommandError(f"--samples: two counts for all estimators ({for_all} and "
+                               f"{value}); give one, or name=int pairs")
+        if name:
+            named[name] = value
+        else:
+            for_all = value
+    return {name: named.get(name, default if for_all is None else for_all)
+            for name, default in samples.items()}
 
 
 def crossover_length(softmax_rows: list[dict[str, Any]],

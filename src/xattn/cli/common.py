@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import platform
 import sys
 import tempfile
@@ -78,11 +79,13 @@ def environment(backend: Any) -> dict[str, Any]:
             "backend_version": backend.version, "device": backend.device}
 
 
-def output_dir(path: str) -> Path:
+def output_dir(path: str, files: tuple[str, ...] = ()) -> Path:
     """Create the ``--out`` directory and check that a file can be written in it.
 
     Called before any work, so that an unwritable ``--out`` costs nothing; raises
-    CommandError.
+    CommandError. ``files`` are the names the command will write in the directory: each
+    that exists already must be a regular file it may overwrite (not, for example, a
+    directory of that name).
     """
     out = Path(path)
     try:
@@ -96,4 +99,13 @@ def output_dir(path: str) -> Path:
     except OSError as error:
         raise CommandError(f"--out {path}: cannot write in the directory "
                            f"({error.strerror or type(error).__name__})") from None
+    for name in files:
+        target = out / name
+        if target.is_dir():
+            raise CommandError(f"--out {path}: cannot write {target}: it is a directory")
+        if target.exists() and not target.is_file():
+            raise CommandError(f"--out {path}: cannot write {target}: it is not a "
+                               "regular file")
+        if target.exists() and not os.access(target, os.W_OK):
+            raise CommandError(f"--out {path}: cannot write {target}: permission denied")
     return out

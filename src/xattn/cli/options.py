@@ -14,14 +14,22 @@ __all__ = ["add_common_options", "int_at_least", "int_list", "name_list",
 
 
 def int_list(text: str) -> list[int]:
-    """An argparse type: comma-separated ints >= 1."""
+    """An argparse type: comma-separated ints >= 1, each once (a repeated value is kept
+    at its first place, so that nothing is measured twice).
+
+    Examples
+    --------
+    >>> from xattn.cli.options import int_list
+    >>> int_list("4,4,8,4")
+    [4, 8]
+    """
     try:
         values = [int(item) for item in text.split(",") if item.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
     if not values or any(value < 1 for value in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {text!r}")
-    return values
+    return list(dict.fromkeys(values))
 
 
 def name_list(text: str) -> list[str]:
@@ -32,8 +40,9 @@ def name_list(text: str) -> list[str]:
     return names
 
 
-def int_at_least(minimum: int):
-    """An argparse type: an int >= ``minimum``."""
+def int_at_least(minimum: int, maximum: int | None = None, why: str = ""):
+    """An argparse type: an int >= ``minimum`` (and <= ``maximum``, if given; ``why``
+    says why in the message)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -41,6 +50,9 @@ def int_at_least(minimum: int):
             value = minimum - 1
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected an int <= {maximum}{why}, got "
+                                             f"{text!r}")
         return value
     return parse
 
