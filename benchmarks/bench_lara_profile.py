@@ -38,22 +38,10 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 import xattn  # noqa: E402
+from xattn.cli.measure import interleaved_best_wall_and_cpu_times  # noqa: E402
 
 OUT = Path(__file__).with_name("lara_profile_results.json")
 LENGTH, SAMPLES, DIM = 32768, 64, 64
-
-
-def interleaved_best(calls, repeats):
-    for call in calls.values():
-        call()  # warm-up
-    best = {name: {"wall_s": float("inf"), "cpu_s": float("inf")} for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            call()
-            best[name]["cpu_s"] = min(best[name]["cpu_s"], time.process_time() - cpu)
-            best[name]["wall_s"] = min(best[name]["wall_s"], time.perf_counter() - wall)
-    return best
 
 
 def profile(call, runs=5, top=12):
@@ -116,7 +104,7 @@ def main() -> None:
                                            weighting="balance"),
         "rfa": lambda: xattn.rfa(q, k, v, num_features=SAMPLES, rng=0),
     }
-    times = interleaved_best(calls, args.repeats)
+    times = interleaved_best_wall_and_cpu_times(calls, args.repeats)
     ratios = {name: {clock: times[name][clock] / times["rfa"][clock]
                      for clock in ("wall_s", "cpu_s")} for name in times}
     for name in times:

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 THREADS = os.environ.get("BENCH_THREADS", "1")
@@ -38,7 +37,10 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 import xattn  # noqa: E402
-from xattn.cli.measure import tracemalloc_peak  # noqa: E402
+from xattn.cli.measure import (  # noqa: E402
+    interleaved_best_wall_and_cpu_times,
+    tracemalloc_peak,
+)
 
 OUT = Path(__file__).with_name("ra_results.json")
 TIME_SHAPE = (64, 2, 256, 32)  # batch, heads, N = M, D
@@ -54,26 +56,11 @@ def estimators(**ra_options):
     }
 
 
-def interleaved_best(calls, repeats):
-    """Best wall-clock and CPU time of each call over ``repeats`` interleaved rounds (one
-    call of each per round, after one warm-up call each)."""
-    for call in calls.values():
-        call()
-    best = {name: {"wall_s": float("inf"), "cpu_s": float("inf")} for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            call()
-            best[name]["cpu_s"] = min(best[name]["cpu_s"], time.process_time() - cpu)
-            best[name]["wall_s"] = min(best[name]["wall_s"], time.perf_counter() - wall)
-    return best
-
-
 def time_numpy(repeats):
     gen = np.random.default_rng(0)
     q, k, v = (gen.normal(size=TIME_SHAPE).astype(np.float32) for _ in range(3))
     calls = {name: (lambda f=f: f(q, k, v)) for name, f in estimators().items()}
-    return interleaved_best(calls, repeats)
+    return interleaved_best_wall_and_cpu_times(calls, repeats)
 
 
 def time_torch(repeats):
@@ -95,7 +82,7 @@ def time_torch(repeats):
     for name, function in estimators().items():
         calls[f"{name}/forward"] = lambda f=function: forward(f)
         calls[f"{name}/forward+backward"] = lambda f=function: forward_backward(f)
-    return interleaved_best(calls, repeats)
+    return interleaved_best_wall_and_cpu_times(calls, repeats)
 
 
 def memory_numpy(chunk_sizes):

@@ -55,7 +55,13 @@ import xattn  # noqa: E402
 from xattn.cli.bench import crossover_length  # noqa: E402
 from xattn.cli.common import environment, write_json  # noqa: E402
 from xattn.cli.figures import loglog_axes, new_figure, save_figure  # noqa: E402
-from xattn.cli.measure import Measurement, load_backend, loglog_slope, measured  # noqa: E402
+from xattn.cli.measure import (  # noqa: E402
+    Measurement,
+    interleaved_best_wall_and_cpu_times,
+    load_backend,
+    loglog_slope,
+    measured,
+)
 from xattn.cli.memory import rfa_bytes  # noqa: E402
 from xattn.cli.registry import ESTIMATORS, SOFTMAX, EstimatorSpec  # noqa: E402
 
@@ -264,15 +270,7 @@ def lara_rfa_ratio(length: int, repeats: int) -> dict:
     q, k, v = (draw.normal(size=(1, length, DIM)).astype(np.float32) for _ in range(3))
     calls = {"lara": lambda: xattn.lara(q, k, v, num_samples=64, rng=0),
              "rfa": lambda: xattn.rfa(q, k, v, num_features=64, rng=0)}
-    for call in calls.values():
-        call()
-    best = {name: {"wall_s": np.inf, "cpu_s": np.inf} for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            call()
-            best[name]["cpu_s"] = min(best[name]["cpu_s"], time.process_time() - cpu)
-            best[name]["wall_s"] = min(best[name]["wall_s"], time.perf_counter() - wall)
+    best = interleaved_best_wall_and_cpu_times(calls, repeats)
     ratio = {clock: best["lara"][clock] / best["rfa"][clock] for clock in ("wall_s", "cpu_s")}
     print(f"LARA/RFA at N = {length}, C = S = 64, NumPy: wall {ratio['wall_s']:.2f}, "
           f"cpu {ratio['cpu_s']:.2f}", flush=True)

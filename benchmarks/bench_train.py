@@ -28,7 +28,7 @@ import numpy as np
 import xattn
 from xattn._tasks import get_task
 from xattn.cli.figures import loglog_axes, new_figure, save_figure
-from xattn.cli.train import _load_framework
+from xattn.cli.train import load_framework
 from xattn.cli.train_core import RunSpec, attention_options, batches
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     out = Path(args.out or f"benchmarks/train_step_times_{args.framework}")
-    module = _load_framework(args.framework, args.threads)
+    module = load_framework(args.framework, args.threads)
     estimators = args.estimators.split(",")
     results: dict[str, list[dict]] = {name: [] for name in estimators}
     for length in (int(item) for item in args.lengths.split(",")):

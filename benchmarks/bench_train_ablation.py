@@ -80,8 +80,8 @@ def main() -> None:
                            args.steps or settings.steps, settings.batch_size,
                            settings.peak_lr, warmup_fraction=settings.warmup_fraction,
                            evaluate_sampled=True)
-            jobs.append(command._Job(len(jobs) + 1, f"{name} seed {seed}", spec,
-                                     *command._sizes(settings, spec, False)))
+            jobs.append(command.Job(len(jobs) + 1, f"{name} seed {seed}", spec,
+                                     *command.dataset_sizes(settings, spec, False)))
     namespace = argparse.Namespace(framework="torch", threads=args.threads, device="cpu",
                                    progress=False, jobs=args.jobs)
     results = command.run_jobs(jobs, namespace)

@@ -14,7 +14,8 @@ Two inputs, both deterministic:
   share their values).
 
 For each input the script measures the MSE (:func:`xattn.diagnostics.estimator_error`,
-``--draws`` seeded draws) of
+``--draws`` seeded draws) and the relative MSE (``relative_mse``: the MSE over the mean
+square of the exact output) of
 
 * ``rfa`` (window 0, sinks 0) and ``rfa+window`` for each ``--windows`` x ``--sinks``
   at each ``--samples`` (positive features, orthogonal samples);
@@ -138,8 +139,9 @@ def error_grid(q, k, v, windows, sinks_options, samples, draws):
     rows = []
 
     def add(name, window, sinks, num_features, mse):
+        # relative_mse: MSE / mean(exact²), the square of a relative (RMS) error
         rows.append({"estimator": name, "window": window, "sinks": sinks,
-                     "samples": num_features, "mse": mse, "relative_error": mse / mean_square})
+                     "samples": num_features, "mse": mse, "relative_mse": mse / mean_square})
 
     add("uniform", None, None, None, float(np.mean((uniform_attention(q, k, v) - exact) ** 2)))
     for window in windows:

@@ -27,6 +27,7 @@ import pytest
 from array_api_extra.testing import lazy_xp_function, patch_lazy_xp_functions
 
 import xattn
+from xattn._array import host_to_device
 
 CPU_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "dask")
 GPU_BACKENDS = ("cupy", "torch-cuda", "jax-gpu")
@@ -61,15 +62,7 @@ class Backend:
         if dtype is None:
             dtype = {np.dtype(np.float64): self.ns.float64, np.dtype(np.float32): self.ns.float32,
                      np.dtype(bool): self.ns.bool}.get(x.dtype)
-        if self.name.startswith("torch"):
-            import torch
-
-            return torch.as_tensor(x, device=self.device).to(dtype)
-        if self.name.startswith("jax"):
-            import jax
-
-            return jax.device_put(self.ns.asarray(x, dtype=dtype), self.device)
-        return self.ns.asarray(x, dtype=dtype, device=self.device)
+        return host_to_device(self.ns, x, dtype=dtype, device=self.device)
 
     def half_dtype(self) -> Any:
         """The half-precision dtype to test: bfloat16 where the library has it (torch,

@@ -250,6 +250,22 @@ def test_working_memory_does_not_grow_with_samples():
         assert peak < draws + 12 * chunk_array, (num_samples, peak / 2**20)
 
 
+def test_working_memory_at_the_size_of_the_memory_issue():
+    """NumPy, tracemalloc, the shape of the issue on RA's memory: S = 64 samples,
+    N = M = 512, 12 heads, D = 64, float32. The peak (inputs excluded) is measured at
+    294 MiB, most of it the draws (a uniform and D normals for each of the 12 x 512 x 64
+    (query, sample) pairs), the rest a few (12, chunk_size, M) arrays; it must stay under
+    400 MiB (``benchmarks/bench_ra.py`` reports the same figure). About 7 s."""
+    from xattn.cli.measure import tracemalloc_peak
+
+    gen = np.random.default_rng(0)
+    q, k, v = (gen.normal(size=(12, 512, 64)).astype(np.float32) for _ in range(3))
+    xattn.ra(q[:, :2], k, v, rng=0)  # first-call allocations (imports, caches)
+    out, peak = tracemalloc_peak(lambda: xattn.ra(q, k, v, num_samples=64, rng=0))
+    assert out.shape == (12, 512, 64) and out.dtype == np.float32
+    assert peak < 400 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+
+
 def test_dask_causal_keeps_the_keys_chunked():
     """On Dask, the causal mask, the last allowed key and the one-hot selection of k_z
     are built from key positions chunked like the keys: no task holds a block spanning

@@ -109,7 +109,14 @@ def check_bool(value: Any, name: str) -> bool:
 
 
 def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
-    """Return ``value`` if it is one of ``choices``, else raise ``ValueError``."""
+    """Return ``value`` if it is one of the strings ``choices``, else raise.
+
+    A value that is not a ``str`` is a ``TypeError``; a string not among ``choices`` is a
+    ``ValueError``. Both messages name the argument and list the choices.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {', '.join(map(repr, choices))}; "
+                        f"got {type(value).__name__} {value!r}")
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value

@@ -357,7 +357,9 @@ def lara(
         over queries in :math:`r_{nc}`. The (N, C) and (M, C) temporaries are then
         ``(chunk_size, C)`` and stay in cache; the per-piece exponentials of that first
         pass, (N, C) in all, are kept for the second and released piece by piece, so the
-        peak working memory is about the output (its pieces and their concatenation).
+        peak working memory is about the output (its pieces and their concatenation)
+        plus, when C > Dv, the (N, C - Dv) excess of those exponentials (none with
+        ``weighting="balance"``).
         The result does not depend on ``chunk_size`` beyond rounding. Dask arrays are one
         piece (Dask computes them chunk by chunk).
     check_finite : bool
@@ -377,7 +379,8 @@ def lara(
         M is not H W or a pool size exceeds its grid side.
     TypeError
         If ``num_samples`` is not an int (a pair ``(c_h, c_w)`` without ``grid``, or an
-        int with ``grid``), or ``grid`` is not a pair of ints.
+        int with ``grid``), ``grid`` is not a pair of ints, or ``proposal`` /
+        ``weighting`` is not a string.
 
     See Also
     --------

@@ -25,12 +25,14 @@ import numpy as np
 import xattn
 from xattn._array import Array, check_bool, check_choice, check_positive_int, compute_dtype
 from xattn._rfa import default_num_features
-from xattn._segments import _pair_of_ints, check_segments
+from xattn._segments import check_segments, pair_of_ints
 from xattn.features import SAMPLE_NORMS, sample_omega
 
 __all__ = [
     "DEFAULT_LARA_SAMPLES",
     "ESTIMATORS",
+    "ESTIMATOR_OPTIONS",
+    "PROBE_LENGTH",
     "LayerCore",
     "attend",
     "check_estimator",
@@ -54,9 +56,9 @@ ESTIMATOR_OPTIONS = {
     "lara": ("num_samples", "grid", "proposal", "weighting", "beta", "noise_scale", "scale"),
 }
 # RFA options used when drawing the features rather than when calling the estimator.
-FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
+_FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
 # Sample counts: checked here, since the probe of a short input would cap LARA's count.
-COUNT_OPTIONS = {"rfa": "num_features", "ra": "num_samples"}
+_COUNT_OPTIONS = {"rfa": "num_features", "ra": "num_samples"}
 
 DEFAULT_LARA_SAMPLES = 16
 """Default number of LARA proposals C (capped at the query length); with ``grid=(H, W)``,
@@ -93,21 +95,21 @@ def check_estimator(estimator: Any, options: dict[str, Any], redraw_interval: An
             f"{list(allowed)} (masks, causal mode, rng, omega and the train/eval switches "
             "are set by the layer)"
         )
-    if estimator in COUNT_OPTIONS and COUNT_OPTIONS[estimator] in options:
-        check_positive_int(options[COUNT_OPTIONS[estimator]], COUNT_OPTIONS[estimator])
+    if estimator in _COUNT_OPTIONS and _COUNT_OPTIONS[estimator] in options:
+        check_positive_int(options[_COUNT_OPTIONS[estimator]], _COUNT_OPTIONS[estimator])
     if estimator == "lara":  # C, or the pair (c_h, c_w) with grid=(H, W)
         grid = options.get("grid")
-        tokens = math.prod(grid) if _pair_of_ints(grid) else 0
-        check_segments(lara_num_samples(options), grid, tokens, tokens, "the layer's grid")
+        tokens = math.prod(grid) if pair_of_ints(grid) else 0
+        check_segments(_lara_num_samples(options), grid, tokens, tokens, "the layer's grid")
 
 
-def lara_num_samples(options: dict[str, Any]) -> Any:
+def _lara_num_samples(options: dict[str, Any]) -> Any:
     """LARA's ``num_samples`` option, or its default: :data:`DEFAULT_LARA_SAMPLES`, or
     ``(4, 4)`` capped at the grid ``(H, W)``."""
     if "num_samples" in options:
         return options["num_samples"]
     grid = options.get("grid")
-    if _pair_of_ints(grid):
+    if pair_of_ints(grid):
         side = math.isqrt(DEFAULT_LARA_SAMPLES)
         return (min(side, grid[0]), min(side, grid[1]))
     return DEFAULT_LARA_SAMPLES
@@ -136,7 +138,7 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
         return xattn.softmax_attention(q, k, v, key_mask=key_mask, causal=causal, **options)
     if estimator == "rfa":
         call_options = {name: value for name, value in options.items()
-                        if name not in FEATURE_OPTIONS}
+                        if name not in _FEATURE_OPTIONS}
         sinks = call_options.get("sinks")
         if isinstance(sinks, numbers.Integral) and not isinstance(sinks, bool):
             call_options["sinks"] = min(int(sinks), k.shape[-2])  # at most every key a sink
@@ -151,7 +153,7 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
         raise ValueError("estimator 'lara' has no causal mode; use 'rfa', 'ra' or "
                          "'softmax' with is_causal=True")
     call_options = dict(options)
-    num_samples = lara_num_samples(call_options)
+    num_samples = _lara_num_samples(call_options)
     call_options.pop("num_samples", None)
     if call_options.get("grid") is None:  # C capped at the query length (at least 1)
         num_samples = min(num_samples, max(q.shape[-2], 1))
@@ -204,7 +206,7 @@ class LayerCore:
         options = self.estimator_options
         length = PROBE_LENGTH
         if options.get("grid") is not None:  # the smallest grid that holds the c_h x c_w bins
-            pools = tuple(lara_num_samples(options))
+            pools = tuple(_lara_num_samples(options))
             options = {**options, "grid": pools, "num_samples": pools}
             length = math.prod(pools)
         probe = np.zeros((1, length, self.head_dim), dtype=np.float32)

@@ -19,7 +19,7 @@ def finite_shift(xp: Any, maxima: Array) -> Array:
     A maximum is ``-inf`` when every entry it covers is masked; shifting by 0 then keeps
     ``exp(logit - shift)`` at ``exp(-inf) = 0`` for those entries instead of NaN.
     """
-    return xp.where(maxima == -xp.inf, xp.zeros_like(maxima), maxima)
+    return xp.where(maxima == -xp.inf, 0.0, maxima)
 
 
 def masked_softmax(xp: Any, logits: Array, allowed: Array | None = None, *, axis: int = -1,

@@ -125,6 +125,7 @@ def _gather_keys(xp: Any, k_hat: Array, component: Array, key_positions: Array,
     if hasattr(xp, "take_along_axis"):
         keys = xp.broadcast_to(k_hat, (*batch, *k_hat.shape[-2:]))
         return xp.take_along_axis(keys, component[..., None], axis=-2)
+    # not xpx.one_hot: it compares with an unchunked arange(M), one Dask block of all keys
     one_hot = xp.astype(component[..., None] == key_positions, k_hat.dtype)  # (..., R, M)
     return one_hot @ k_hat
 

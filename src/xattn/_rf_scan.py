@@ -145,7 +145,7 @@ def _lower_triangle(xp: Any, size: int, device: Any, *, strict: bool) -> Array:
     return rows > columns if strict else rows >= columns
 
 
-def key_validity(xp: Any, key_mask: Array | None, first_key: int, start: int, stop: int,
+def _key_validity(xp: Any, key_mask: Array | None, first_key: int, start: int, stop: int,
                  device: Any) -> Array | None:
     """Boolean (..., stop - start): keys that take part (``key_mask``, and ``m >= first_key``)."""
     valid = None
@@ -370,7 +370,7 @@ def _key_inputs(xp: Any, mapping: Any, k: Array, v: Array, root_scale: float,
     device = array_api_compat.device(k)
     values, value_poison = value_columns(xp, v[..., start:stop, :])
     keys, key_poison = finite_rows(xp, k[..., start:stop, :])
-    valid = key_validity(xp, key_mask, first_key, start, stop, device)
+    valid = _key_validity(xp, key_mask, first_key, start, stop, device)
     return mapping.keys(root_scale * keys, valid, key_poison + value_poison), values
 
 

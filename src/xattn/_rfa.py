@@ -264,8 +264,8 @@ def rfa(
         errors of :func:`xattn.softmax_attention`.
     TypeError
         Non-integer ``num_features``, ``block_size``, ``chunk_size``, ``window`` or
-        ``sinks``, non-bool ``causal`` or ``orthogonal``, ``omega`` from another library
-        or not floating.
+        ``sinks``, non-bool ``causal`` or ``orthogonal``, non-string ``feature_map`` or
+        ``sample_norm``, ``omega`` from another library or not floating.
 
     Warns
     -----

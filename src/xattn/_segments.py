@@ -25,7 +25,7 @@ from typing import Any
 
 from xattn._array import Array, index_sizes, one_chunk_along
 
-__all__ = ["adaptive_bins", "check_segments", "segment_means"]
+__all__ = ["adaptive_bins", "check_segments", "pair_of_ints", "segment_means"]
 
 
 def adaptive_bins(length: int, parts: int) -> list[tuple[int, int]]:
@@ -43,7 +43,9 @@ def adaptive_bins(length: int, parts: int) -> list[tuple[int, int]]:
     return [((i * length) // parts, -((-(i + 1) * length) // parts)) for i in range(parts)]
 
 
-def _pair_of_ints(value: Any) -> bool:
+def pair_of_ints(value: Any) -> bool:
+    """True if ``value`` is a tuple or list of two ints (bools excluded): a grid
+    ``(H, W)`` or a pair of pool sizes ``(c_h, c_w)``."""
     return (isinstance(value, tuple | list) and len(value) == 2
             and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in value))
 
@@ -72,13 +74,13 @@ def check_segments(num_samples: Any, grid: Any, num_queries: int, num_keys: int,
             raise ValueError(f"num_samples (C = {count}) must be <= the number of queries "
                              f"N = {num_queries} ({shapes})")
         return count, None, None
-    if not _pair_of_ints(grid):
+    if not pair_of_ints(grid):
         raise TypeError(f"grid must be a pair (H, W) of ints, got {type(grid).__name__} "
                         f"{grid!r}")
     height, width = (int(x) for x in grid)
     if height < 1 or width < 1:
         raise ValueError(f"grid (H, W) must hold positive ints, got {grid!r}")
-    if not _pair_of_ints(num_samples):
+    if not pair_of_ints(num_samples):
         raise TypeError(f"with grid=(H, W), num_samples must be a pair (c_h, c_w) of ints "
                         f"(c_h * c_w segments, the bins of 2-D adaptive average pooling), got "
                         f"{type(num_samples).__name__} {num_samples!r}")
@@ -130,7 +132,7 @@ def _segment_membership(xp: Any, mask: Array, length: int, num_segments: int,
     segment = xp.where(
         rank < in_long_segments,
         rank // (base + 1),
-        extra + (rank - in_long_segments) // xp.maximum(base, xp.ones_like(base)),
+        extra + (rank - in_long_segments) // xp.maximum(base, 1),
     )
     segment_ids = xp.arange(num_segments, device=device)
     member = (segment[..., None, :] == xp.astype(segment_ids, segment.dtype)[:, None]) & (

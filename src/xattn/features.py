@@ -331,12 +331,10 @@ def sample_omega(
     num_blocks = math.ceil(num_features / dim)
     gaussian = generator.normal(xp, (num_blocks, dim, dim), dtype=dtype, device=device)
     q_factor, r_factor = qr(xp, gaussian)
-    identity = xp.eye(dim, dtype=dtype, device=device)
-    r_diagonal = xp.sum(r_factor * identity, axis=-1)  # (blocks, D)
-    ones = xp.ones_like(r_diagonal)
-    signs = xp.where(r_diagonal < 0, -ones, ones)
+    r_diagonal = xp.linalg.diagonal(r_factor)  # (blocks, D)
     # columns of Q * sign(diag R) form a Haar-distributed orthogonal matrix; take them as rows
-    directions = xp.matrix_transpose(q_factor * signs[..., None, :])
+    haar_orthogonal = xp.where(r_diagonal[..., None, :] < 0, -q_factor, q_factor)
+    directions = xp.matrix_transpose(haar_orthogonal)
     directions = xp.reshape(directions, (num_blocks * dim, dim))[:num_features, :]
     if norm == "sqrt_dim":
         return directions * math.sqrt(dim)

@@ -1,8 +1,7 @@
 r"""Partition functions of linear-chain Markov random fields, exact and linearized.
 
 A linear-chain MRF over variables :math:`x_0, \dots, x_{T-1} \in \mathcal X` with
-embeddings :math:`e_t(x) \in \mathbb R^n` ("RFF for MRFs", 2020, §2.1) has pairwise
-potentials only,
+embeddings :math:`e_t(x) \in \mathbb R^n` has pairwise potentials only,
 
 .. math::
 
@@ -10,16 +9,17 @@ potentials only,
     \psi_t(a, b) = \exp\big(e_{t-1}(a) \cdot e_t(b)\big), \qquad
     Z = \sum_{x_0, \dots, x_{T-1}} \prod_{t=1}^{T-1} \psi_t(x_{t-1}, x_t),
 
-with no unary potentials and no initial distribution (every :math:`x_0` has weight 1),
-exactly as in the note's example for :math:`T = 3` (its eq. 3).
+with no unary potentials and no initial distribution (every :math:`x_0` has weight 1).
+The user guide, :doc:`/guide/mrf`, derives everything below from this model.
 
 * :func:`log_partition` computes :math:`\log Z` exactly by a log-space forward pass in
   :math:`O(T |\mathcal X|^2 n)`.
 * :func:`log_partition_rf` replaces every potential by positive random features,
   :math:`\psi_t(a, b) \approx \phi(e_{t-1}(a)) \cdot \phi(e_t(b))` with
   :math:`\phi(e) = \exp(\omega e - \lVert e \rVert^2 / 2) / \sqrt d`
-  (Choromanski et al., ICLR 2021), and
-  reorders the sums ("RFF for MRFs", eq. 3):
+  (Choromanski et al., ICLR 2021; random features of the exponential kernel as in
+  Rawat et al., NeurIPS 2019), and reorders the sums, since an interior :math:`x_t`
+  appears in two potentials and the ends in one:
 
   .. math::
 
@@ -115,8 +115,8 @@ def log_partition(embeddings: Array) -> Array:
         \log Z = \log \sum_{x_0, \dots, x_{T-1}} \prod_{t=1}^{T-1}
         \exp\big(e_{t-1}(x_{t-1}) \cdot e_t(x_t)\big)
 
-    (no unary potentials, weight 1 for every :math:`x_0`; "RFF for MRFs" §2.1), by the forward
-    recursion in log space, :math:`\log\alpha_0 = 0`,
+    (no unary potentials, weight 1 for every :math:`x_0`; the model of :doc:`/guide/mrf`),
+    by the forward recursion in log space, :math:`\log\alpha_0 = 0`,
 
     .. math::
 
@@ -187,8 +187,9 @@ def _sequential_log_partition(xp: Any, log_out: Array, log_in: Array) -> Array:
     position ``t`` for the potential :math:`\psi_{t+1}` on its right, and
     ``log_in[..., t - 1, x, k]`` is :math:`\log \phi^{(t)}_k(e_t(x))`, those for the
     potential :math:`\psi_t` on its left (the same features when all potentials share one
-    :math:`\omega`). The message :math:`\beta_t \in \mathbb R^d` ("RFF for MRFs" eq. 3,
-    read left to right) is kept as :math:`\log \beta_t`, so every feature tracks its scale:
+    :math:`\omega`). The message :math:`\beta_t \in \mathbb R^d` (the product of feature
+    sums of :func:`log_partition_rf`, read left to right) is kept as :math:`\log \beta_t`,
+    so every feature tracks its scale:
 
     .. math::
 
@@ -293,8 +294,9 @@ def log_partition_rf(
     default, so every row is marginally :math:`N(0, I_n)`). With ``samples="per_edge"``
     (default) every potential :math:`\psi_t` gets its own independent matrix
     :math:`\omega^{(t)}` (features :math:`\phi^{(t)}`); with ``samples="shared"`` one
-    matrix serves every position, as in "RFF for MRFs". The sums are then reordered ("RFF for
-    MRFs", eq. 3; shown for shared features, per edge
+    matrix serves every position. The sums are then reordered, since an interior
+    :math:`x_t` appears in two potentials and the ends in one (derived in
+    :doc:`/guide/mrf`; shown for shared features, per edge
     :math:`M_t = \sum_x \phi^{(t)}(e_t(x)) \phi^{(t+1)}(e_t(x))^\top` and the end vectors
     use :math:`\phi^{(1)}`, :math:`\phi^{(T-1)}`):
 
@@ -339,8 +341,9 @@ def log_partition_rf(
     samples : {"per_edge", "shared"}
         ``"per_edge"`` (default): an independent sample matrix for each of the ``T - 1``
         potentials, so the estimate of :math:`Z` is unbiased. ``"shared"``: one matrix for
-        every position (the note's construction). Drawn from ``rng`` in order of the
-        potentials (for ``"shared"``, exactly the draws of earlier versions).
+        every position (the product above as written, with one :math:`\phi`). Drawn from
+        ``rng`` in order of the potentials (for ``"shared"``, exactly the draws of earlier
+        versions).
 
     Returns
     -------
@@ -355,7 +358,8 @@ def log_partition_rf(
         whose last dim is not ``n``, whose row count disagrees with ``num_features`` or
         (per edge) whose axis -3 is not ``T - 1``, an unknown ``method`` or ``samples``.
     TypeError
-        Non-integer ``num_features``, non-floating dtypes, arrays from two libraries.
+        Non-integer ``num_features``, non-string ``method`` or ``samples``, non-floating
+        dtypes, arrays from two libraries.
 
     See Also
     --------
@@ -364,17 +368,16 @@ def log_partition_rf(
 
     References
     ----------
-    .. [1] "RFF for MRFs", technical note, 2020, eq. 3 (random features of the pairwise
-       potentials; unpublished, derived in full in :doc:`/guide/mrf`).
-    .. [2] A. S. Rawat, J. Chen, F. X. Yu, A. T. Suresh, S. Kumar, "Sampled Softmax with
+    .. [1] A. S. Rawat, J. Chen, F. X. Yu, A. T. Suresh, S. Kumar, "Sampled Softmax with
        Random Fourier Features", NeurIPS 2019. https://arxiv.org/abs/1907.10747
-    .. [3] K. Choromanski et al., "Rethinking Attention with Performers", ICLR 2021
+    .. [2] K. Choromanski et al., "Rethinking Attention with Performers", ICLR 2021
        (positive random features). https://arxiv.org/abs/2009.14794
-    .. [4] J. T. Chiu, Y. Deng, A. M. Rush, "Low-Rank Constraints for Fast Inference in
+    .. [3] J. T. Chiu, Y. Deng, A. M. Rush, "Low-Rank Constraints for Fast Inference in
        Structured Models", NeurIPS 2021 (the same idea for HMMs).
        https://arxiv.org/abs/2201.02715
 
-    All papers: :doc:`/bibliography`.
+    The construction and its bias are derived in :doc:`/guide/mrf`; all papers:
+    :doc:`/bibliography`.
 
     Examples
     --------

@@ -20,7 +20,7 @@ import numpy as np
 
 from xattn._tasks import digits, listops, mqar
 
-__all__ = ["TASKS", "Dataset", "Task", "get_task"]
+__all__ = ["LISTOPS_MIN_LENGTH", "TASKS", "Dataset", "Task", "get_task"]
 
 TASKS = ("mqar", "listops", "digits")
 

@@ -26,6 +26,7 @@ import numpy as np
 __all__ = [
     "CLOSE",
     "OPERATORS",
+    "OPERATOR_IDS",
     "PAD",
     "VOCABULARY_SIZE",
     "evaluate",

@@ -1,11 +1,15 @@
-"""The ``xattn`` command: ``xattn compare`` and ``xattn bench``.
+"""The ``xattn`` command: ``xattn compare``, ``xattn bench`` and ``xattn train``.
 
 ``xattn compare`` measures how well each randomized estimator approximates exact softmax
 attention (MSE, relative error, time, peak memory) as the number of samples grows, next
 to the trivial uniform-attention baseline, and writes a table, a PNG and a JSON file.
 ``xattn bench`` measures time and peak memory against sequence length for every
 estimator, exact softmax included, and reports where each linear-time estimator
-overtakes exact softmax. Run ``xattn compare --help`` for the options.
+overtakes exact softmax. ``xattn train`` trains a small Long Range Arena model with
+each estimator as its attention (through :mod:`xattn.torch` or :mod:`xattn.flax`) on its
+tasks (MQAR, ListOps, digits) and reports test accuracy, training loss, time per step and
+peak memory. Run
+``xattn <command> --help`` for the options.
 
 This package is the application around the library: it may import array libraries
 (lazily, only the chosen backend), synchronize devices for timing and read their memory
@@ -18,8 +22,15 @@ Modules, one concern each:
   peak memory; :mod:`xattn.cli.figures`: the Agg figures (both also used by
   ``benchmarks/``); :mod:`xattn.cli.memory`: memory estimates, checked before a run;
 * :mod:`xattn.cli.inputs`: reading and validating ``--input`` files;
-* :mod:`xattn.cli.compare`, :mod:`xattn.cli.bench`: the sub-commands, each with
-  ``add_parser(subparsers)`` and ``run(args)``;
+* :mod:`xattn.cli.compare`, :mod:`xattn.cli.bench`, :mod:`xattn.cli.train`: the
+  sub-commands, each with ``add_parser(subparsers)`` and ``run(args)``;
+* :mod:`xattn.cli.train_core`: the framework-independent part of ``xattn train`` (run
+  configuration, schedule, batching, the training loop); :mod:`xattn.cli.train_torch`,
+  :mod:`xattn.cli.train_flax`: the model and training step in each framework (imported
+  only for the chosen ``--framework``); :mod:`xattn.cli.train_report`: its table, JSON
+  and figure;
+* :mod:`xattn.cli.common`, :mod:`xattn.cli.options`: what the sub-commands share (the
+  usage error, output helpers, argument types and common options);
 * :mod:`xattn.cli.parser`: the argument parser and :func:`main`.
 """
 

@@ -29,7 +29,7 @@ from xattn.cli.options import (
 )
 from xattn.cli.registry import SOFTMAX, EstimatorSpec, estimator_specs
 
-__all__ = ["add_parser", "crossover_length", "run"]
+__all__ = ["DEFAULT_LENGTHS", "add_parser", "crossover_length", "run"]
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 

@@ -32,7 +32,7 @@ from xattn.diagnostics import (
     uniform_attention,
 )
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_SAMPLES", "MAX_DRAWS", "add_parser", "run"]
 
 DEFAULT_SAMPLES = (16, 32, 64, 128, 256)
 # Draws per cell: beyond this the run would take days (each draw is a full estimator

@@ -24,10 +24,10 @@ from xattn.cli.memory import format_size
 
 __all__ = ["largest_safe_value", "load_inputs", "validate_inputs"]
 
-NAMES = ("q", "k", "v")
-READABLE_COMPRESSION = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2,
-                        zipfile.ZIP_LZMA)
-NPZ_HINT = "save one with numpy.savez(path, q=q, k=k, v=v)"
+_NAMES = ("q", "k", "v")
+_READABLE_COMPRESSION = (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2,
+                         zipfile.ZIP_LZMA)
+_NPZ_HINT = "save one with numpy.savez(path, q=q, k=k, v=v)"
 
 
 def load_inputs(path: str, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -47,15 +47,15 @@ def load_inputs(path: str, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarr
         except OSError as error:
             raise CommandError(f"{path}: cannot read it as an .npz file "
                                f"({error.strerror or type(error).__name__})") from None
-        raise CommandError(f"{path}: not an .npz archive ({NPZ_HINT})")
+        raise CommandError(f"{path}: not an .npz archive ({_NPZ_HINT})")
     try:
         with zipfile.ZipFile(path) as archive:
             members = {info.filename.removesuffix(".npy"): info for info in archive.infolist()}
-            missing = [name for name in NAMES if name not in members]
+            missing = [name for name in _NAMES if name not in members]
             if missing:
                 raise CommandError(f"{path}: missing array(s) {', '.join(missing)}; expected "
                                    f"q, k, v, found {', '.join(members) or 'none'}")
-            arrays = [_read_member(path, archive, members[name], name) for name in NAMES]
+            arrays = [_read_member(path, archive, members[name], name) for name in _NAMES]
     except CommandError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError,
@@ -70,8 +70,8 @@ def _read_member(path: str, archive: zipfile.ZipFile, info: zipfile.ZipInfo,
                  name: str) -> np.ndarray:
     where = f"{path}: array {name} ({info.filename})"
     if info.flag_bits & 0x1:
-        raise CommandError(f"{where} is encrypted; save the arrays unencrypted ({NPZ_HINT})")
-    if info.compress_type not in READABLE_COMPRESSION:
+        raise CommandError(f"{where} is encrypted; save the arrays unencrypted ({_NPZ_HINT})")
+    if info.compress_type not in _READABLE_COMPRESSION:
         method = zipfile.compressor_names.get(info.compress_type, "unknown")
         raise CommandError(f"{where} uses compression method {info.compress_type} "
                            f"({method}), which cannot be read; use numpy.savez or "
@@ -129,8 +129,8 @@ def validate_inputs(q: Any, k: Any, v: Any, dtype: str,
                     source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cast NumPy ``q``, ``k``, ``v`` to ``dtype``; check shapes and values after it.
 
-    The shapes are checked by the library's own input validation
-    (:func:`xattn._array.prepare_attention`), with ``source`` in front of its message.
+    The shapes are checked as every estimator checks its inputs (the errors listed
+    under :func:`xattn.softmax_attention`), with ``source`` in front of the message.
     """
     arrays = {"q": q, "k": k, "v": v}
     for name, array in arrays.items():

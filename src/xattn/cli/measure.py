@@ -8,8 +8,9 @@ Used by ``xattn compare``, ``xattn bench`` and the scripts in ``benchmarks/``:
 * :class:`Measurement` and :func:`measured` time the calls of a function (the first call
   warms up and measures memory);
 * :func:`tracemalloc_peak` and :func:`rss_peak` measure host memory;
-  :func:`best_time`, :func:`interleaved_best_times` and :func:`loglog_slope` are the
-  benchmark scripts' timing helpers;
+  :func:`best_time`, :func:`interleaved_best_times`,
+  :func:`interleaved_best_wall_and_cpu_times` and :func:`loglog_slope` are the benchmark
+  scripts' timing helpers;
 * the figures are drawn with :mod:`xattn.cli.figures`.
 """
 
@@ -37,8 +38,8 @@ from xattn.cli import memory
 from xattn.cli.common import CommandError
 
 __all__ = ["BACKENDS", "Backend", "Measurement", "allocator_peak", "best_time",
-           "interleaved_best_times", "load_backend", "loglog_slope", "measured", "rss_peak",
-           "tracemalloc_peak"]
+           "interleaved_best_times", "interleaved_best_wall_and_cpu_times", "load_backend",
+           "loglog_slope", "measured", "native_stderr_silenced", "rss_peak", "tracemalloc_peak"]
 
 BACKENDS = ("numpy", "torch", "jax", "cupy", "dask")
 
@@ -161,7 +162,7 @@ def _no_peak(run: Callable[[], Any]) -> tuple[Any, None]:
 
 
 @contextlib.contextmanager
-def _native_stderr_silenced() -> Iterator[None]:
+def native_stderr_silenced() -> Iterator[None]:
     """Silence file descriptor 2 (the torch profiler's native start/stop log lines)."""
     sys.stderr.flush()
     saved = os.dup(2)
@@ -206,12 +207,12 @@ def _torch_cpu_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
     from torch.profiler import ProfilerActivity, profile
 
     profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _native_stderr_silenced():
+    with native_stderr_silenced():
         profiler.start()
     try:
         result = run()
     finally:
-        with _native_stderr_silenced():
+        with native_stderr_silenced():
             profiler.stop()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
@@ -439,19 +440,53 @@ def best_time(call: Callable[[], Any], repeats: int) -> float:
 
 
 def interleaved_best_times(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Best time of each call over ``repeats`` rounds, after one warm-up call each.
+    """Best wall time of each call over ``repeats`` rounds, after one warm-up call each.
 
     Rounds interleave the calls (one call of each per round), so that a change of load
     on a shared machine affects all of them alike instead of whichever ran at the time.
     """
+    best = _interleaved_best(calls, repeats, cpu_time=False)
+    return {name: times["wall_s"] for name, times in best.items()}
+
+
+def interleaved_best_wall_and_cpu_times(
+    calls: dict[str, Callable[[], Any]], repeats: int
+) -> dict[str, dict[str, float]]:
+    """Best wall time and best CPU time of each call over ``repeats`` interleaved rounds.
+
+    As :func:`interleaved_best_times`, and also the CPU time of this process
+    (:func:`time.process_time`), which leaves out the time the process waited for a core:
+    on a loaded shared machine, and a library on one thread, it is the steadier figure.
+
+    Returns
+    -------
+    dict
+        ``{name: {"wall_s": best wall time, "cpu_s": best CPU time}}``, in seconds.
+
+    Examples
+    --------
+    >>> from xattn.cli.measure import interleaved_best_wall_and_cpu_times
+    >>> times = interleaved_best_wall_and_cpu_times({"sum": lambda: sum(range(1000))}, 3)
+    >>> sorted(times["sum"])
+    ['cpu_s', 'wall_s']
+    """
+    return _interleaved_best(calls, repeats, cpu_time=True)
+
+
+def _interleaved_best(calls: dict[str, Callable[[], Any]], repeats: int, *,
+                      cpu_time: bool) -> dict[str, dict[str, float]]:
     for call in calls.values():
         call()  # warm-up
-    best = dict.fromkeys(calls, math.inf)
+    clocks = ("wall_s", "cpu_s") if cpu_time else ("wall_s",)
+    best = {name: dict.fromkeys(clocks, math.inf) for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
-            start = time.perf_counter()
+            wall = time.perf_counter()
+            cpu = time.process_time() if cpu_time else 0.0
             call()
-            best[name] = min(best[name], time.perf_counter() - start)
+            if cpu_time:
+                best[name]["cpu_s"] = min(best[name]["cpu_s"], time.process_time() - cpu)
+            best[name]["wall_s"] = min(best[name]["wall_s"], time.perf_counter() - wall)
     return best
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Problem", "format_size", "host_memory_available", "lara_bytes", "ra_bytes",
-           "require_memory", "rfa_bytes", "softmax_bytes"]
+__all__ = ["HOST_ITEMSIZE", "Problem", "format_size", "host_memory_available", "lara_bytes",
+           "ra_bytes", "require_memory", "rfa_bytes", "softmax_bytes"]
 
 HOST_ITEMSIZE = 8  # the host draws (int seeds) and generated inputs are float64
 

@@ -34,7 +34,9 @@ from xattn.cli.train_core import (
 )
 from xattn.cli.train_report import write_outputs
 
-__all__ = ["FRAMEWORKS", "SETTINGS", "add_parser", "run"]
+__all__ = ["DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS", "SETTINGS", "Job",
+           "TaskSettings", "add_parser", "attention_variants", "dataset_sizes", "grid_pools",
+           "load_framework", "run", "run_jobs"]
 
 FRAMEWORKS = {"torch": "torch", "flax": "flax"}  # framework -> extra to install
 EXIT_INTERRUPTED = 130
@@ -131,7 +133,7 @@ def _seed_list(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _load_framework(framework: str, threads: int) -> Any:
+def load_framework(framework: str, threads: int) -> Any:
     """Import the framework's trainer module (naming the extra when it is missing)."""
     if framework == "flax" and threads and "jax" not in sys.modules:
         # XLA reads its thread settings when JAX starts
@@ -179,7 +181,10 @@ def attention_variants(task: Task, estimators: list[str], samples: int,
 
 
 @dataclasses.dataclass(frozen=True)
-class _Job:
+class Job:
+    """One training run: its place in the plan, its label, what it trains and the sizes of
+    its generated training and test sets."""
+
     index: int
     label: str
     spec: RunSpec
@@ -187,7 +192,9 @@ class _Job:
     test_size: int
 
 
-def _sizes(settings: TaskSettings, spec: RunSpec, quick: bool) -> tuple[int, int]:
+def dataset_sizes(settings: TaskSettings, spec: RunSpec, quick: bool) -> tuple[int, int]:
+    """(training, test) examples of a run: the task's settings (``quick``: the smaller
+    training set), at least one batch of training examples."""
     train_size = settings.quick_train_size if quick else settings.train_size
     return max(train_size, spec.batch_size), settings.test_size
 
@@ -198,10 +205,10 @@ _WORKER: dict[str, Any] = {}
 def _init_worker(framework: str, threads: int) -> None:
     """Process-pool initializer: load the framework; leave Ctrl-C to the main process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER["module"] = _load_framework(framework, threads)
+    _WORKER["module"] = load_framework(framework, threads)
 
 
-def _execute(job: _Job, device: str, progress: bool | None,
+def _execute(job: Job, device: str, progress: bool | None,
              position: int | None = None) -> RunResult | str:
     """One run (in this process or a worker); a message instead when it diverged."""
     module = _WORKER["module"]
@@ -217,12 +224,12 @@ def _execute(job: _Job, device: str, progress: bool | None,
             bar.close()
 
 
-def _execute_in_worker(job: _Job, device: str, progress: bool | None) -> RunResult | str:
+def _execute_in_worker(job: Job, device: str, progress: bool | None) -> RunResult | str:
     identity = multiprocessing.current_process()._identity  # 1, 2, ... per pool worker
     return _execute(job, device, progress, position=identity[0] - 1 if identity else None)
 
 
-def _report(job: _Job, result: RunResult | str, finished: dict[int, RunResult]) -> None:
+def _report(job: Job, result: RunResult | str, finished: dict[int, RunResult]) -> None:
     if isinstance(result, str):
         print(f"{job.label}: {result}", file=sys.stderr, flush=True)
         return
@@ -232,14 +239,14 @@ def _report(job: _Job, result: RunResult | str, finished: dict[int, RunResult]) 
           f"{result.wall_s:.0f} s", flush=True)
 
 
-def run_jobs(jobs: list[_Job], args: argparse.Namespace,
+def run_jobs(jobs: list[Job], args: argparse.Namespace,
              finished: dict[int, RunResult] | None = None) -> dict[int, RunResult]:
     """Run ``jobs``, ``args.jobs`` at a time (in spawned processes when more than one),
     reporting each; the results, by job index, go into ``finished`` as they come."""
     finished = {} if finished is None else finished
     if args.jobs == 1:
         if "module" not in _WORKER:
-            _WORKER["module"] = _load_framework(args.framework, args.threads)
+            _WORKER["module"] = load_framework(args.framework, args.threads)
         for job in jobs:
             _report(job, _execute(job, args.device, args.progress), finished)
         return finished
@@ -276,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"unknown framework {args.framework!r}; choose from "
                            f"{', '.join(FRAMEWORKS)}")
     out_dir = output_dir(args.out)  # before any work
-    module = _WORKER["module"] = _load_framework(args.framework, args.threads)
+    module = _WORKER["module"] = load_framework(args.framework, args.threads)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     has_grid = module.supports_grid()
 
@@ -293,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
                                            warmup_fraction=settings.warmup_fraction),
                              settings))
 
-    jobs = [_Job(index, f"[{index}/{len(plan)}] {task.name} {spec.name} seed {spec.seed}",
-                 spec, *_sizes(settings, spec, args.quick))
+    jobs = [Job(index, f"[{index}/{len(plan)}] {task.name} {spec.name} seed {spec.seed}",
+                 spec, *dataset_sizes(settings, spec, args.quick))
             for index, (task, spec, settings) in enumerate(plan, 1)]
     started = time.perf_counter()
     print(f"xattn train: {args.framework} on {args.device}, {len(plan)} runs "

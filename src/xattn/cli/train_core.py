@@ -26,8 +26,11 @@ __all__ = [
     "RunResult",
     "RunSpec",
     "Trainer",
+    "accuracy_counts",
     "attention_options",
+    "batches",
     "learning_rate",
+    "progress_bar",
     "train_run",
 ]
 

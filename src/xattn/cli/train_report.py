@@ -16,7 +16,7 @@ from xattn.cli.common import format_bytes, write_json
 from xattn.cli.figures import new_figure, save_figure
 from xattn.cli.train_core import RunResult
 
-__all__ = ["EVALUATION_MODES", "summarize", "write_outputs"]
+__all__ = ["EVALUATION_MODES", "TRAINING_MODES", "summarize", "write_outputs"]
 
 EVALUATION_MODES = {
     "softmax": "exact softmax attention",

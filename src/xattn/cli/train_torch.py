@@ -11,7 +11,7 @@ from torch import nn
 
 import xattn.torch as xtorch
 from xattn._tasks import Dataset, Task
-from xattn.cli.measure import _native_stderr_silenced, load_backend
+from xattn.cli.measure import load_backend, native_stderr_silenced
 from xattn.cli.train_core import ModelConfig, RunSpec, accuracy_counts
 
 __all__ = ["Encoder", "TorchTrainer", "Trainer", "supports_grid", "versions"]
@@ -137,7 +137,7 @@ class TorchTrainer:
             return float(loss.detach())  # waits for the device
 
         if measure_memory:  # silenced: the profiler's notes on blocks allocated before it
-            with _native_stderr_silenced():
+            with native_stderr_silenced():
                 return self.backend.peak_memory(update)
         return update(), None
 
