@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -88,3 +89,20 @@ def estimator_call(estimator: str, options: dict, *, training: bool, omega=None,
     if estimator == "ra":
         return xattn.ra, {**options, "biased": True, "deterministic": True}
     return xattn.lara, {**options, "deterministic": True}
+
+
+def bool_options(function):
+    """The options of ``function`` annotated ``bool`` (or ``bool | None``), found with
+    :mod:`inspect`, so that a new bool option is checked without editing the tests."""
+    return [name for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.annotation in (bool, "bool", "bool | None")]
+
+
+def constructor_bool_cases(layer_init):
+    """(estimator, option) of every bool a layer constructor takes: its own (with the rfa
+    estimator) and each estimator's bool options that the layer passes on."""
+    from xattn import _layers
+
+    return [*(("rfa", name) for name in bool_options(layer_init)),
+            *((estimator, name) for estimator, options in _layers.ESTIMATOR_OPTIONS.items()
+              for name in options if name in bool_options(_ESTIMATOR_FUNCTIONS[estimator]))]

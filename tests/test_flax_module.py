@@ -7,13 +7,14 @@ import inspect
 import numpy as np
 import pytest
 
-import xattn
 from layer_cases import (
     BAD_GRID_OPTIONS,
     BAD_OPTION_CASES,
     ESTIMATORS,
     PASS_THROUGH_CASES,
     SMALL_OPTIONS,
+    bool_options,
+    constructor_bool_cases,
     direct_error,
     estimator_call,
 )
@@ -217,22 +218,7 @@ def test_bad_arguments():
 # --- bool options and flags: NumPy bools accepted, anything else a TypeError naming it ---
 
 
-def bool_options(function):
-    """The parameters of ``function`` annotated ``bool`` (or ``bool | None``), found with
-    :mod:`inspect`."""
-    return [name for name, parameter in inspect.signature(function).parameters.items()
-            if parameter.annotation in (bool, "bool", "bool | None")]
-
-
-_ESTIMATOR_FUNCTIONS = {"softmax": xattn.softmax_attention, "rfa": xattn.rfa, "ra": xattn.ra,
-                        "lara": xattn.lara}
-# (estimator, option): the layer's own bool arguments, and the bool options of each
-# estimator that the layer passes on (**estimator_options)
-CONSTRUCTOR_BOOL_CASES = [
-    *(("rfa", name) for name in bool_options(xflax.MultiHeadAttention.__init__)),
-    *((estimator, name) for estimator, options in _layers.ESTIMATOR_OPTIONS.items()
-      for name in options if name in bool_options(_ESTIMATOR_FUNCTIONS[estimator])),
-]
+CONSTRUCTOR_BOOL_CASES = constructor_bool_cases(xflax.MultiHeadAttention.__init__)
 CALL_BOOL_CASES = bool_options(xflax.MultiHeadAttention.__call__)
 
 

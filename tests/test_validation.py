@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import xattn
+from layer_cases import bool_options
 from xattn.features import sample_omega
 from xattn.mrf import log_partition_rf
 
@@ -128,13 +129,6 @@ def test_masked_array_is_rejected_naming_the_argument(estimator, name):
         masked = {**arguments, name: np.ma.masked_array(arguments[name], mask=hidden)}
         with pytest.raises(TypeError, match=rf"^{name} is a numpy\.ma\.MaskedArray"):
             ESTIMATORS[estimator](**masked)
-
-
-def bool_options(function):
-    """The options of ``function`` annotated ``bool`` (or ``bool | None``), found with
-    :mod:`inspect`, so that a new bool option is checked without editing the test."""
-    return [name for name, parameter in inspect.signature(function).parameters.items()
-            if parameter.annotation in (bool, "bool", "bool | None")]
 
 
 def _bool_option_calls():
