@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 import xattn
-from xattn._tasks import get_task
 from xattn.cli.figures import loglog_axes, new_figure, save_figure
+from xattn.cli.tasks import get_task
 from xattn.cli.train import load_framework
 from xattn.cli.train_core import RunSpec, attention_options, batches
 

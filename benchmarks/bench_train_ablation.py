@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 import xattn
-from xattn._tasks import get_task
 from xattn.cli import train as command
+from xattn.cli.tasks import get_task
 from xattn.cli.train_core import RunSpec, attention_options
 
 HEAD_DIM = 32  # the model's embedding 64 over 2 heads

@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from xattn._tasks import Dataset, get_task, listops, mqar
-from xattn._tasks import digits as digits_task
 from xattn.cli import main
+from xattn.cli.tasks import Dataset, get_task, listops, mqar
+from xattn.cli.tasks import digits as digits_task
 from xattn.cli.train_core import ModelConfig, RunSpec, learning_rate, train_run
 
 ESTIMATORS = ("softmax", "rfa", "ra", "lara")

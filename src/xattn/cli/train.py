@@ -4,7 +4,7 @@ through the public layers (:class:`xattn.torch.MultiheadAttention`,
 accuracy, training loss, time per step and peak memory.
 
 The run configuration (model, optimizer, schedule, estimator options) is in
-:mod:`xattn.cli.train_core`, the tasks in :mod:`xattn._tasks`, the outputs in
+:mod:`xattn.cli.train_core`, the tasks in :mod:`xattn.cli.tasks`, the outputs in
 :mod:`xattn.cli.train_report`.
 """
 
@@ -22,9 +22,9 @@ import time
 from typing import Any
 
 from xattn._layers import ESTIMATORS
-from xattn._tasks import TASKS, Task, get_task
 from xattn.cli.common import CommandError, output_dir
 from xattn.cli.options import int_at_least, name_list, nonnegative_int, positive_int
+from xattn.cli.tasks import TASKS, Task, get_task
 from xattn.cli.train_core import (
     RunResult,
     RunSpec,

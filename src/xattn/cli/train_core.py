@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from xattn._tasks import Dataset, Task
+from xattn.cli.tasks import Dataset, Task
 
 __all__ = [
     "WARMUP_STEPS",
@@ -54,7 +54,7 @@ class ModelConfig:
     (both are then trained independently), so that at initialization tokens that share an
     embedding (a query and the key-value pair holding its key) attend to each other more
     than to unrelated tokens. Without it, softmax attention stayed at chance on ``mqar`` at
-    length 256 for 1,500 steps in 2 of 3 seeds (see :mod:`xattn._tasks.mqar`)."""
+    length 256 for 1,500 steps in 2 of 3 seeds (see :mod:`xattn.cli.tasks.mqar`)."""
 
     dim: int = 64
     ffn: int = 128

@@ -14,8 +14,8 @@ import optax
 from flax import nnx
 
 import xattn.flax as xflax
-from xattn._tasks import Dataset, Task
 from xattn.cli.common import CommandError
+from xattn.cli.tasks import Dataset, Task
 from xattn.cli.train_core import ModelConfig, RunSpec, accuracy_counts
 
 __all__ = ["Encoder", "FlaxTrainer", "Trainer", "schedule", "supports_grid", "versions"]

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 import xattn
-from xattn._tasks import Task
 from xattn.cli.common import format_bytes, write_json
 from xattn.cli.figures import new_figure, save_figure
+from xattn.cli.tasks import Task
 from xattn.cli.train_core import RunResult
 
 __all__ = ["EVALUATION_MODES", "TRAINING_MODES", "summarize", "write_outputs"]

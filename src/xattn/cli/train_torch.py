@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import xattn.torch as xtorch
-from xattn._tasks import Dataset, Task
 from xattn.cli.measure import load_backend, native_stderr_silenced
+from xattn.cli.tasks import Dataset, Task
 from xattn.cli.train_core import ModelConfig, RunSpec, accuracy_counts
 
 __all__ = ["Encoder", "TorchTrainer", "Trainer", "supports_grid", "versions"]

@@ -18,13 +18,13 @@ from functools import cache
 
 import numpy as np
 
-from xattn._tasks import digits, listops, mqar
+from xattn.cli.tasks import digits, listops, mqar
 
 __all__ = ["LISTOPS_MIN_LENGTH", "TASKS", "Dataset", "Task", "get_task"]
 
 TASKS = ("mqar", "listops", "digits")
 
-#: MQAR's fixed sizes (see :mod:`xattn._tasks.mqar`).
+#: MQAR's fixed sizes (see :mod:`xattn.cli.tasks.mqar`).
 MQAR_PAIRS, MQAR_KEYS, MQAR_VALUES = 16, 64, 64
 #: Shortest ListOps length accepted (an expression of a few nested operators).
 LISTOPS_MIN_LENGTH = 32
