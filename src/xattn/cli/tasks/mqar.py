@@ -21,8 +21,9 @@ informative position of a query holds about 1/256 of the attention mass at
 initialization, and with independently initialized query and key projections softmax
 stayed at chance for 1,500 steps in 2 of 3 seeds (also with every free position a
 query). ``xattn train`` therefore starts the key projection equal to the query projection
-(see :class:`xattn.cli.train_core.ModelConfig`), and then softmax reached 99.9 % within
-300 steps.
+(see :class:`xattn.cli.train_core.ModelConfig`). With it, softmax solved the task
+(100 % test accuracy from about step 180) in 2 of the 3 seeds of the full 600-step run;
+the third stayed at chance.
 """
 
 from __future__ import annotations
