@@ -246,13 +246,15 @@ def test_noise_scale_to_zero_approaches_deterministic(backend, rng):
     assert distance[1e-2] < 0.1, distance
 
 
+# C = 3 samples: Dv = 3 keeps the first pass's exponentials, Dv = 2 < C recomputes them
+@pytest.mark.parametrize("value_dim", [3, 2], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("weighting", WEIGHTINGS)
-def test_result_does_not_depend_on_chunk_size(backend, rng, weighting):
+def test_result_does_not_depend_on_chunk_size(backend, rng, weighting, value_dim):
     # the query side runs chunk_size queries at a time, with the softmax over queries of
     # r_nc combined across pieces; a piece whose queries are all masked (5..9 with pieces
     # of 5) and pieces whose scores differ by ~40 (so their maxima differ) change nothing
     xp = backend.ns
-    q, k, v = make_qkv(rng, num_queries=12, num_keys=10)
+    q, k, v = make_qkv(rng, num_queries=12, num_keys=10, value_dim=value_dim)
     q[:, 10:] *= 6.0  # the last piece's affinities dominate the others by far
     query_mask = np.ones((2, 12), dtype=bool)
     query_mask[0, 5:10] = False

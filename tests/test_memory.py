@@ -43,7 +43,7 @@ def inputs(num_queries, num_keys, seed=0):
 def peak_bytes(function, num_queries, num_keys, **options):
     """Peak bytes the call allocates (inputs excluded), after a small call of the same
     function so that one-time costs (imports, caches) are not counted."""
-    function(*inputs(64, 64), **options)
+    function(*inputs(512, 512), **options)
     q, k, v = inputs(num_queries, num_keys)
     out, peak = tracemalloc_peak(lambda: function(q, k, v, **options))
     assert out.shape == (1, num_queries, DIM)
@@ -71,6 +71,11 @@ CASES = {
     "rfa-causal": (xattn.rfa, dict(num_features=256, rng=0, causal=True), 2048, 16 * MiB),
     # lara: W about 1 MiB (C = 64); an (N, C) array at 4 L = 65536 would be 16 MiB
     "lara": (xattn.lara, dict(num_samples=64, rng=0), 16384, 8 * MiB),
+    # C = 256 > Dv: the exponentials of the softmax over queries are recomputed in the
+    # second pass instead of kept; an (N, C) array at 4 L = 32768 would be 32 MiB
+    "lara-wide": (xattn.lara, dict(num_samples=256, rng=0), 8192, 16 * MiB),
+    "lara-wide-coupled": (xattn.lara, dict(num_samples=256, rng=0, weighting="coupled"),
+                         8192, 16 * MiB),
 }
 
 

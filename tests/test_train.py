@@ -232,6 +232,31 @@ def test_ctrl_c_keeps_the_finished_runs(tmp_path, monkeypatch, capsys):
     assert [run["name"] for run in payload["runs"]] == ["softmax"]
     assert "interrupted" in capsys.readouterr().err
 
+    # --resume takes the finished run over and trains only the missing one
+    trained = []
+
+    def record(spec, *args, **kwargs):
+        trained.append(spec.name)
+        return train_run(spec, *args, **kwargs)
+
+    monkeypatch.setattr(train_command, "train_run", record)
+    arguments = ["train", "--task", "digits", "--estimators", "softmax,rfa", "--steps", "2",
+                 "--seeds", "0", "--batch-size", "4", "--no-progress", "--out",
+                 str(tmp_path), "--resume"]
+    assert main(arguments) == 0
+    assert trained == ["rfa"]
+    assert "1 taken over" in capsys.readouterr().out
+    resumed = json.loads((tmp_path / "train.json").read_text())
+    assert [run["name"] for run in resumed["runs"]] == ["softmax", "rfa"]
+    assert resumed["runs"][0] == payload["runs"][0]
+    assert resumed["config"]["resumed_runs"] == 1 and not resumed["config"]["interrupted"]
+
+    # other settings: one line naming what differs, exit code 2, the file untouched
+    assert main([*arguments, "--samples", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--resume" in err and "samples" in err and len(err.splitlines()) == 1
+    assert json.loads((tmp_path / "train.json").read_text()) == resumed
+
 
 @pytest.mark.parametrize("arguments", [
     ["--task", "imagenet"],

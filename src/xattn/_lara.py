@@ -179,27 +179,31 @@ def _check_beta(beta: Any) -> float:
 
 
 def _query_affinities(xp: Any, q: Array, query_landmarks: Array,
-                      query_mask: Array | None,
-                      pieces: list[tuple[int, int]]) -> list[tuple[Array, Array]]:
-    r"""The softmax over queries of :math:`s_{nc} = \hat q_n \cdot \tilde q_c`, by pieces.
+                      query_mask: Array | None, pieces: list[tuple[int, int]], *,
+                      keep_exponentials: bool) -> tuple[list[Array | None], Array, Array]:
+    r"""First pass of the softmax over queries of :math:`s_{nc} = \hat q_n \cdot \tilde q_c`.
 
-    One pass over the query pieces: piece p keeps :math:`e_{nc} = e^{s_{nc} - m^{(p)}_c}`
-    with its own maximum :math:`m^{(p)}_c` over its allowed queries. Once every piece is
-    seen, :math:`r_{nc} = e_{nc}\, \rho^{(p)}_c` with :math:`\rho^{(p)}_c = e^{m^{(p)}_c -
-    m_c} / Z_c`, :math:`m_c = \max_p m^{(p)}_c` and :math:`Z_c = \sum_p e^{m^{(p)}_c - m_c}
-    \sum_{n \in p} e_{nc}` (an online softmax along n: no exponential is taken twice).
-    Returns ``(e, rho)`` per piece, (..., B, C) and (..., 1, C); masked queries and pieces
-    without an allowed query get 0.
+    One pass over the query pieces: piece p takes :math:`e_{nc} = e^{s_{nc} - m^{(p)}_c}`
+    with its own maximum :math:`m^{(p)}_c` over its allowed queries; then :math:`m_c =
+    \max_p m^{(p)}_c` and :math:`Z_c = \sum_p e^{m^{(p)}_c - m_c} \sum_{n \in p} e_{nc}`
+    (an online softmax along n), so that :math:`r_{nc} = e^{s_{nc} - m_c} / Z_c`.
+
+    Returns ``(kept, rho, shift)``, a list per piece and the (..., 1, C) shift
+    :math:`m_c`. With ``keep_exponentials`` ``kept[p]`` is :math:`e_{nc}` (..., B, C) and
+    ``rho[p]`` is :math:`e^{m^{(p)}_c - m_c} / Z_c`, so that :math:`r_{nc} = e_{nc}
+    \rho^{(p)}_c` without a second exponential; otherwise ``kept[p]`` is None, the
+    second pass recomputes :math:`e^{s_{nc} - m_c}`, and ``rho[p]`` is :math:`1 / Z_c`.
+    Masked queries and pieces without an allowed query get 0.
     """
     landmarks_t = xp.matrix_transpose(query_landmarks)
-    exponentials, maxima, totals = [], [], []
+    kept, maxima, totals = [], [], []
     for start, stop in pieces:
         scores = q[..., start:stop, :] @ landmarks_t  # (..., B, C)
         if query_mask is not None:
             scores = xp.where(query_mask[..., start:stop, None], scores, -xp.inf)
         piece_max = xp.max(scores, axis=-2, keepdims=True)  # -inf: no allowed query
         exponential = xp.exp(scores - finite_shift(xp, piece_max))
-        exponentials.append(exponential)
+        kept.append(exponential if keep_exponentials else None)
         maxima.append(piece_max)
         totals.append(xp.sum(exponential, axis=-2, keepdims=True))
     overall_max = maxima[0]
@@ -210,8 +214,9 @@ def _query_affinities(xp: Any, q: Array, query_landmarks: Array,
     total = sum(rescale * piece_total for rescale, piece_total in zip(rescales, totals,
                                                                       strict=True))
     inverse_total = 1.0 / xp.where(total > 0, total, 1.0)
-    return [(exponential, rescale * inverse_total)
-            for exponential, rescale in zip(exponentials, rescales, strict=True)]
+    if keep_exponentials:  # r_nc = e_nc exp(m_c^(p) - m_c) / Z_c
+        return kept, [rescale * inverse_total for rescale in rescales], overall_max
+    return kept, [inverse_total] * len(pieces), overall_max
 
 
 def _importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array] | None,
@@ -355,11 +360,13 @@ def lara(
         side (affinities, weights, logits and the ratio of eq. 28) runs a piece of
         queries at a time, after one pass that finds the maxima and totals of the softmax
         over queries in :math:`r_{nc}`. The (N, C) and (M, C) temporaries are then
-        ``(chunk_size, C)`` and stay in cache; the per-piece exponentials of that first
-        pass, (N, C) in all, are kept for the second and released piece by piece, so the
-        peak working memory is about the output (its pieces and their concatenation)
-        plus, when C > Dv, the (N, C - Dv) excess of those exponentials (none with
-        ``weighting="balance"``).
+        ``(chunk_size, C)`` and stay in cache. The exponentials of that first pass are
+        kept for the second while C <= Dv (they are released piece by piece as output
+        pieces of the same or larger size replace them) and recomputed, in one product
+        of the queries with the stacked landmarks and samples, when C > Dv. The peak
+        working memory is therefore about the output (its pieces and their
+        concatenation) plus a working set that depends on ``chunk_size``, C and D but
+        not on N or M.
         The result does not depend on ``chunk_size`` beyond rounding. Dask arrays are one
         piece (Dask computes them chunk by chunk).
     check_finite : bool
@@ -489,16 +496,33 @@ def lara(
     logit_offset = (key_max + log_density_ratio)[..., None, :]  # (..., 1, C)
 
     pieces = stream_bounds(q, -2, chunk_size)
-    affinities = [None] * len(pieces)
+    # rows of the query-side GEMM: q . (sqrt(s) omega_c) = q^ . omega_c
+    projection_t = xp.matrix_transpose(root_scale * omega)
+    # The exponentials of the first pass, (N, C) in all, are kept for the second when they
+    # take no more memory than the output pieces that replace them (C <= Dv); for C > Dv
+    # the second pass recomputes them, so that working memory stays independent of N.
+    recompute = weighting != "balance" and num_samples > inputs.v.shape[-1]
+    kept, rho, shift = [None] * len(pieces), [None] * len(pieces), None
     if weighting != "balance":  # r_nc = softmax over all queries of q^_n . q~_c: first pass
-        affinities = _query_affinities(xp, q, root_scale * query_landmarks, query_mask,
-                                       pieces)  # q . (sqrt(s) q~_c) = q^ . q~_c
-    omega_t = xp.matrix_transpose(root_scale * omega)  # q . (sqrt(s) omega_c) = q^ . omega_c
+        landmarks = root_scale * query_landmarks  # q . (sqrt(s) q~_c) = q^ . q~_c
+        kept, rho, shift = _query_affinities(xp, q, landmarks, query_mask, pieces,
+                                             keep_exponentials=not recompute)
+        if recompute:  # second pass: one GEMM of q against the stacked [q~; omega]
+            landmarks_t = xp.broadcast_to(xp.matrix_transpose(landmarks), projection_t.shape)
+            projection_t = xp.concat([landmarks_t, projection_t], axis=-1)
     outputs = []
     for index, (start, stop) in enumerate(pieces):  # the queries, a piece at a time
-        affinity, affinities[index] = affinities[index], None  # released once used
+        logits = q[..., start:stop, :] @ projection_t
+        affinity = None
+        if recompute:  # e^(s_nc - m_c), the (B, C) exponentials were not kept
+            scores, logits = logits[..., :num_samples], logits[..., num_samples:]
+            if query_mask is not None:
+                scores = xp.where(query_mask[..., start:stop, None], scores, -xp.inf)
+            affinity = (xp.exp(scores - shift), rho[index])
+        elif kept[index] is not None:
+            affinity, kept[index] = (kept[index], rho[index]), None  # released once used
         weights = _importance_weights(xp, own_weight, affinity, weighting, beta)  # alpha_nc
-        logits = q[..., start:stop, :] @ omega_t + logit_offset  # e_nc
+        logits = logits + logit_offset  # e_nc
         out = weighted_readout(xp, logits, numerator, denominator, coefficients=weights)
         if query_mask is not None:
             out = xp.where(query_mask[..., start:stop, None], out, 0.0)

@@ -14,11 +14,13 @@ import argparse
 import concurrent.futures
 import dataclasses
 import importlib
+import json
 import multiprocessing
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from xattn._layers import ESTIMATORS
@@ -36,7 +38,7 @@ from xattn.cli.train_report import write_outputs
 
 __all__ = ["DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS", "SETTINGS", "Job",
            "TaskSettings", "add_parser", "attention_variants", "dataset_sizes", "grid_pools",
-           "load_framework", "run", "run_jobs"]
+           "load_framework", "previous_runs", "run", "run_jobs"]
 
 FRAMEWORKS = {"torch": "torch", "flax": "flax"}  # framework -> extra to install
 EXIT_INTERRUPTED = 130
@@ -82,7 +84,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "Prints a table (test accuracy mean +- std over seeds, final training loss, ms "
         "per step, peak memory) and writes DIR/train.json (every figure, learning curves, "
         "configuration, versions) and DIR/train.png (test accuracy against step). "
-        "Ctrl-C stops and writes the runs that finished.")
+        "Ctrl-C stops and writes the runs that finished; --resume then runs only the "
+        "missing ones.")
     parser.add_argument("--framework", default="torch", metavar="torch|flax",
                         help="torch or flax (default: torch)")
     parser.add_argument("--task", type=name_list, default=list(TASKS), metavar="LIST",
@@ -117,6 +120,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "free machine up to the number of cores, with --threads 1)")
     parser.add_argument("--out", default="xattn-out", metavar="DIR",
                         help="output directory (default: xattn-out)")
+    parser.add_argument("--resume", action="store_true",
+                        help="take over the runs already in DIR/train.json (from a run "
+                        "stopped by Ctrl-C, or with fewer seeds) and run only the missing "
+                        "ones; the settings must be the same")
     progress = parser.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None,
                           help="always show the progress bars (default: on a terminal)")
@@ -267,6 +274,48 @@ def run_jobs(jobs: list[Job], args: argparse.Namespace,
     return finished
 
 
+#: Configuration entries that must match for ``--resume`` to take runs over.
+RESUME_KEYS = ("framework", "device", "samples", "quick", "batch_size", "model",
+               "lara_2d_segments")
+
+
+def previous_runs(path: Path, config: dict[str, Any],
+                  jobs: list[Job]) -> dict[int, RunResult]:
+    """The runs of an earlier ``train.json`` at ``path`` that ``jobs`` would repeat (same
+    task, attention, seed and steps, under the same settings), by job index.
+
+    Raises
+    ------
+    CommandError
+        The file is not a ``train.json``, or its settings differ from ``config``.
+    """
+    if not path.exists():
+        return {}
+    try:
+        previous = json.loads(path.read_text())
+        previous_config, runs = previous["config"], previous["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CommandError(f"--resume: cannot read the runs of {path} ({error})") from None
+    for key in RESUME_KEYS:
+        if previous_config.get(key) != config[key]:
+            raise CommandError(f"--resume: {path} was written with {key} = "
+                               f"{previous_config.get(key)!r}, this run has {config[key]!r}")
+    done = {}
+    for run_json in runs:
+        task = run_json.get("task")
+        if previous_config.get("tasks", {}).get(task) != config["tasks"].get(task):
+            continue  # another length or other task settings: run it again
+        done[(task, run_json.get("name"), run_json.get("seed"), run_json.get("steps"))] = (
+            run_json)
+    taken = {}
+    for job in jobs:
+        spec = job.spec
+        run_json = done.get((spec.task.name, spec.name, spec.seed, spec.steps))
+        if run_json is not None:
+            taken[job.index] = RunResult(**run_json)
+    return taken
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn train``."""
     unknown = [name for name in args.estimators if name not in ESTIMATORS]
@@ -303,19 +352,6 @@ def run(args: argparse.Namespace) -> int:
     jobs = [Job(index, f"[{index}/{len(plan)}] {task.name} {spec.name} seed {spec.seed}",
                  spec, *dataset_sizes(settings, spec, args.quick))
             for index, (task, spec, settings) in enumerate(plan, 1)]
-    started = time.perf_counter()
-    print(f"xattn train: {args.framework} on {args.device}, {len(plan)} runs "
-          f"({', '.join(task.name for task in tasks)}; seeds {', '.join(map(str, seeds))}; "
-          f"{args.jobs} at a time)", flush=True)
-    finished: dict[int, RunResult] = {}
-    interrupted = False
-    try:
-        run_jobs(jobs, args, finished)
-    except KeyboardInterrupt:
-        interrupted = True
-        print(f"\nxattn train: interrupted; writing the {len(finished)} finished runs",
-              file=sys.stderr)
-    results = [finished[index] for index in sorted(finished)]
     config = {
         "framework": args.framework, "device": args.device, "threads": args.threads,
         "jobs": args.jobs,
@@ -325,9 +361,35 @@ def run(args: argparse.Namespace) -> int:
         "estimators": list(args.estimators), "seeds": seeds, "samples": args.samples,
         "quick": args.quick, "steps": args.steps, "batch_size": args.batch_size,
         "model": dataclasses.asdict(plan[0][1].model) if plan else None,
-        "lara_2d_segments": has_grid, "wall_s": time.perf_counter() - started,
-        "interrupted": interrupted,
+        "lara_2d_segments": has_grid,
     }
+    # JSON's view of the configuration (tuples become lists), as a resumed file holds it
+    config = json.loads(json.dumps(config))
+    finished: dict[int, RunResult] = {}
+    earlier_wall_s = 0.0
+    if args.resume:
+        finished = previous_runs(out_dir / "train.json", config, jobs)
+        if finished:
+            earlier_wall_s = json.loads((out_dir / "train.json").read_text())[
+                "config"].get("wall_s", 0.0)
+    taken_over = len(finished)
+    started = time.perf_counter()
+    print(f"xattn train: {args.framework} on {args.device}, {len(plan)} runs "
+          f"({', '.join(task.name for task in tasks)}; seeds {', '.join(map(str, seeds))}; "
+          f"{args.jobs} at a time)"
+          + (f"; {taken_over} taken over from {out_dir / 'train.json'}" if taken_over
+             else ""), flush=True)
+    interrupted = False
+    try:
+        run_jobs([job for job in jobs if job.index not in finished], args, finished)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"\nxattn train: interrupted; writing the {len(finished)} finished runs "
+              "(--resume runs the others)", file=sys.stderr)
+    results = [finished[index] for index in sorted(finished)]
+    config.update({"wall_s": earlier_wall_s + time.perf_counter() - started,
+                   "interrupted": interrupted,
+                   "resumed_runs": taken_over})
     write_outputs(out_dir, results, config, module.versions(), tasks)
     return EXIT_INTERRUPTED if interrupted else 0
 
