@@ -60,7 +60,7 @@ class TaskSettings:
 
 
 SETTINGS = {
-    "mqar": TaskSettings(steps=600, quick_steps=300, batch_size=32, peak_lr=3e-3,
+    "mqar": TaskSettings(steps=600, quick_steps=300, batch_size=32, peak_lr=1e-3,
                          train_size=19_200, test_size=500, quick_train_size=9_600),
     "listops": TaskSettings(steps=600, quick_steps=200, batch_size=32, peak_lr=1e-3,
                             train_size=8_000, test_size=1_000, quick_train_size=3_000),
