@@ -115,8 +115,8 @@ def main() -> None:
                      for clock in ("wall_s", "cpu_s")} for name in times}
     for name in times:
         print(f"{name:13s} wall {times[name]['wall_s'] * 1e3:7.1f} ms  cpu "
-              f"{times[name]['cpu_s'] * 1e3:7.1f} ms   / {baseline[name]}: wall {ratios[name]['wall_s']:.2f}"
-              f"  cpu {ratios[name]['cpu_s']:.2f}")
+              f"{times[name]['cpu_s'] * 1e3:7.1f} ms   / {baseline[name]}: wall "
+              f"{ratios[name]['wall_s']:.2f}  cpu {ratios[name]['cpu_s']:.2f}")
     profiles = {name: profile(calls[name]) for name in ("lara", "rfa")}
     for name, rows in profiles.items():
         print(f"\n{name}: time inside each function per call (ms)")

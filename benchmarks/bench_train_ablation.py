@@ -3,8 +3,9 @@
 Every variant trains the ``xattn train`` model on one task with the command's settings
 (steps, batch, schedule, data) and changes one thing in the attention: the number of
 samples, LARA's beta, the noise scale of LARA's samples during training (0: the
-deterministic proposals; D^-1/4: the scale of the authors' implementation), RFA's
-orthogonal features or fixed features. Each trained model is evaluated twice on the
+deterministic proposals; D^-1/4: the scale of the authors' implementation), LARA's
+proposals (``standard``: N(0, I) as RFA, ``key_attention``), RFA's orthogonal features
+or fixed features. Each trained model is evaluated twice on the
 test set: in evaluation mode (deterministic attention, as ``xattn train`` reports) and in
 training mode (a fresh random draw per batch), which measures how much the sampling noise
 alone costs at test time.
@@ -52,6 +53,8 @@ def variants(samples: int) -> dict[str, tuple[str, dict]]:
         "lara-beta1": ("lara", {**lara, "beta": 1.0}),
         "lara-balance": ("lara", {**lara, "weighting": "balance"}),
         "lara-noise0": ("lara", {**lara, "noise_scale": 0.0}),
+        "lara-standard": ("lara", {**lara, "proposal": "standard"}),
+        "lara-key-attention": ("lara", {**lara, "proposal": "key_attention"}),
         "lara-noise-d14": ("lara", {**lara, "noise_scale": HEAD_DIM ** -0.25}),
     }
 
@@ -102,6 +105,7 @@ def main() -> None:
               f"{np.mean(rows[-1]['final_train_loss']):.3f}", flush=True)
     out = Path(args.out or f"benchmarks/train_ablation_{task.name}.json")
     payload = {"benchmark": "bench_train_ablation.py", "task": task.name,
+               "framework": "torch", "peak_lr": settings.peak_lr,
                "command": " ".join(sys.argv), "samples": args.samples,
                "steps": args.steps or settings.steps, "xattn": xattn.__version__,
                "python": platform.python_version(), "platform": platform.platform(),
