@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--samples", type=int, default=command.DEFAULT_SAMPLES)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--framework", default="torch", choices=("torch", "flax"),
+                        help="flax: evaluation mode only (no sampled evaluation)")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
@@ -82,10 +84,11 @@ def main() -> None:
             spec = RunSpec(task, name, estimator, options, seed,
                            args.steps or settings.steps, settings.batch_size,
                            settings.peak_lr, warmup_fraction=settings.warmup_fraction,
-                           evaluate_sampled=True)
+                           evaluate_sampled=args.framework == "torch")
             jobs.append(command.Job(len(jobs) + 1, f"{name} seed {seed}", spec,
                                      *command.dataset_sizes(settings, spec, False)))
-    namespace = argparse.Namespace(framework="torch", threads=args.threads, device="cpu",
+    namespace = argparse.Namespace(framework=args.framework, threads=args.threads,
+                                   device="cpu",
                                    progress=False, jobs=args.jobs)
     results = command.run_jobs(jobs, namespace)
     rows = []
@@ -100,12 +103,13 @@ def main() -> None:
                      "test_accuracy": evaluation, "sampled_test_accuracy": sampled,
                      "final_train_loss": [run.final_train_loss for run in runs],
                      "ms_per_step": statistics.median(run.ms_per_step for run in runs)})
+        sampled_mean = "n/a" if None in sampled else f"{np.mean(sampled):.3f}"
         print(f"{name:<15} eval {np.mean(evaluation):.3f} (+- {np.std(evaluation):.3f})  "
-              f"sampled {np.mean(sampled):.3f}  train loss "
+              f"sampled {sampled_mean}  train loss "
               f"{np.mean(rows[-1]['final_train_loss']):.3f}", flush=True)
     out = Path(args.out or f"benchmarks/train_ablation_{task.name}.json")
     payload = {"benchmark": "bench_train_ablation.py", "task": task.name,
-               "framework": "torch", "peak_lr": settings.peak_lr,
+               "framework": args.framework, "peak_lr": settings.peak_lr,
                "command": " ".join(sys.argv), "samples": args.samples,
                "steps": args.steps or settings.steps, "xattn": xattn.__version__,
                "python": platform.python_version(), "platform": platform.platform(),
