@@ -36,9 +36,9 @@ from xattn.cli.train_core import (
 )
 from xattn.cli.train_report import write_outputs
 
-__all__ = ["DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS", "SETTINGS", "Job",
-           "TaskSettings", "add_parser", "attention_variants", "dataset_sizes", "grid_pools",
-           "load_framework", "previous_runs", "run", "run_jobs"]
+__all__ = ["DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS", "RESUME_KEYS", "SETTINGS",
+           "Job", "TaskSettings", "add_parser", "attention_variants", "dataset_sizes",
+           "grid_pools", "load_framework", "previous_runs", "run", "run_jobs"]
 
 FRAMEWORKS = {"torch": "torch", "flax": "flax"}  # framework -> extra to install
 EXIT_INTERRUPTED = 130
