@@ -64,12 +64,26 @@ def _strict_json(value: Any) -> Any:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as indented, strict JSON (non-finite numbers become ``null``)."""
+    """Write ``payload`` as indented, strict JSON (non-finite numbers become ``null``).
+
+    The write is atomic: the text goes to a temporary file in the same directory, which
+    then replaces ``path`` (:func:`os.replace`), so a crash or Ctrl-C leaves the old file
+    or the new one, never a part of either.
+    """
     text = json.dumps(_strict_json(payload), indent=2, allow_nan=False) + "\n"
+    temporary = None
     try:
-        path.write_text(text)
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent,
+                                         prefix=f".{path.name}.", suffix=".tmp",
+                                         delete=False) as file:
+            temporary = Path(file.name)
+            file.write(text)
+        os.replace(temporary, path)
     except OSError as error:
         raise CommandError(f"cannot write {path} ({error.strerror})") from None
+    finally:
+        if temporary is not None and temporary.exists():
+            temporary.unlink()
 
 
 def environment(backend: Any) -> dict[str, Any]:

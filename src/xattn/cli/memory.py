@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["HOST_ITEMSIZE", "Problem", "format_size", "host_memory_available", "lara_bytes",
-           "ra_bytes", "require_memory", "rfa_bytes", "softmax_bytes"]
+__all__ = ["HOST_ITEMSIZE", "TRAINING_ATTENTION_BYTES", "Problem", "dataset_bytes",
+           "format_size", "host_memory_available", "lara_bytes", "ra_bytes", "require_memory",
+           "rfa_bytes", "softmax_bytes", "training_step_bytes"]
 
 HOST_ITEMSIZE = 8  # the host draws (int seeds) and generated inputs are float64
 
@@ -70,6 +71,39 @@ def lara_bytes(problem: Problem, samples: int) -> int:
                                      + samples * (p.head_dim + p.value_dim)
                                      + 2 * p.num_queries * p.value_dim)
     return device + HOST_ITEMSIZE * p.batch * samples * p.head_dim
+
+
+def softmax_training_bytes(problem: Problem, samples: int | None = None) -> int:
+    """Exact softmax under autograd: the backward pass keeps every chunk's scores and
+    probabilities, so N x M of each (and the exponentials) for the whole call."""
+    p = problem
+    return p.itemsize * p.batch * (3 * p.num_queries * p.num_keys + 2 * p.num_queries
+                                   * p.value_dim)
+
+
+#: Intermediates of one attention call in a training step, by the layers' estimator name
+#: (the forward estimates of the linear estimators hold every array the backward pass keeps).
+TRAINING_ATTENTION_BYTES = {"softmax": softmax_training_bytes, "rfa": rfa_bytes,
+                            "ra": ra_bytes, "lara": lara_bytes}
+
+
+def dataset_bytes(examples: int, length: int, fields: int, per_token: bool) -> int:
+    """A task's arrays (:class:`xattn.cli.tasks.Dataset`): int32 tokens (n, L, F), a bool
+    mask (n, L) and int64 targets, (n, L) for per-position labels, else (n,)."""
+    return examples * (length * (4 * fields + 1 + (8 if per_token else 0))
+                       + (0 if per_token else 8))
+
+
+def training_step_bytes(*, batch: int, length: int, dim: int, ffn: int, heads: int,
+                        layers: int, estimator: str, samples: int) -> int:
+    """One training step of the ``xattn train`` model in float32: per layer, the
+    activations autograd keeps (about 12 floats per token and model width, 4 per token
+    and feed-forward width, a generous count for a pre-norm block) and the attention's
+    intermediates (:data:`TRAINING_ATTENTION_BYTES`), with the heads as batch."""
+    head_dim = dim // heads
+    attention = TRAINING_ATTENTION_BYTES[estimator](
+        Problem(batch * heads, length, length, head_dim, head_dim, 4), samples)
+    return layers * (4 * batch * length * (12 * dim + 4 * ffn) + attention)
 
 
 def host_memory_available() -> int | None:

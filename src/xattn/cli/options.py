@@ -9,8 +9,13 @@ from xattn.cli.common import DEFAULT_OUT
 from xattn.cli.measure import BACKENDS
 from xattn.cli.registry import ESTIMATORS
 
-__all__ = ["add_common_options", "int_at_least", "int_list", "name_list",
-           "nonnegative_float", "nonnegative_int", "positive_int"]
+__all__ = ["MAX_SEED", "add_common_options", "int_at_least", "int_list", "name_list",
+           "nonnegative_float", "nonnegative_int", "positive_int", "seed", "seed_list"]
+
+#: Largest seed any sub-command accepts: seeds are 32-bit unsigned ints, the range that
+#: every generator the commands seed keeps apart (a JAX key keeps only the low 32 bits
+#: of a Python int, so larger seeds would silently repeat smaller ones under Flax).
+MAX_SEED = 2**32 - 1
 
 
 def int_list(text: str) -> list[int]:
@@ -59,6 +64,22 @@ def int_at_least(minimum: int, maximum: int | None = None, why: str = ""):
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+seed = int_at_least(0, MAX_SEED, " (seeds are 32-bit unsigned ints)")
+
+
+def seed_list(text: str) -> list[int]:
+    """An argparse type: comma-separated seeds (each as :func:`seed`), each once.
+
+    Examples
+    --------
+    >>> from xattn.cli.options import seed_list
+    >>> seed_list("0,2,0")
+    [0, 2]
+    """
+    values = [seed(item.strip()) for item in text.split(",") if item.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated seeds")
+    return list(dict.fromkeys(values))
 
 
 def nonnegative_float(text: str) -> float:
@@ -84,8 +105,8 @@ def add_common_options(parser: argparse.ArgumentParser, default_estimators: str)
                         default=name_list(default_estimators),
                         help=f"comma-separated estimators among {', '.join(ESTIMATORS)} "
                              f"(default: {default_estimators})")
-    parser.add_argument("--seed", type=nonnegative_int, default=0,
-                        help="seed of the random draws (default: 0)")
+    parser.add_argument("--seed", type=seed, default=0,
+                        help=f"seed of the random draws, 0 to {MAX_SEED} (default: 0)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                         help=f"output directory (default: {DEFAULT_OUT})")
     progress = parser.add_mutually_exclusive_group()

@@ -15,17 +15,25 @@ import concurrent.futures
 import dataclasses
 import importlib
 import json
+import math
 import multiprocessing
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from xattn._layers import ESTIMATORS
 from xattn.cli.common import CommandError, output_dir
-from xattn.cli.options import int_at_least, name_list, nonnegative_int, positive_int
+from xattn.cli.memory import (
+    dataset_bytes,
+    host_memory_available,
+    require_memory,
+    training_step_bytes,
+)
+from xattn.cli.options import MAX_SEED, int_at_least, name_list, positive_int, seed_list
 from xattn.cli.tasks import TASKS, Task, get_task
 from xattn.cli.train_core import (
     RunResult,
@@ -34,11 +42,12 @@ from xattn.cli.train_core import (
     progress_bar,
     train_run,
 )
-from xattn.cli.train_report import write_outputs
+from xattn.cli.train_report import read_results, write_outputs, write_results
 
 __all__ = ["DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS", "RESUME_KEYS", "SETTINGS",
-           "Job", "TaskSettings", "add_parser", "attention_variants", "dataset_sizes",
-           "grid_pools", "load_framework", "previous_runs", "run", "run_jobs"]
+           "Job", "TaskSettings", "add_parser", "attention_variants", "check_jobs",
+           "dataset_sizes", "grid_pools", "load_framework", "previous_runs", "run",
+           "run_jobs"]
 
 FRAMEWORKS = {"torch": "torch", "flax": "flax"}  # framework -> extra to install
 EXIT_INTERRUPTED = 130
@@ -84,8 +93,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "Prints a table (test accuracy mean +- std over seeds, final training loss, ms "
         "per step, peak memory) and writes DIR/train.json (every figure, learning curves, "
         "configuration, versions) and DIR/train.png (test accuracy against step). "
-        "Ctrl-C stops and writes the runs that finished; --resume then runs only the "
-        "missing ones.")
+        "DIR/train.json is rewritten (atomically) as each run finishes, so neither "
+        "Ctrl-C nor a crash loses a finished run; --resume then runs only the missing "
+        "ones. The memory the runs need is estimated first and too large a size is "
+        "refused before any work.")
     parser.add_argument("--framework", default="torch", metavar="torch|flax",
                         help="torch or flax (default: torch)")
     parser.add_argument("--task", type=name_list, default=list(TASKS), metavar="LIST",
@@ -94,8 +105,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         metavar="LIST", help="comma-separated estimators among "
                         f"{', '.join(ESTIMATORS)} (default: all); on digits, lara runs "
                         "with 2-D (8x8 image) and 1-D segments")
-    parser.add_argument("--seeds", type=_seed_list, default=None, metavar="LIST",
-                        help="comma-separated seeds (default: 0,1,2; 0 with --quick)")
+    parser.add_argument("--seeds", type=seed_list, default=None, metavar="LIST",
+                        help=f"comma-separated seeds, each 0 to {MAX_SEED} (default: 0,1,2; "
+                        "0 with --quick)")
     parser.add_argument("--steps", type=positive_int, default=None, metavar="N",
                         help="training steps of every task (default: mqar 600, listops "
                         "600, digits 600; with --quick 300, 200, 200)")
@@ -131,13 +143,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                           help="never show the progress bars")
     parser.set_defaults(run=run)
     return parser
-
-
-def _seed_list(text: str) -> list[int]:
-    values = [nonnegative_int(item.strip()) for item in text.split(",") if item.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError("expected comma-separated seeds")
-    return list(dict.fromkeys(values))
 
 
 def load_framework(framework: str, threads: int) -> Any:
@@ -200,10 +205,52 @@ class Job:
 
 
 def dataset_sizes(settings: TaskSettings, spec: RunSpec, quick: bool) -> tuple[int, int]:
-    """(training, test) examples of a run: the task's settings (``quick``: the smaller
-    training set), at least one batch of training examples."""
+    """(training, test) examples of a run: a shipped task's fixed split, else the task's
+    settings (``quick``: the smaller training set) with at least one batch of training
+    examples."""
+    if spec.task.fixed_sizes is not None:
+        return spec.task.fixed_sizes
     train_size = settings.quick_train_size if quick else settings.train_size
     return max(train_size, spec.batch_size), settings.test_size
+
+
+def _sample_count(options: dict[str, Any]) -> int:
+    """Samples of one attention call: RFA's features, RA's or LARA's samples (a 2-D
+    LARA's pools ``(c_h, c_w)`` count ``c_h * c_w``); 1 for softmax."""
+    count = options.get("num_features", options.get("num_samples", 1))
+    return math.prod(count) if isinstance(count, tuple | list) else int(count)
+
+
+def check_jobs(jobs: list[Job], parallel: int, device: str,
+               available: int | None) -> None:
+    """Refuse, before any work, runs that cannot be done: a batch larger than the
+    training set, or more memory than ``available`` bytes of host memory (``parallel``
+    runs at a time, each with its own data; on ``cpu`` also the training step's, see
+    :func:`xattn.cli.memory.training_step_bytes`).
+
+    Raises
+    ------
+    CommandError
+        One line naming the size at fault.
+    """
+    needs = []
+    for job in jobs:
+        spec, task = job.spec, job.spec.task
+        if spec.batch_size > job.train_size:
+            raise CommandError(f"--batch-size {spec.batch_size} is larger than the "
+                               f"{task.name} training set ({job.train_size} examples)")
+        need = dataset_bytes(job.train_size + job.test_size, task.length,
+                             len(task.vocabulary_sizes), task.per_token)
+        if device == "cpu":
+            model = spec.model
+            need += training_step_bytes(
+                batch=spec.batch_size, length=task.length, dim=model.dim, ffn=model.ffn,
+                heads=model.heads, layers=model.layers, estimator=spec.estimator,
+                samples=_sample_count(spec.options))
+        needs.append((f"{task.name} at length {task.length} with batch size "
+                       f"{spec.batch_size} ({spec.name}, {min(parallel, len(jobs))} at a "
+                       "time)", min(parallel, len(jobs)) * need))
+    require_memory(needs, available, "this machine")
 
 
 _WORKER: dict[str, Any] = {}
@@ -247,15 +294,23 @@ def _report(job: Job, result: RunResult | str, finished: dict[int, RunResult]) -
 
 
 def run_jobs(jobs: list[Job], args: argparse.Namespace,
-             finished: dict[int, RunResult] | None = None) -> dict[int, RunResult]:
+             finished: dict[int, RunResult] | None = None,
+             on_finished: Callable[[], object] | None = None) -> dict[int, RunResult]:
     """Run ``jobs``, ``args.jobs`` at a time (in spawned processes when more than one),
-    reporting each; the results, by job index, go into ``finished`` as they come."""
+    reporting each; the results, by job index, go into ``finished`` as they come, and
+    ``on_finished()`` is called after each run that finished."""
     finished = {} if finished is None else finished
+
+    def report(job: Job, result: RunResult | str) -> None:
+        _report(job, result, finished)
+        if on_finished is not None and not isinstance(result, str):
+            on_finished()
+
     if args.jobs == 1:
         if "module" not in _WORKER:
             _WORKER["module"] = load_framework(args.framework, args.threads)
         for job in jobs:
-            _report(job, _execute(job, args.device, args.progress), finished)
+            report(job, _execute(job, args.device, args.progress))
         return finished
     executor = concurrent.futures.ProcessPoolExecutor(
         max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn"),
@@ -264,7 +319,7 @@ def run_jobs(jobs: list[Job], args: argparse.Namespace,
         futures = {executor.submit(_execute_in_worker, job, args.device, args.progress): job
                    for job in jobs}
         for future in concurrent.futures.as_completed(futures):
-            _report(futures[future], future.result(), finished)
+            report(futures[future], future.result())
     except BaseException:
         for process in list(getattr(executor, "_processes", {}).values()):
             process.terminate()  # the workers ignore Ctrl-C: end the runs in flight
@@ -287,32 +342,33 @@ def previous_runs(path: Path, config: dict[str, Any],
     Raises
     ------
     CommandError
-        The file is not a ``train.json``, or its settings differ from ``config``.
+        The file is not a ``train.json`` (any entry it reads has the wrong type or
+        range, see :func:`~xattn.cli.train_report.read_results`), or its settings differ
+        from ``config``.
     """
     if not path.exists():
         return {}
     try:
-        previous = json.loads(path.read_text())
-        previous_config, runs = previous["config"], previous["runs"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CommandError(f"--resume: cannot read the runs of {path} ({error})") from None
+        previous_config, runs = read_results(path)
+    except ValueError as problem:
+        raise CommandError(f"--resume: {path}: {problem}; nothing was trained and the file "
+                           "is left as it is") from None
     for key in RESUME_KEYS:
         if previous_config.get(key) != config[key]:
             raise CommandError(f"--resume: {path} was written with {key} = "
                                f"{previous_config.get(key)!r}, this run has {config[key]!r}")
     done = {}
-    for run_json in runs:
-        task = run_json.get("task")
-        if previous_config.get("tasks", {}).get(task) != config["tasks"].get(task):
+    for result in runs:
+        if previous_config.get("tasks", {}).get(result.task) != config["tasks"].get(
+                result.task):
             continue  # another length or other task settings: run it again
-        done[(task, run_json.get("name"), run_json.get("seed"), run_json.get("steps"))] = (
-            run_json)
+        done[(result.task, result.name, result.seed, result.steps)] = result
     taken = {}
     for job in jobs:
         spec = job.spec
-        run_json = done.get((spec.task.name, spec.name, spec.seed, spec.steps))
-        if run_json is not None:
-            taken[job.index] = RunResult(**run_json)
+        result = done.get((spec.task.name, spec.name, spec.seed, spec.steps))
+        if result is not None:
+            taken[job.index] = result
     return taken
 
 
@@ -331,27 +387,14 @@ def run(args: argparse.Namespace) -> int:
     if args.framework not in FRAMEWORKS:
         raise CommandError(f"unknown framework {args.framework!r}; choose from "
                            f"{', '.join(FRAMEWORKS)}")
-    out_dir = output_dir(args.out)  # before any work
-    module = _WORKER["module"] = load_framework(args.framework, args.threads)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    # sizes are checked on the plan with 2-D LARA segments (the larger one), before any work
+    check_jobs(_plan(tasks, seeds, args, has_grid=True), args.jobs, args.device,
+               host_memory_available())
+    out_dir = output_dir(args.out, ("train.json", "train.png"))
+    module = _WORKER["module"] = load_framework(args.framework, args.threads)
     has_grid = module.supports_grid()
-
-    plan: list[tuple[Task, RunSpec, TaskSettings]] = []
-    for task in tasks:
-        settings = SETTINGS[task.name]
-        steps = args.steps or (settings.quick_steps if args.quick else settings.steps)
-        batch_size = args.batch_size or settings.batch_size
-        for seed in seeds:
-            for name, estimator, options in attention_variants(
-                    task, list(dict.fromkeys(args.estimators)), args.samples, has_grid):
-                plan.append((task, RunSpec(task, name, estimator, options, seed, steps,
-                                           batch_size, settings.peak_lr,
-                                           warmup_fraction=settings.warmup_fraction),
-                             settings))
-
-    jobs = [Job(index, f"[{index}/{len(plan)}] {task.name} {spec.name} seed {spec.seed}",
-                 spec, *dataset_sizes(settings, spec, args.quick))
-            for index, (task, spec, settings) in enumerate(plan, 1)]
+    jobs = _plan(tasks, seeds, args, has_grid)
     config = {
         "framework": args.framework, "device": args.device, "threads": args.threads,
         "jobs": args.jobs,
@@ -360,36 +403,61 @@ def run(args: argparse.Namespace) -> int:
                   for task in tasks},
         "estimators": list(args.estimators), "seeds": seeds, "samples": args.samples,
         "quick": args.quick, "steps": args.steps, "batch_size": args.batch_size,
-        "model": dataclasses.asdict(plan[0][1].model) if plan else None,
+        "model": dataclasses.asdict(jobs[0].spec.model) if jobs else None,
         "lara_2d_segments": has_grid,
     }
     # JSON's view of the configuration (tuples become lists), as a resumed file holds it
     config = json.loads(json.dumps(config))
     finished: dict[int, RunResult] = {}
     earlier_wall_s = 0.0
-    if args.resume:
+    if args.resume:  # the whole file is checked here, before any training
         finished = previous_runs(out_dir / "train.json", config, jobs)
         if finished:
-            earlier_wall_s = json.loads((out_dir / "train.json").read_text())[
-                "config"].get("wall_s", 0.0)
+            earlier_wall_s = read_results(out_dir / "train.json")[0].get("wall_s", 0.0)
     taken_over = len(finished)
     started = time.perf_counter()
-    print(f"xattn train: {args.framework} on {args.device}, {len(plan)} runs "
+
+    def save(interrupted: bool) -> list[RunResult]:
+        """Write train.json with the runs finished so far; return them."""
+        results = [finished[index] for index in sorted(finished)]
+        config.update({"wall_s": earlier_wall_s + time.perf_counter() - started,
+                       "interrupted": interrupted, "resumed_runs": taken_over})
+        write_results(out_dir / "train.json", results, config, module.versions())
+        return results
+
+    print(f"xattn train: {args.framework} on {args.device}, {len(jobs)} runs "
           f"({', '.join(task.name for task in tasks)}; seeds {', '.join(map(str, seeds))}; "
           f"{args.jobs} at a time)"
           + (f"; {taken_over} taken over from {out_dir / 'train.json'}" if taken_over
              else ""), flush=True)
     interrupted = False
     try:
-        run_jobs([job for job in jobs if job.index not in finished], args, finished)
+        # each finished run is on disk at once (marked interrupted until the last one)
+        run_jobs([job for job in jobs if job.index not in finished], args, finished,
+                 on_finished=lambda: save(interrupted=True))
     except KeyboardInterrupt:
         interrupted = True
         print(f"\nxattn train: interrupted; writing the {len(finished)} finished runs "
               "(--resume runs the others)", file=sys.stderr)
-    results = [finished[index] for index in sorted(finished)]
-    config.update({"wall_s": earlier_wall_s + time.perf_counter() - started,
-                   "interrupted": interrupted,
-                   "resumed_runs": taken_over})
+    results = save(interrupted)
     write_outputs(out_dir, results, config, module.versions(), tasks)
     return EXIT_INTERRUPTED if interrupted else 0
 
+
+def _plan(tasks: list[Task], seeds: list[int], args: argparse.Namespace,
+          has_grid: bool) -> list[Job]:
+    """Every run of the command, in order: by task, seed and attention."""
+    plan: list[tuple[RunSpec, TaskSettings]] = []
+    for task in tasks:
+        settings = SETTINGS[task.name]
+        steps = args.steps or (settings.quick_steps if args.quick else settings.steps)
+        batch_size = args.batch_size or settings.batch_size
+        for seed in seeds:
+            for name, estimator, options in attention_variants(
+                    task, list(dict.fromkeys(args.estimators)), args.samples, has_grid):
+                plan.append((RunSpec(task, name, estimator, options, seed, steps,
+                                     batch_size, settings.peak_lr,
+                                     warmup_fraction=settings.warmup_fraction), settings))
+    return [Job(index, f"[{index}/{len(plan)}] {spec.task.name} {spec.name} seed {spec.seed}",
+                spec, *dataset_sizes(settings, spec, args.quick))
+            for index, (spec, settings) in enumerate(plan, 1)]

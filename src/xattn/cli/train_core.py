@@ -146,7 +146,21 @@ def learning_rate(step: int, spec: RunSpec) -> float:
 
 
 def batches(data: Dataset, batch_size: int, seed: int) -> Iterator[Dataset]:
-    """Endless shuffled minibatches (a new permutation per epoch, drawn from ``seed``)."""
+    """Endless shuffled minibatches (a new permutation per epoch, drawn from ``seed``).
+
+    Raises
+    ------
+    ValueError
+        ``batch_size`` is not from 1 to ``len(data)`` (no full batch could ever be
+        formed, and the iterator would search forever).
+    """
+    if not 1 <= batch_size <= len(data):
+        raise ValueError(f"batch_size must be from 1 to the {len(data)} examples of the "
+                         f"data, got {batch_size}")
+    return _batches(data, batch_size, seed)
+
+
+def _batches(data: Dataset, batch_size: int, seed: int) -> Iterator[Dataset]:
     rng = np.random.default_rng(seed)
     while True:
         order = rng.permutation(len(data))

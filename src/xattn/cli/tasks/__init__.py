@@ -60,10 +60,11 @@ class Task:
     grid: tuple[int, int] | None = None
     positional: bool = True  # False: the order of the positions carries no information
     description: str = ""
+    fixed_sizes: tuple[int, int] | None = None  # (train, test) of a shipped split
 
     def datasets(self, train_size: int, test_size: int) -> tuple[Dataset, Dataset]:
         """The (train, test) splits; the generated tasks give ``train_size`` and
-        ``test_size`` examples, ``digits`` its fixed 1,437 / 360 split."""
+        ``test_size`` examples, a shipped task (``digits``) its ``fixed_sizes``."""
         return _datasets(self.name, self.length, train_size, test_size)
 
 
@@ -101,7 +102,8 @@ def get_task(name: str, length: int | None = None) -> Task:
             raise ValueError(f"--length {length} does not fit digits: its images are "
                              f"{digits.GRID[0]}x{digits.GRID[1]} = {size} tokens")
         return Task("digits", size, (digits.NUM_LEVELS,), 10, grid=digits.GRID,
-                    description="8x8 images, pixel intensities 0-16 as tokens, row-major")
+                    description="8x8 images, pixel intensities 0-16 as tokens, row-major",
+                    fixed_sizes=(digits.TRAIN_SIZE, digits.TEST_SIZE))
     raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
 
 

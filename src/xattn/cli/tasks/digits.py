@@ -21,11 +21,13 @@ from importlib import resources
 
 import numpy as np
 
-__all__ = ["GRID", "NUM_LEVELS", "TEST_SIZE", "load", "split"]
+__all__ = ["GRID", "NUM_IMAGES", "NUM_LEVELS", "TEST_SIZE", "TRAIN_SIZE", "load", "split"]
 
 GRID = (8, 8)
 NUM_LEVELS = 17  # pixel intensities 0..16
+NUM_IMAGES = 1797
 TEST_SIZE = 360
+TRAIN_SIZE = NUM_IMAGES - TEST_SIZE
 _SPLIT_SEED = 0
 
 
