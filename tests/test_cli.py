@@ -732,3 +732,24 @@ def test_compare_window_bad_values(tmp_path, npz, capsys, argv, message):
     code, _, err = run(capsys, "compare", "--input", npz, *argv, "--estimators", "rfa",
                        "--samples", 4, "--out", tmp_path)
     assert_usage_error(code, err, message)
+
+
+def test_compare_checks_every_cell_against_the_input_before_any_work(tmp_path, capsys,
+                                                                       monkeypatch):
+    """A sample count one estimator cannot take on the loaded shapes (LARA's C > N here,
+    N = 24) is refused in one line naming the cell and the real shapes, before the
+    backend is loaded, any cell runs or the output directory is made."""
+    q, k, v = small_inputs(length=24)
+    path = tmp_path / "qkv.npz"
+    np.savez(path, q=q, k=k, v=v)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before every cell was checked")
+
+    for name in ("load_backend", "estimator_error", "output_dir"):
+        monkeypatch.setattr(cli.compare, name, no_work)
+    out = tmp_path / "out"
+    code, out_text, err = run(capsys, "compare", "--input", path, "--samples", "4,32",
+                              "--estimators", "rfa,lara", "--out", out)
+    assert_usage_error(code, err, "lara with num_samples=32", str(q.shape))
+    assert out_text == "" and not out.exists()

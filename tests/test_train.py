@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import statistics
 import sys
 
@@ -297,3 +298,268 @@ def test_summary_mean_and_std_over_seeds():
     (row,) = summarize([result(0, 0.5), result(1, 0.7), result(2, 0.9)])
     assert row["test_accuracy_mean"] == pytest.approx(0.7)
     assert row["test_accuracy_std"] == pytest.approx(statistics.stdev([0.5, 0.7, 0.9]))
+
+
+# --------------------------------------------------------------------------------------
+# reliability: --resume with a damaged train.json, runs kept on disk, sizes, seeds
+# --------------------------------------------------------------------------------------
+
+RESUME_ARGUMENTS = ["train", "--task", "digits", "--estimators", "softmax", "--steps", "2",
+                    "--batch-size", "4", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def one_seed_file(tmp_path_factory):
+    """The text of a real train.json: one softmax run on digits, seed 0."""
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    out = tmp_path_factory.mktemp("one-seed")
+    assert main([*RESUME_ARGUMENTS, "--seeds", "0", "--out", str(out)]) == 0
+    return (out / "train.json").read_text()
+
+
+def fake_execute(trained):
+    """Stands in for one training run: records the job, returns a plausible result."""
+    from xattn.cli.train_core import RunResult
+
+    def execute(job, device, progress, position=None):
+        trained.append(job.spec.seed)
+        spec = job.spec
+        return RunResult(spec.task.name, spec.name, spec.estimator, spec.options, spec.seed,
+                         spec.steps, 0.5, 2.0, 1.0, 1024, "fake", 0.1,
+                         [{"step": spec.steps, "test_accuracy": 0.5, "train_loss": 2.0}])
+    return execute
+
+
+BAD_VALUES = [None, "text", [0], {"a": 1}, True, -1, float("nan"), float("inf"), 1e308,
+              2**70, 0.5]
+RUN_FIELDS = ["task", "name", "estimator", "options", "seed", "steps", "test_accuracy",
+              "final_train_loss", "ms_per_step", "peak_memory_bytes", "peak_memory_method",
+              "wall_s", "curve", "sampled_test_accuracy"]
+
+
+def test_run_fields_are_the_result_fields():
+    from dataclasses import fields
+
+    from xattn.cli.train_core import RunResult
+    assert [field.name for field in fields(RunResult)] == RUN_FIELDS
+
+
+def mutations():
+    """(label, function changing the parsed file) for every entry --resume reads: each
+    field of a run and of a curve point, config.wall_s, and the file's structure."""
+    def set_run(field, value):
+        return lambda payload: payload["runs"][0].__setitem__(field, value)
+
+    def set_point(field, value):
+        return lambda payload: payload["runs"][0]["curve"][-1].__setitem__(field, value)
+
+    def set_config(field, value):
+        return lambda payload: payload["config"].__setitem__(field, value)
+
+    cases = []
+    for value in BAD_VALUES:
+        cases += [(f"runs[0].{field}={value!r}", set_run(field, value)) for field in RUN_FIELDS]
+        cases += [(f"curve.{field}={value!r}", set_point(field, value))
+                  for field in ("step", "test_accuracy", "train_loss")]
+        cases += [(f"config.{field}={value!r}", set_config(field, value))
+                  for field in ("wall_s", "tasks")]
+        cases += [(f"top.{key}={value!r}", lambda payload, key=key, value=value:
+                   payload.__setitem__(key, value)) for key in ("config", "runs")]
+        cases.append((f"runs=[{value!r}]", lambda payload, value=value:
+                      payload.__setitem__("runs", [value])))
+    cases += [
+        ("extra key in a run", set_run("color", "red")),
+        ("missing key in a run", lambda payload: payload["runs"][0].pop("ms_per_step")),
+        ("no runs", lambda payload: payload.pop("runs")),
+        ("no config", lambda payload: payload.pop("config")),
+        ("seed [0]", set_run("seed", [0])),
+        ("extra key in a curve point", set_point("note", 1)),
+        ("empty curve", set_run("curve", [])),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("label, mutate", mutations(), ids=lambda item: str(item)[:40])
+def test_resume_checks_the_whole_file_before_training(one_seed_file, tmp_path, monkeypatch,
+                                                      capsys, label, mutate):
+    """Whatever entry of train.json is changed, --resume with more seeds either refuses
+    before any training (one line, exit 2, the file byte for byte as it was) or accepts
+    it and ends with every run on disk and every figure finite."""
+    from xattn.cli import train as train_command
+    payload = json.loads(one_seed_file)
+    mutate(payload)
+    text = json.dumps(payload)
+    (tmp_path / "train.json").write_text(text)
+    trained = []
+    monkeypatch.setattr(train_command, "_execute", fake_execute(trained))
+    code = main([*RESUME_ARGUMENTS, "--seeds", "0,1", "--out", str(tmp_path), "--resume"])
+    err = capsys.readouterr().err
+    if code == 2:
+        assert trained == [], label
+        assert len(err.strip().splitlines()) == 1 and "--resume" in err, label
+        assert (tmp_path / "train.json").read_text() == text, label
+        return
+    assert code == 0, (label, err)
+    resumed = json.loads((tmp_path / "train.json").read_text())
+    assert sorted(run["seed"] for run in resumed["runs"]) == [0, 1], label
+    for run in resumed["runs"]:
+        for field in ("test_accuracy", "final_train_loss", "ms_per_step", "wall_s"):
+            assert math.isfinite(run[field]) and run[field] >= 0, (label, field)
+        assert 0 <= run["test_accuracy"] <= 1, label
+    assert math.isfinite(resumed["config"]["wall_s"]), label
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[" * 100_000, "[]", "null", "{}",
+                                  '{"config": {}, "runs": null}', '{"config": [1], "runs": []}',
+                                  '{"config": {}, "runs": [1]}', "\udcff"],
+                         ids=["empty", "text", "deep", "list", "null", "no-entries",
+                              "runs-null", "config-list", "runs-int", "undecodable"])
+def test_resume_refuses_what_is_not_a_train_json(tmp_path, monkeypatch, capsys, text):
+    pytest.importorskip("torch")
+    from xattn.cli import train as train_command
+    path = tmp_path / "train.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    trained = []
+    monkeypatch.setattr(train_command, "_execute", fake_execute(trained))
+    code = main([*RESUME_ARGUMENTS, "--seeds", "0", "--out", str(tmp_path), "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and trained == []
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert path.read_bytes() == text.encode("utf-8", "surrogateescape")
+
+
+def test_each_finished_run_is_on_disk_before_the_next_starts(tmp_path, monkeypatch):
+    """A run that crashes (here: the third) loses none of the runs before it: each is in
+    train.json, readable by --resume, as soon as it finishes."""
+    pytest.importorskip("torch")
+    from xattn.cli import train as train_command
+    from xattn.cli.train_report import read_results
+    trained = []
+    execute = fake_execute(trained)
+
+    def crash_third(job, *args, **kwargs):
+        if len(trained) == 2:
+            raise RuntimeError("the machine went away")
+        on_disk = read_results(tmp_path / "train.json")[1] if trained else []
+        assert [run.seed for run in on_disk] == trained
+        return execute(job, *args, **kwargs)
+
+    monkeypatch.setattr(train_command, "_execute", crash_third)
+    with pytest.raises(RuntimeError, match="went away"):
+        main([*RESUME_ARGUMENTS, "--seeds", "0,1,2", "--out", str(tmp_path)])
+    config, runs = read_results(tmp_path / "train.json")
+    assert [run.seed for run in runs] == [0, 1] and config["interrupted"] is True
+    # --resume then trains only the missing run
+    trained.clear()
+    monkeypatch.setattr(train_command, "_execute", execute)
+    assert main([*RESUME_ARGUMENTS, "--seeds", "0,1,2", "--out", str(tmp_path),
+                 "--resume"]) == 0
+    assert trained == [2]
+    config, runs = read_results(tmp_path / "train.json")
+    assert [run.seed for run in runs] == [0, 1, 2] and config["interrupted"] is False
+
+
+def test_json_writes_are_atomic(tmp_path, monkeypatch):
+    """A write that fails at any point leaves the previous file whole and no stray
+    temporary file."""
+    from xattn.cli import common
+    path = tmp_path / "out.json"
+    common.write_json(path, {"version": 1})
+    before = path.read_text()
+
+    def failing_replace(source, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(common.os, "replace", failing_replace)
+    with pytest.raises(common.CommandError, match="No space left"):
+        common.write_json(path, {"version": 2})
+    assert path.read_text() == before
+    assert [entry.name for entry in tmp_path.iterdir()] == ["out.json"]
+
+
+@pytest.mark.parametrize("size, batch_size", [(0, 1), (3, 4), (5, 5), (7, 2), (1, 1)])
+def test_batches_never_search_forever(size, batch_size):
+    """Either full batches of the asked size come, or a ValueError at once."""
+    from xattn.cli.train_core import batches
+    data = Dataset(np.arange(size)[:, None, None], np.arange(size))
+    if batch_size > size:
+        with pytest.raises(ValueError, match="batch_size"):
+            batches(data, batch_size, seed=0)
+        return
+    source = batches(data, batch_size, seed=0)
+    drawn = [next(source) for _ in range(3)]
+    assert all(len(batch) == batch_size for batch in drawn)
+
+
+@pytest.mark.parametrize("task", ["mqar", "listops", "digits"])
+def test_every_run_has_a_full_batch_or_is_refused(task, tmp_path, capsys):
+    """On every task a batch larger than the training set is refused before any work
+    (one line, exit 2, no output directory) or the training set is at least one batch."""
+    from xattn.cli import build_parser
+    from xattn.cli.tasks import get_task
+    from xattn.cli.train import check_jobs, plan_jobs
+    for batch_size in (1_000, 1_438, 20_000):
+        args = build_parser().parse_args(["train", "--task", task, "--batch-size",
+                                          str(batch_size), "--quick"])
+        jobs = plan_jobs([get_task(task)], [0], args, has_grid=True)
+        try:
+            check_jobs(jobs, 1, "cpu", None)  # sizes only, memory not limited
+        except Exception:
+            assert task == "digits" and batch_size > digits_task.TRAIN_SIZE
+            out = tmp_path / f"out-{batch_size}"
+            code = main(["train", "--task", task, "--batch-size", str(batch_size),
+                         "--out", str(out)])
+            err = capsys.readouterr().err
+            assert code == 2 and "--batch-size" in err and "1437" in err
+            assert len(err.strip().splitlines()) == 1 and not out.exists()
+        else:
+            assert all(job.train_size >= batch_size for job in jobs)
+
+
+@pytest.mark.parametrize("arguments", [
+    ["--task", "mqar", "--length", "2000000"],
+    ["--task", "listops", "--length", "2000000"],
+    ["--task", "mqar", "--batch-size", "1000000"],
+])
+def test_too_large_sizes_are_refused_before_any_work(arguments, tmp_path, capsys):
+    code = main(["train", *arguments, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "needs about" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_default_runs_fit_a_small_machine():
+    """The memory estimate does not refuse the default runs (every task, estimator and
+    --jobs 2) on a machine with 4 GiB free: the estimates are bounds, not alarms."""
+    from xattn.cli import build_parser
+    from xattn.cli.tasks import TASKS, get_task
+    from xattn.cli.train import check_jobs, plan_jobs
+    for quick in ([], ["--quick"]):
+        args = build_parser().parse_args(["train", *quick])
+        jobs = plan_jobs([get_task(name) for name in TASKS], [0, 1, 2], args, has_grid=True)
+        check_jobs(jobs, 2, "cpu", 4 * 2**30)
+
+
+@pytest.mark.parametrize("command, option", [("compare", "--seed"), ("bench", "--seed"),
+                                             ("train", "--seeds")])
+def test_every_command_takes_the_same_seeds(command, option, capsys):
+    """0 to MAX_SEED parse in every sub-command; beyond it, one line and exit 2."""
+    from xattn.cli import build_parser
+    from xattn.cli.options import MAX_SEED
+    parser = build_parser()
+    for seed in (0, MAX_SEED):
+        args = parser.parse_args([command, option, str(seed)])
+        assert getattr(args, option.lstrip("-")) in (seed, [seed])
+    for text in (str(MAX_SEED + 1), "99999999999999999999999", "-1"):
+        code = main([command, option, text])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and option in err
+
+
+def test_the_largest_seed_trains(tmp_path):
+    """MAX_SEED seeds the framework's generators (no OverflowError)."""
+    pytest.importorskip("torch")
+    from xattn.cli.options import MAX_SEED
+    assert main([*RESUME_ARGUMENTS, "--seeds", str(MAX_SEED), "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "train.json").read_text())["runs"][0]["seed"] == MAX_SEED

@@ -32,7 +32,8 @@ from xattn.diagnostics import (
     uniform_attention,
 )
 
-__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_SAMPLES", "MAX_DRAWS", "add_parser", "run"]
+__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_SAMPLES", "MAX_DRAWS", "add_parser", "check_cells",
+           "run"]
 
 DEFAULT_SAMPLES = (16, 32, 64, 128, 256)
 # Draws per cell: beyond this the run would take days (each draw is a full estimator
@@ -87,7 +88,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn compare``."""
-    out_dir = output_dir(args.out, ("compare.json", "compare.png"))  # before any work
     specs = estimator_specs(args.estimators)
     if args.window is not None or args.sinks:  # rfa+window right after plain rfa
         if ESTIMATORS["rfa"] not in specs:
@@ -95,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
         specs.insert(specs.index(ESTIMATORS["rfa"]) + 1,
                      windowed_rfa_spec(args.window, args.sinks))
     functions = {spec.name: spec.load() for spec in specs}
-    backend = load_backend(args.backend, args.device, args.dtype)
     if args.input is None:
         source = "default: structured_attention_inputs() (4 heads, N = M = 1024, D = 64)"
         q_host, k_host, v_host = validate_inputs(*structured_attention_inputs(), args.dtype,
@@ -105,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         q_host, k_host, v_host = load_inputs(args.input, args.dtype)
 
     cells, skipped = _plan(specs, args)
+    check_cells(cells, functions, q_host, k_host, v_host, args.seed)
+    out_dir = output_dir(args.out, ("compare.json", "compare.png"))  # before any work
+    backend = load_backend(args.backend, args.device, args.dtype)
     problem = Problem(batch=math.prod(np.broadcast_shapes(q_host.shape[:-2], k_host.shape[:-2],
                                                        v_host.shape[:-2])),
                       num_queries=q_host.shape[-2], num_keys=k_host.shape[-2],
@@ -200,6 +202,31 @@ def run(args: argparse.Namespace) -> int:
     _plot_compare(png_path, rows, baseline_row, specs, source, skipped)
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def check_cells(cells: list[tuple[EstimatorSpec, int]], functions: dict[str, Any],
+                q: np.ndarray, k: np.ndarray, v: np.ndarray, seed: int) -> None:
+    """Check every cell's options against the shapes of ``q``, ``k``, ``v`` before any
+    work: each estimator validates one call on an empty batch of those shapes (its own
+    checks, at no cost), so a sample count the inputs cannot take (LARA's C > N, say) is
+    refused up front instead of after the cells before it ran.
+
+    Raises
+    ------
+    CommandError
+        One line naming the cell and the estimator's message.
+    """
+    empty = [np.zeros((0, *array.shape[-2:]), dtype=array.dtype) for array in (q, k, v)]
+    for spec, samples in cells:
+        try:
+            functions[spec.name](*empty, rng=seed, **{spec.sample_keyword: samples},
+                                 **spec.options)
+        except (ValueError, TypeError) as problem:
+            message = str(problem)
+            for stand_in, array in zip(empty, (q, k, v), strict=True):  # the real shapes
+                message = message.replace(str(stand_in.shape), str(array.shape))
+            raise CommandError(f"{spec.name} with {spec.sample_keyword}={samples}: "
+                               f"{message}") from None
 
 
 def _plan(specs: list[EstimatorSpec], args: argparse.Namespace

@@ -46,7 +46,7 @@ from xattn.cli.train_report import read_results, write_outputs, write_results
 
 __all__ = ["DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS", "RESUME_KEYS", "SETTINGS",
            "Job", "TaskSettings", "add_parser", "attention_variants", "check_jobs",
-           "dataset_sizes", "grid_pools", "load_framework", "previous_runs", "run",
+           "dataset_sizes", "grid_pools", "load_framework", "plan_jobs", "previous_runs", "run",
            "run_jobs"]
 
 FRAMEWORKS = {"torch": "torch", "flax": "flax"}  # framework -> extra to install
@@ -389,12 +389,12 @@ def run(args: argparse.Namespace) -> int:
                            f"{', '.join(FRAMEWORKS)}")
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     # sizes are checked on the plan with 2-D LARA segments (the larger one), before any work
-    check_jobs(_plan(tasks, seeds, args, has_grid=True), args.jobs, args.device,
+    check_jobs(plan_jobs(tasks, seeds, args, has_grid=True), args.jobs, args.device,
                host_memory_available())
     out_dir = output_dir(args.out, ("train.json", "train.png"))
     module = _WORKER["module"] = load_framework(args.framework, args.threads)
     has_grid = module.supports_grid()
-    jobs = _plan(tasks, seeds, args, has_grid)
+    jobs = plan_jobs(tasks, seeds, args, has_grid)
     config = {
         "framework": args.framework, "device": args.device, "threads": args.threads,
         "jobs": args.jobs,
@@ -444,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if interrupted else 0
 
 
-def _plan(tasks: list[Task], seeds: list[int], args: argparse.Namespace,
+def plan_jobs(tasks: list[Task], seeds: list[int], args: argparse.Namespace,
           has_grid: bool) -> list[Job]:
     """Every run of the command, in order: by task, seed and attention."""
     plan: list[tuple[RunSpec, TaskSettings]] = []
