@@ -22,7 +22,7 @@ from xattn.cli.common import (
 from xattn.cli.figures import new_figure, save_figure
 from xattn.cli.inputs import load_inputs, validate_inputs
 from xattn.cli.measure import Measurement, load_backend, measured
-from xattn.cli.memory import Problem, require_memory, softmax_bytes
+from xattn.cli.memory import Problem, host_memory_available, require_memory, softmax_bytes
 from xattn.cli.options import add_common_options, int_at_least, int_list, nonnegative_int
 from xattn.cli.registry import ESTIMATORS, EstimatorSpec, estimator_specs, windowed_rfa_spec
 from xattn.diagnostics import (
@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     total_runs = sum(_draws(spec, args) for spec, _ in cells)
     with progress_bar(total_runs, "xattn compare", args.progress) as bar:
         for spec, samples in cells:
+            assert spec.sample_keyword is not None  # estimator_specs refuses softmax
             measurement = Measurement()
             timed = measured(functions[spec.name], backend, measurement)
 
@@ -208,8 +209,9 @@ def check_cells(cells: list[tuple[EstimatorSpec, int]], functions: dict[str, Any
                 q: np.ndarray, k: np.ndarray, v: np.ndarray, seed: int) -> None:
     """Check every cell's options against the shapes of ``q``, ``k``, ``v`` before any
     work: each estimator validates one call on an empty batch of those shapes (its own
-    checks, at no cost), so a sample count the inputs cannot take (LARA's C > N, say) is
-    refused up front instead of after the cells before it ran.
+    checks; the call draws its samples, whose memory is checked first), so a sample
+    count the inputs cannot take (LARA's C > N, say) is refused up front instead of
+    after the cells before it ran.
 
     Raises
     ------
@@ -217,7 +219,13 @@ def check_cells(cells: list[tuple[EstimatorSpec, int]], functions: dict[str, Any
         One line naming the cell and the estimator's message.
     """
     empty = [np.zeros((0, *array.shape[-2:]), dtype=array.dtype) for array in (q, k, v)]
+    nothing = Problem(0, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], q.dtype.itemsize)
+    available = host_memory_available()
     for spec, samples in cells:
+        assert spec.sample_keyword is not None  # estimator_specs refuses softmax
+        # what the empty call itself holds (the samples it draws), against host memory
+        require_memory([(f"{spec.name} with {samples} samples", spec.memory(nothing, samples))],
+                       available, "this machine")
         try:
             functions[spec.name](*empty, rng=seed, **{spec.sample_keyword: samples},
                                  **spec.options)
