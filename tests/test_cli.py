@@ -755,3 +755,15 @@ def test_compare_checks_every_cell_against_the_input_before_any_work(tmp_path, c
                               "--estimators", "rfa,lara", "--out", out)
     assert_usage_error(code, err, "lara with num_samples=32", str(q.shape))
     assert out_text == "" and not out.exists()
+
+
+def test_version_option_and_metadata(capsys):
+    """``xattn --version`` prints the package version, which is the installed metadata's
+    (pyproject.toml takes it from ``xattn.__version__``)."""
+    import importlib.metadata
+
+    code, out, err = run(capsys, "--version")
+    assert code == 0, err
+    assert out == "xattn 0.1.0\n"
+    assert xattn.__version__ == "0.1.0"
+    assert importlib.metadata.version("xattn") == xattn.__version__

@@ -49,7 +49,7 @@ __all__ = [
     "softmax_attention",
     "torch",
 ]
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 _SUBMODULES = ("diagnostics", "features", "flax", "mrf", "random", "torch")
 
