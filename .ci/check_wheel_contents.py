@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
 
     modules, data, licenses = expected_modules(), expected_package_data(config), \
         license_files(config)
+    assert licenses, ("the project has no license file, but pyproject says license = "
+                      f"{config['project'].get('license')!r}: the text must ship")
     wheel = check_wheel(the_one(args.dist, f"{PACKAGE}-*.whl"), version, modules, data,
                         licenses)
     sdist = check_sdist(the_one(args.dist, f"{PACKAGE}-*.tar.gz"), version, modules, data,
@@ -168,10 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wheel: {len(wheel)} files ({len(modules)} modules, package data "
           f"{', '.join(sorted(data))}, {len(wheel) - len(modules) - len(data)} in the "
           f"dist-info); sdist: {len(sdist)} files; version {version}")
-    if not licenses:
-        print("warning: the project has no license file (pyproject says license = "
-              f"{config['project'].get('license')!r}); none is in the sdist or wheel",
-              file=sys.stderr)
     return 0
 
 

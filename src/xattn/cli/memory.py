@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 __all__ = ["HOST_ITEMSIZE", "TRAINING_ATTENTION_BYTES", "Problem", "dataset_bytes",
            "format_size", "host_memory_available", "lara_bytes", "ra_bytes", "require_memory",
-           "rfa_bytes", "softmax_bytes", "training_step_bytes"]
+           "rfa_bytes", "softmax_bytes", "softmax_training_bytes", "training_step_bytes"]
 
 HOST_ITEMSIZE = 8  # the host draws (int seeds) and generated inputs are float64
 
