@@ -36,9 +36,11 @@ def tests_gpu(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff, over the sources, tests, benchmarks and docs."""
-    session.install(*CONSTRAINTS, "ruff")
+    """ruff, over the sources, tests, benchmarks and docs; mypy over src/xattn."""
+    # the test extras: mypy follows the imports of torch, JAX, Flax, Dask and matplotlib
+    session.install(*CONSTRAINTS, "-e", ".[test]", "ruff", "mypy")
     session.run("ruff", "check", ".")
+    session.run("mypy")  # files and settings: [tool.mypy] in pyproject.toml
 
 
 @nox.session

@@ -488,6 +488,7 @@ def lara(
                                         None if key_mask is None else key_mask[..., start:stop])
         statistics = piece if statistics is None else merge_key_statistics(xp, statistics,
                                                                            piece)
+    assert statistics is not None  # stream_bounds gives at least one piece
     key_max, numerator, denominator = statistics
     # ... and e_nc = omega_c . q^_n + K_c - |omega_c|^2/2 + |omega_c - mu_c|^2/2, where the
     # last two terms are log N(omega_c; 0, I) - log q_c(omega_c).

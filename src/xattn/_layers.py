@@ -212,6 +212,7 @@ class LayerCore:
         probe = np.zeros((1, length, self.head_dim), dtype=np.float32)
         omega = None
         if self.estimator == "rfa":
+            assert self.num_features is not None  # set for "rfa" by _setup_estimator
             omega = draw_features(0, self.num_features, self.head_dim, self.estimator_options,
                                   xp=np, dtype=np.float32)
         for training in (True, False):

@@ -53,7 +53,7 @@ def check_noise_scale(noise_scale: Any) -> float:
     if isinstance(noise_scale, bool) or not isinstance(noise_scale, numbers.Real):
         raise TypeError(f"noise_scale must be a real number >= 0, got "
                         f"{type(noise_scale).__name__} {noise_scale!r}")
-    if not (math.isfinite(noise_scale) and noise_scale >= 0):
+    if not math.isfinite(noise_scale) or noise_scale < 0:
         raise ValueError(f"noise_scale must be a finite number >= 0, got {noise_scale}")
     return float(noise_scale)
 
@@ -314,10 +314,12 @@ def ra(
     num_draws = 1 if deterministic else num_samples  # deterministic: the samples coincide
     uniforms = None
     if not biased:  # one uniform per query and sample, turned into (0, 1]
+        assert generator is not None  # deterministic requires biased (checked above)
         uniforms = 1.0 - generator.uniform(xp, (*batch, num_queries, num_draws), dtype=work,
                                            device=device)
     noise = None
     if not deterministic:
+        assert generator is not None  # None only when deterministic
         noise = generator.normal(xp, (*batch, num_queries, num_draws, head_dim), dtype=work,
                                  device=device)
         if noise_scale != 1.0:  # omega = mu + sigma eps; f_n keeps the unit-covariance form
@@ -354,6 +356,7 @@ def ra(
             else:
                 # z_ns ~ Categorical(pi_n) by inverse CDF: the cumulative weights below u
                 # (both sides times the total: no division of the (..., B, M) weights)
+                assert uniforms is not None  # drawn above when not biased
                 threshold = uniforms[..., start:stop, sample_start:sample_stop] * mixture_total
                 component = xp.count_nonzero(cumulative[..., None, :] < threshold[..., None],
                                              axis=-1)  # (..., B, G)
@@ -372,6 +375,7 @@ def ra(
             omega_extended = xp.concat([omega, xp.ones_like(omega[..., :1])], axis=-1)
             row_positions = None
             if causal:  # the query position of every (query, sample) row
+                assert query_positions is not None  # an arange when causal
                 row_positions = xp.reshape(xp.broadcast_to(query_positions[:, None],
                                                            (size, group)), (size * group,))
             row_allowed = _allowed_keys(xp, key_mask, row_positions, key_positions)
@@ -382,6 +386,7 @@ def ra(
             estimates = xp.reshape(estimates, (*batch, size, group, value_dim))
             step_total = xp.sum(estimates, axis=-2)
             total = step_total if total is None else total + step_total
+        assert total is not None  # num_draws >= 1: the sample loop ran
         outputs.append(total if num_draws == 1 else total / num_draws)  # mean over samples
 
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)

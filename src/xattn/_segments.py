@@ -21,7 +21,7 @@ A segment without an allowed entry has a zero mean (and size 0), never NaN.
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, TypeGuard
 
 from xattn._array import Array, index_sizes, one_chunk_along
 
@@ -43,7 +43,7 @@ def adaptive_bins(length: int, parts: int) -> list[tuple[int, int]]:
     return [((i * length) // parts, -((-(i + 1) * length) // parts)) for i in range(parts)]
 
 
-def pair_of_ints(value: Any) -> bool:
+def pair_of_ints(value: Any) -> TypeGuard[tuple[Any, ...] | list[Any]]:
     """True if ``value`` is a tuple or list of two ints (bools excluded): a grid
     ``(H, W)`` or a pair of pool sizes ``(c_h, c_w)``."""
     return (isinstance(value, tuple | list) and len(value) == 2
@@ -187,6 +187,7 @@ def segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int, devi
         sizes = xp.sum(membership, axis=-1)
         safe_sizes = xp.where(sizes > 0, sizes, 1.0)
         return (membership @ x) / safe_sizes[..., None], sizes
+    assert pools is not None  # check_segments returns grid and pools together
     membership = _grid_membership(xp, grid, pools, dtype=x.dtype, device=device)  # (C, L)
     if mask is None:
         sizes = xp.sum(membership, axis=-1)  # (C,): (bin height) * (bin width), never 0

@@ -280,6 +280,7 @@ def estimator_error(
             mean_residual = mean_residual + delta / draw
             sum_sq_deviation = sum_sq_deviation + delta * (residual - mean_residual)
 
+    assert mean_residual is not None and sum_sq_deviation is not None  # draws >= 1
     mean = _valid_rows_mean(xp, exact, options.get("query_mask"))
     bias_squared = mean(mean_residual * mean_residual)
     variance = mean(sum_sq_deviation) / draws

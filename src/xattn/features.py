@@ -140,6 +140,7 @@ def positive_key_statistics(
                                 chunk_mask)
         statistics = chunk if statistics is None else merge_key_statistics(xp, statistics,
                                                                            chunk)
+    assert statistics is not None  # chunk_size < num_keys: the loop ran at least once
     return statistics
 
 

@@ -65,7 +65,8 @@ def _variable_signature() -> inspect.Signature:
 
 # nnx.Variable's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature
 # and Sphinx would show as the class signature: expose the constructor's instead.
-FeatureState.__signature__ = _variable_signature()
+# (inspect reads __signature__ off any object; typeshed does not declare it on classes)
+FeatureState.__signature__ = _variable_signature()  # type: ignore[attr-defined]
 
 
 @fill_docstring
@@ -203,6 +204,9 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         self.out = nnx.LinearGeneral(heads, self.out_features, axis=(-2, -1), **projection)
         self.rngs = rngs[rng_collection].fork()
 
+        # None unless the estimator is "rfa"
+        self.features: FeatureState | None
+        self.steps_since_redraw: FeatureState | None
         if estimator == "rfa":
             self.features = FeatureState(self._draw_features(self.rngs()))
             self.steps_since_redraw = FeatureState(jnp.zeros((), dtype=jnp.int32))
@@ -211,6 +215,7 @@ class MultiHeadAttention(LayerCore, nnx.Module):
             self.steps_since_redraw = nnx.data(None)
 
     def _draw_features(self, key: Any) -> jax.Array:
+        assert self.num_features is not None  # set for "rfa" by _setup_estimator
         return draw_features(key, self.num_features, self.head_dim, self.estimator_options,
                              xp=jnp, dtype=jnp.float32)
 
@@ -250,6 +255,7 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         0
         """
         self._require_rfa("redraw_features")
+        assert self.features is not None and self.steps_since_redraw is not None  # "rfa"
         self.features[...] = self._draw_features(self._next_key(rngs))
         self.steps_since_redraw[...] = jnp.zeros((), dtype=jnp.int32)
 
@@ -388,11 +394,14 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         if self.estimator in ("ra", "lara") and not deterministic:
             key = self._next_key(rngs)
         if self._counts_training_steps(not deterministic):
+            # an "rfa" layer (see _counts_training_steps) holds both
+            assert self.features is not None and self.steps_since_redraw is not None
             redraw, steps = self._redraw_schedule(self.steps_since_redraw[...], jnp.where)
             fresh = self._draw_features(self._next_key(rngs))
             self.features[...] = jnp.where(redraw, fresh, self.features[...])
             self.steps_since_redraw[...] = steps
         if self.estimator == "rfa":
+            assert self.features is not None  # set in __init__ for "rfa"
             features = self.features[...]
         heads = self._estimate(q, k, v, key_mask=key_mask, causal=is_causal,
                                training=not deterministic, features=features, rng=key)
@@ -423,4 +432,5 @@ def _constructor_signature() -> inspect.Signature:
 
 # nnx.Module's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature and
 # Sphinx would show as the class signature: expose the constructor's instead.
-MultiHeadAttention.__signature__ = _constructor_signature()
+# (inspect reads __signature__ off any object; typeshed does not declare it on classes)
+MultiHeadAttention.__signature__ = _constructor_signature()  # type: ignore[attr-defined]

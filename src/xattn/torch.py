@@ -290,6 +290,8 @@ class MultiheadAttention(LayerCore, nn.Module):
         0
         """
         self._require_rfa("redraw_features")
+        # an "rfa" layer registers the features buffer and sets num_features
+        assert self.features is not None and self.num_features is not None
         xp = array_api_compat.array_namespace(self.features)
         device, dtype = self.features.device, self.features.dtype
         omega = draw_features(self._random(), self.num_features, self.head_dim,

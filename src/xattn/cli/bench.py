@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
                 results[spec.name].append({"length": length, "samples": used_samples,
                                            "time_s": measurement.time_s,
                                            "peak_memory_bytes": measurement.peak_memory_bytes})
+                assert measurement.first_time is not None  # the calls above set it
                 if args.time_limit and max(measurement.first_time,
                                            measurement.time_s) > args.time_limit:
                     too_slow.add(spec.name)
@@ -244,8 +245,8 @@ def _print_bench_table(results: dict[str, list[dict[str, Any]]],
             time_ms = "skipped" if row["time_s"] is None else f"{1e3 * row['time_s']:.2f}"
             cells.append(f"{time_ms:>13} {format_bytes(row['peak_memory_bytes']):>8}")
         print(f"{length:>7} " + " ".join(cells))
-    for name, length in crossover.items():
-        verdict = (f"faster than exact softmax from N = {length} on" if length is not None
+    for name, crossing in crossover.items():
+        verdict = (f"faster than exact softmax from N = {crossing} on" if crossing is not None
                    else "not faster than exact softmax at the measured lengths")
         print(f"{name}: {verdict}")
 

@@ -139,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar(total_runs, "xattn compare", args.progress) as bar:
         for spec, samples in cells:
             assert spec.sample_keyword is not None  # estimator_specs refuses softmax
+            # passed on to the estimator through estimator_error's **options
+            sample_option: dict[str, Any] = {spec.sample_keyword: samples}
             measurement = Measurement()
             timed = measured(functions[spec.name], backend, measurement)
 
@@ -150,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 error = estimator_error(draw, q, k, v, draws=_draws(spec, args), seed=args.seed,
-                                        exact=exact, **{spec.sample_keyword: samples},
-                                        **spec.options)
+                                        exact=exact, **sample_option, **spec.options)
             except ValueError as problem_:
                 raise CommandError(f"{spec.name} with {spec.sample_keyword}={samples}: "
                                    f"{problem_}") from None

@@ -72,7 +72,9 @@ def _read_member(path: str, archive: zipfile.ZipFile, info: zipfile.ZipInfo,
     if info.flag_bits & 0x1:
         raise CommandError(f"{where} is encrypted; save the arrays unencrypted ({_NPZ_HINT})")
     if info.compress_type not in _READABLE_COMPRESSION:
-        method = zipfile.compressor_names.get(info.compress_type, "unknown")
+        # zipfile.compressor_names exists at runtime but typeshed leaves it out (undocumented)
+        method = zipfile.compressor_names.get(  # type: ignore[attr-defined]
+            info.compress_type, "unknown")
         raise CommandError(f"{where} uses compression method {info.compress_type} "
                            f"({method}), which cannot be read; use numpy.savez or "
                            "numpy.savez_compressed")

@@ -406,7 +406,10 @@ class Measurement:
 
     @property
     def time_s(self) -> float:
-        return statistics.median(self.times) if self.times else float(self.first_time)
+        if self.times:
+            return statistics.median(self.times)
+        assert self.first_time is not None  # read after a measured call
+        return float(self.first_time)
 
 
 def measured(function: Callable[..., Any], backend: Backend,

@@ -366,9 +366,9 @@ def previous_runs(path: Path, config: dict[str, Any],
     taken = {}
     for job in jobs:
         spec = job.spec
-        result = done.get((spec.task.name, spec.name, spec.seed, spec.steps))
-        if result is not None:
-            taken[job.index] = result
+        previous = done.get((spec.task.name, spec.name, spec.seed, spec.steps))
+        if previous is not None:
+            taken[job.index] = previous
     return taken
 
 

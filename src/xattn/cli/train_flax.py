@@ -4,7 +4,7 @@ and its jitted AdamW training step (optax)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import flax
 import jax
@@ -79,7 +79,9 @@ class Encoder(nnx.Module):
         self.classifier = nnx.Linear(config.ffn, task.num_classes, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, mask: jax.Array | None) -> jax.Array:
-        x = sum(embedding(tokens[..., field]) for field, embedding in enumerate(self.embeddings))
+        # an array, not sum's start value 0: a task has at least one token field
+        x = cast(jax.Array, sum(embedding(tokens[..., field])
+                                for field, embedding in enumerate(self.embeddings)))
         if self.position is not None:
             x = x + self.position[...]
         key_mask = None if mask is None else mask[:, None, None, :]

@@ -19,7 +19,7 @@ downloaded.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -52,7 +52,7 @@ def _median(values: Sequence[int]) -> int:
     return (ordered[middle - 1] + ordered[middle]) // 2  # int(np.median): floor for >= 0
 
 
-_APPLY = {
+_APPLY: dict[int, Callable[[Sequence[int]], int]] = {
     OPERATOR_IDS["MAX"]: max,
     OPERATOR_IDS["MIN"]: min,
     OPERATOR_IDS["MED"]: _median,
