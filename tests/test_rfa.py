@@ -354,8 +354,10 @@ def test_chunk_size_does_not_change_result(backend, rng, feature_map):
 @pytest.mark.parametrize("causal", [False, True])
 def test_working_memory_is_bounded(causal):
     """N = 131072, S = 256, D = Dv = 64, float32 on NumPy: the call allocates at most
-    96 MiB (tracemalloc; inputs excluded). The output is 32 MiB (and once more while the
-    output chunks are joined); the M x S key logits alone would be 128 MiB."""
+    96 MiB (tracemalloc; inputs excluded). The output is 32 MiB, held once (its chunks are
+    written into it on NumPy); the M x S key logits alone would be 128 MiB. Measured
+    44.6 MiB (38.5 MiB causal), first call of the process included; 75.1 (64.4) MiB
+    when the chunks were concatenated."""
     draw = np.random.default_rng(0)
     q, k, v = (draw.normal(size=(1, 131072, 64)).astype(np.float32) for _ in range(3))
     tracemalloc.start()

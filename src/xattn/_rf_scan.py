@@ -26,6 +26,10 @@ Results are *partials* ``(shift, sums, weight)``: ``sums[..., :Dv]`` and
 ``weight`` bounds the absolute denominator (equal to it for positive maps). Partials of
 disjoint key sets add up after rescaling to a common shift (:func:`combine_partials`).
 
+The output is assembled block by block in :class:`RowPieces`: written into the result as
+the blocks are made where arrays can be written in place (NumPy, CuPy), concatenated
+once at the end elsewhere.
+
 NaN and infinity: a non-finite key or value :math:`m` makes its logits NaN (values are
 zeroed and their non-finiteness moved into the logits, :func:`value_columns`), which
 reaches the rows that attend key :math:`m` and every later state, but never a row that
@@ -37,9 +41,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import array_api_compat
+import array_api_extra as xpx
 
 from xattn._array import Array, one_chunk_along, stream_bounds
 from xattn._primitives import finite_shift
@@ -47,7 +52,9 @@ from xattn.features import log_positive_features
 
 __all__ = [
     "PAIR_BLOCK",
+    "FeatureMap",
     "PositiveMap",
+    "RowPieces",
     "TrigonometricMap",
     "combine_partials",
     "finish_partial",
@@ -61,6 +68,114 @@ PAIR_BLOCK = 8
 """Positions per sub-block whose query-key pairs are computed exactly (positive maps)."""
 
 Partial = tuple[Array, Array, Array]
+"""``(shift, sums, weight)`` of a block of queries over a set of keys (module docstring)."""
+
+State = tuple[Array, ...]
+"""The statistics of a set of keys that a feature map carries from block to block."""
+
+
+class FeatureMap(Protocol):
+    """What :func:`scan_partials`, :func:`state_over_keys` and :mod:`xattn._window` use of
+    a feature map (:class:`PositiveMap`, :class:`TrigonometricMap`)."""
+
+    key_fills: tuple[float, ...]
+    """Per array returned by :meth:`keys`, the fill of the rows of padding keys."""
+    multiple: int
+    """Blocks handed to :meth:`block` have a multiple of this many positions."""
+
+    def queries(self, q_hat: Array) -> Array:
+        """The queries' side of the features, (..., B, F)."""
+        ...
+
+    def query_constant(self, q_hat: Array) -> Array:
+        """log of the per-query factor left out of :meth:`queries`, (..., B, 1)."""
+        ...
+
+    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array, ...]:
+        """The keys' side of the features; ``valid`` False and NaN ``poison`` drop a key."""
+        ...
+
+    def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,
+                    device: Any) -> State:
+        """The state of no keys."""
+        ...
+
+    def key_state(self, keys: tuple[Array, ...], values: Array) -> State:
+        """The state of a set of keys (all of them for every query)."""
+        ...
+
+    def merge_states(self, first: State, second: State) -> State:
+        """The state of the union of two disjoint sets of keys."""
+        ...
+
+    def readout(self, queries: Array, state: State) -> Partial:
+        """Every query against all keys of ``state``."""
+        ...
+
+    def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
+              state: State) -> tuple[Partial, State]:
+        """A block of aligned queries and keys (key ``i`` allowed for query ``j`` iff
+        ``i <= j``) after the keys of ``state``; returns its partial and the new state."""
+        ...
+
+
+def _written_in_place(x: Array) -> bool:
+    """Whether results like ``x`` are assembled by writing into them: NumPy and CuPy.
+
+    Not JAX (immutable arrays: every write would copy the whole result), torch (autograd
+    would record a copy of the whole gradient per written block, and ``torch.func``
+    transforms reject writes of batched values into an unbatched result), Dask (a graph,
+    kept lazy) or array-api-strict (a test namespace, kept on the portable path).
+    """
+    return array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x)
+
+
+class RowPieces:
+    """The rows (axis -2) of a result, put a block of rows at a time.
+
+    A block may be put again (the same rows), replacing what was there; :meth:`get`
+    returns what a block holds. On NumPy and CuPy the blocks are written into one result
+    allocated at the first block (:func:`array_api_extra.at`), so the result is held once
+    and :meth:`result` copies nothing; elsewhere they are kept as they are and joined by
+    one concatenation in :meth:`result`, which holds the result twice for that moment.
+    A result of one block is that block, on every library.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self._blocks: dict[int, Array] = {}
+        self._result: Array | None = None
+
+    def put(self, start: int, rows: Array) -> None:
+        """Rows ``start : start + rows.shape[-2]`` of the result (a block of the layout
+        that every put uses)."""
+        stop = start + rows.shape[-2]
+        if self._result is None:
+            if stop - start == self.num_rows or not _written_in_place(rows):
+                self._blocks[start] = rows  # replaces (and releases) an earlier put
+                return
+            xp = array_api_compat.array_namespace(rows)
+            self._result = xp.empty((*rows.shape[:-2], self.num_rows, rows.shape[-1]),
+                                    dtype=rows.dtype, device=array_api_compat.device(rows))
+        index = (..., slice(start, stop), slice(None))
+        self._result = xpx.at(self._result, index).set(rows, copy=False)
+
+    def get(self, start: int, stop: int) -> Array:
+        """What rows ``start:stop`` hold (a view on NumPy: read it before putting them
+        again)."""
+        if self._result is not None:
+            return self._result[..., start:stop, :]
+        return self._blocks[start]
+
+    def result(self) -> Array:
+        """All rows, in order."""
+        if self._result is not None:
+            return self._result
+        blocks = [self._blocks[start] for start in sorted(self._blocks)]
+        self._blocks = {}
+        if len(blocks) == 1:
+            return blocks[0]
+        return array_api_compat.array_namespace(blocks[0]).concat(blocks, axis=-2)
 
 
 def finite_rows(xp: Any, x: Array) -> tuple[Array, Array]:
@@ -165,7 +280,7 @@ class PositiveMap:
     maximum (``-inf`` while no key was seen).
     """
 
-    key_fills = (-math.inf,)
+    key_fills: tuple[float, ...] = (-math.inf,)
 
     def __init__(self, xp: Any, omega: Array, pair_block: int = PAIR_BLOCK) -> None:
         self.xp = xp
@@ -182,7 +297,7 @@ class PositiveMap:
         xp = self.xp
         return -0.5 * xp.sum(q_hat * q_hat, axis=-1, keepdims=True) - math.log(self.num_samples)
 
-    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array]:
+    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array, ...]:
         xp = self.xp
         logits = log_positive_features(xp, k_hat, self.omega) + poison[..., None]  # a_ms
         if valid is not None:
@@ -190,12 +305,12 @@ class PositiveMap:
         return (logits,)
 
     def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,
-                    device: Any) -> tuple[Array, Array]:
+                    device: Any) -> State:
         xp = self.xp
         return (xp.full((*batch_shape, self.num_samples), -xp.inf, dtype=dtype, device=device),
                 xp.zeros((*batch_shape, self.num_samples, width), dtype=dtype, device=device))
 
-    def key_state(self, keys: tuple[Array], values: Array) -> tuple[Array, Array]:
+    def key_state(self, keys: tuple[Array, ...], values: Array) -> State:
         """The state of a set of keys: K_s and A'_s over all of them."""
         xp = self.xp
         (logits,) = keys
@@ -203,15 +318,14 @@ class PositiveMap:
         weights = xp.exp(logits - finite_shift(xp, key_max)[..., None, :])
         return key_max, xp.matrix_transpose(weights) @ values
 
-    def merge_states(self, first: tuple[Array, Array],
-                     second: tuple[Array, Array]) -> tuple[Array, Array]:
+    def merge_states(self, first: State, second: State) -> State:
         xp = self.xp
         key_max = xp.maximum(first[0], second[0])
         safe = finite_shift(xp, key_max)
         return key_max, (xp.exp(first[0] - safe)[..., None] * first[1]
                          + xp.exp(second[0] - safe)[..., None] * second[1])
 
-    def readout(self, queries: Array, state: tuple[Array, Array]) -> Partial:
+    def readout(self, queries: Array, state: State) -> Partial:
         """Every query against all keys of ``state``: Q_n = max_s (p_ns + K_s)."""
         xp = self.xp
         key_max, sums = state
@@ -220,8 +334,8 @@ class PositiveMap:
         out = xp.exp(logits - finite_shift(xp, shift)) @ sums
         return shift, out, out[..., -1:]
 
-    def block(self, queries: Array, keys: tuple[Array], values: Array,
-              state: tuple[Array, Array]) -> tuple[Partial, tuple[Array, Array]]:
+    def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
+              state: State) -> tuple[Partial, State]:
         """One block: key ``i`` of the block is allowed for query ``j`` iff ``i <= j``."""
         xp = self.xp
         (logits,) = keys
@@ -285,8 +399,8 @@ class TrigonometricMap:
     :math:`W = \sum_m w_m`, which bounds the absolute denominator.
     """
 
-    key_fills = (0.0, -math.inf)
-    multiple = 1
+    key_fills: tuple[float, ...] = (0.0, -math.inf)
+    multiple: int = 1
 
     def __init__(self, xp: Any, omega: Array) -> None:
         self.xp = xp
@@ -303,7 +417,7 @@ class TrigonometricMap:
     def query_constant(self, q_hat: Array) -> Array:
         return 0.5 * self.xp.sum(q_hat * q_hat, axis=-1, keepdims=True)
 
-    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array, Array]:
+    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array, ...]:
         xp = self.xp
         features = self._features(k_hat)
         features = xp.where(xp.isfinite(features), features, xp.zeros_like(features))
@@ -313,14 +427,14 @@ class TrigonometricMap:
         return features, half_sq_norm
 
     def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,
-                    device: Any) -> tuple[Array, Array, Array]:
+                    device: Any) -> State:
         xp = self.xp
         return (xp.full((*batch_shape, 1, 1), -xp.inf, dtype=dtype, device=device),
                 xp.zeros((*batch_shape, 2 * self.num_samples, width), dtype=dtype,
                          device=device),
                 xp.zeros((*batch_shape, 1, 1), dtype=dtype, device=device))
 
-    def key_state(self, keys: tuple[Array, Array], values: Array) -> tuple[Array, Array, Array]:
+    def key_state(self, keys: tuple[Array, ...], values: Array) -> State:
         xp = self.xp
         features, half_sq_norm = keys
         norm_max = xp.max(half_sq_norm, axis=-2, keepdims=True)  # (..., 1, 1), raw
@@ -328,8 +442,7 @@ class TrigonometricMap:
         return (norm_max, xp.matrix_transpose(features) @ (weights * values),
                 xp.sum(weights, axis=-2, keepdims=True))
 
-    def merge_states(self, first: tuple[Array, Array, Array],
-                     second: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+    def merge_states(self, first: State, second: State) -> State:
         xp = self.xp
         norm_max = xp.maximum(first[0], second[0])
         safe = finite_shift(xp, norm_max)
@@ -337,15 +450,15 @@ class TrigonometricMap:
         return (norm_max, first_factor * first[1] + second_factor * second[1],
                 first_factor * first[2] + second_factor * second[2])
 
-    def readout(self, queries: Array, state: tuple[Array, Array, Array]) -> Partial:
+    def readout(self, queries: Array, state: State) -> Partial:
         xp = self.xp
         norm_max, sums, weight = state
         out = queries @ sums
         rows = (*out.shape[:-1], 1)
         return xp.broadcast_to(norm_max, rows), out, xp.broadcast_to(weight, rows)
 
-    def block(self, queries: Array, keys: tuple[Array, Array], values: Array,
-              state: tuple[Array, Array, Array]) -> tuple[Partial, tuple[Array, Array, Array]]:
+    def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
+              state: State) -> tuple[Partial, State]:
         xp = self.xp
         features, half_sq_norm = keys
         norm_max, state_sums, state_weight = state
@@ -363,7 +476,7 @@ class TrigonometricMap:
         return (row_max, sums, weight), new_state
 
 
-def _key_inputs(xp: Any, mapping: Any, k: Array, v: Array, root_scale: float,
+def _key_inputs(xp: Any, mapping: FeatureMap, k: Array, v: Array, root_scale: float,
                 key_mask: Array | None, first_key: int, start: int,
                 stop: int) -> tuple[tuple[Array, ...], Array]:
     """The mapped keys ``start:stop`` and their value columns."""
@@ -374,9 +487,9 @@ def _key_inputs(xp: Any, mapping: Any, k: Array, v: Array, root_scale: float,
     return mapping.keys(root_scale * keys, valid, key_poison + value_poison), values
 
 
-def state_over_keys(xp: Any, mapping: Any, k: Array, v: Array, *, root_scale: float,
+def state_over_keys(xp: Any, mapping: FeatureMap, k: Array, v: Array, *, root_scale: float,
                     key_mask: Array | None, first_key: int, start: int, stop: int,
-                    chunk_size: int, batch_shape: tuple[int, ...]) -> Any:
+                    chunk_size: int, batch_shape: tuple[int, ...]) -> State:
     """The state of the keys ``start:stop`` (all of them for every query), streamed."""
     state = mapping.empty_state(batch_shape, v.shape[-1] + 1, k.dtype,
                                 array_api_compat.device(k))
@@ -389,16 +502,17 @@ def state_over_keys(xp: Any, mapping: Any, k: Array, v: Array, *, root_scale: fl
     return state
 
 
-def scan_partials(xp: Any, mapping: Any, q: Array, k: Array, v: Array, *, root_scale: float,
+def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *, root_scale: float,
                   key_mask: Array | None, first_key: int, offset: int, reverse: bool,
                   block_size: int, chunk_size: int,
                   batch_shape: tuple[int, ...]) -> Iterator[Partial]:
-    """Partials of the queries, block by block in forward order, over their prefix keys.
+    """Partials of the queries over their prefix (or suffix) keys, block by block.
 
     Query ``n`` takes the keys ``m <= n - offset`` (``reverse=False``) or ``m >= n +
-    offset`` (``reverse=True``) that are valid (``key_mask``, ``m >= first_key``). With
-    ``reverse`` the blocks are computed from the last one (a generator would have to hold
-    the whole pass anyway), otherwise they are yielded as they are computed.
+    offset`` (``reverse=True``) that are valid (``key_mask``, ``m >= first_key``). The
+    blocks ``[start, start + block_size)`` are yielded as they are computed: from the
+    first with ``reverse=False``, from the last with ``reverse=True`` (the caller keeps
+    what it needs of them, :func:`xattn._window.windowed_rfa`).
     """
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")
@@ -447,11 +561,13 @@ def scan_partials(xp: Any, mapping: Any, q: Array, k: Array, v: Array, *, root_s
             keys = tuple(one_chunk_along(x, -2) for x in keys)
             partial, state = mapping.block(queries, keys, values, state)
             if padding:
-                partial = tuple(x[..., :length, :] for x in partial)
+                shift, sums, weight = partial
+                partial = (shift[..., :length, :], sums[..., :length, :],
+                           weight[..., :length, :])
             if reverse:
-                partial = tuple(xp.flip(x, axis=-2) for x in partial)
+                shift, sums, weight = partial
+                partial = (xp.flip(shift, axis=-2), xp.flip(sums, axis=-2),
+                           xp.flip(weight, axis=-2))
             yield partial
 
-    if reverse:
-        return iter(list(run())[::-1])
     return run()

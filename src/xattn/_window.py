@@ -39,7 +39,9 @@ import array_api_compat
 from xattn._array import Array, AttentionInputs
 from xattn._primitives import finite_shift
 from xattn._rf_scan import (
+    FeatureMap,
     Partial,
+    RowPieces,
     combine_partials,
     finish_partial,
     finite_rows,
@@ -119,51 +121,70 @@ def _cat(xp: Any, pieces: list[Array], axis: int) -> Array:
     return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=axis)
 
 
-def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: Any, *, window: int, sinks: int,
-                 causal: bool, block_size: int, chunk_size: int,
+def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, window: int,
+                 sinks: int, causal: bool, block_size: int, chunk_size: int,
                  guard: bool) -> tuple[Array, Array | None]:
     """RFA with the band ``|n - m| <= window`` and the keys ``m < sinks`` exact.
 
     ``mapping`` is a feature map of :mod:`xattn._rf_scan`. Returns the output (..., N, Dv)
     and, with ``guard``, the rows whose denominators were clamped.
+
+    Without ``causal`` the keys after the band, ``m >= n + w + 1``, are summed by a pass
+    from the last block back before the forward pass: the numerators of that pass wait in
+    the output's own rows (:class:`xattn._rf_scan.RowPieces`), its shifts, denominators
+    and weights in three columns beside them, and each block of the forward pass
+    replaces its rows with the finished output. Memory is the output, those three numbers
+    per query and a working set per block (the result of every block is joined as
+    :class:`~xattn._rf_scan.RowPieces` does).
     """
     q, k, v = inputs.q, inputs.k, inputs.v
     num_queries, num_keys = q.shape[-2], k.shape[-2]
     root_scale = math.sqrt(inputs.scale)
-    common = dict(root_scale=root_scale, key_mask=inputs.key_mask, first_key=sinks,
-                  block_size=block_size, chunk_size=chunk_size,
-                  batch_shape=inputs.batch_shape)
-    parts = []  # iterators of the random-feature partials, one per query block
+    blocks = [(start, min(start + block_size, num_queries))
+              for start in range(0, num_queries, block_size)]
+    out = RowPieces(num_queries)
+    suffix = None  # shift, denominator and weight of the partials over the keys after the band
+    if window and not causal:  # the keys m >= n + w + 1, from the last block back
+        suffix = RowPieces(num_queries)
+        backward = scan_partials(xp, mapping, q, k, v, root_scale=root_scale,
+                                 key_mask=inputs.key_mask, first_key=sinks,
+                                 offset=window + 1, reverse=True, block_size=block_size,
+                                 chunk_size=chunk_size, batch_shape=inputs.batch_shape)
+        for (start, _), (shift, sums, weight) in zip(reversed(blocks), backward, strict=True):
+            out.put(start, sums[..., :-1])
+            suffix.put(start, xp.concat([shift, sums[..., -1:], weight], axis=-1))
+    forward = None
     if window or causal:  # the keys m <= n - (w + 1) (m <= n without a band, causal)
-        offset = window + 1 if window else 0
-        parts.append(scan_partials(xp, mapping, q, k, v, offset=offset, reverse=False,
-                                   **common))
-    if window and not causal:  # and the keys m >= n + w + 1
-        parts.append(scan_partials(xp, mapping, q, k, v, offset=window + 1, reverse=True,
-                                   **common))
+        forward = scan_partials(xp, mapping, q, k, v, root_scale=root_scale,
+                                key_mask=inputs.key_mask, first_key=sinks,
+                                offset=window + 1 if window else 0, reverse=False,
+                                block_size=block_size, chunk_size=chunk_size,
+                                batch_shape=inputs.batch_shape)
     state = None
     if not window and not causal:  # sinks only: every key m >= K, for every query
-        state = state_over_keys(xp, mapping, k, v, start=min(sinks, num_keys), stop=num_keys,
-                                **{name: common[name] for name in (
-                                    "root_scale", "key_mask", "first_key", "chunk_size",
-                                    "batch_shape")})
-    outputs, invalid_rows = [], []
-    for start in range(0, num_queries, block_size):
-        stop = min(start + block_size, num_queries)
+        state = state_over_keys(xp, mapping, k, v, root_scale=root_scale,
+                                key_mask=inputs.key_mask, first_key=sinks,
+                                start=min(sinks, num_keys), stop=num_keys,
+                                chunk_size=chunk_size, batch_shape=inputs.batch_shape)
+    clamped = RowPieces(num_queries) if guard else None
+    for start, stop in blocks:
         q_hat = root_scale * q[..., start:stop, :]
         constant = mapping.query_constant(q_hat)  # makes the estimate e^{q.k} itself
-        random_parts = [next(part) for part in parts]
+        random_parts: list[Partial] = []
+        if forward is not None:
+            random_parts.append(next(forward))
+        if suffix is not None:  # read before the block's rows are replaced below
+            columns = suffix.get(start, stop)
+            sums = xp.concat([out.get(start, stop), columns[..., 1:2]], axis=-1)
+            random_parts.append((columns[..., :1], sums, columns[..., 2:]))
         if state is not None:
             random_parts.append(mapping.readout(mapping.queries(q_hat), state))
         partials = [(shift + constant, sums, weight) for shift, sums, weight in random_parts]
         exact = _exact_partial(xp, inputs, start, stop, window, sinks, causal)
         if exact is not None:
             partials.append(exact)
-        out, invalid = finish_partial(xp, combine_partials(xp, partials), guard=guard)
-        outputs.append(out)
-        if invalid is not None:
-            invalid_rows.append(invalid)
-    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
-    if not invalid_rows:
-        return out, None
-    return out, invalid_rows[0] if len(invalid_rows) == 1 else xp.concat(invalid_rows, axis=-2)
+        rows, invalid = finish_partial(xp, combine_partials(xp, partials), guard=guard)
+        out.put(start, rows)
+        if clamped is not None:
+            clamped.put(start, invalid)
+    return out.result(), None if clamped is None else clamped.result()
