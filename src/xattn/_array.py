@@ -35,6 +35,7 @@ __all__ = [
     "qr",
     "sequence_positions",
     "stream_bounds",
+    "written_in_place",
 ]
 
 Array = Any
@@ -412,3 +413,14 @@ def concrete_count(xp: Any, flags: Array) -> int | None:
         return int(xp.sum(xp.astype(flags, xp.int32)))
     except TypeError:  # jax.errors.ConcretizationTypeError is a TypeError
         return None
+
+
+def written_in_place(x: Array) -> bool:
+    """Whether results like ``x`` are assembled by writing into them: NumPy and CuPy.
+
+    Not JAX (immutable arrays: every write would copy the whole result), torch (autograd
+    would record a copy of the whole gradient per written block, and ``torch.func``
+    transforms reject writes of batched values into an unbatched result), Dask (a graph,
+    kept lazy) or array-api-strict (a test namespace, kept on the portable path).
+    """
+    return array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x)

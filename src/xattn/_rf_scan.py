@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import array_api_compat
 import array_api_extra as xpx
 
-from xattn._array import Array, one_chunk_along, stream_bounds
+from xattn._array import Array, one_chunk_along, stream_bounds, written_in_place
 from xattn._primitives import finite_shift
 from xattn.features import log_positive_features
 
@@ -119,17 +119,6 @@ class FeatureMap(Protocol):
         ...
 
 
-def _written_in_place(x: Array) -> bool:
-    """Whether results like ``x`` are assembled by writing into them: NumPy and CuPy.
-
-    Not JAX (immutable arrays: every write would copy the whole result), torch (autograd
-    would record a copy of the whole gradient per written block, and ``torch.func``
-    transforms reject writes of batched values into an unbatched result), Dask (a graph,
-    kept lazy) or array-api-strict (a test namespace, kept on the portable path).
-    """
-    return array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x)
-
-
 class RowPieces:
     """The rows (axis -2) of a result, put a block of rows at a time.
 
@@ -151,7 +140,7 @@ class RowPieces:
         that every put uses)."""
         stop = start + rows.shape[-2]
         if self._result is None:
-            if stop - start == self.num_rows or not _written_in_place(rows):
+            if stop - start == self.num_rows or not written_in_place(rows):
                 self._blocks[start] = rows  # replaces (and releases) an earlier put
                 return
             xp = array_api_compat.array_namespace(rows)
