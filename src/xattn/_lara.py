@@ -36,7 +36,7 @@ from xattn._array import (
     check_positive_int,
     prepare_attention,
 )
-from xattn._primitives import finite_shift, masked_softmax
+from xattn._primitives import finite_shift, join, masked_softmax, merge_maxima, nonzero_divisor
 from xattn._ra import check_noise_scale
 from xattn._rf_scan import stream_bounds
 from xattn._segments import check_segments, segment_means
@@ -206,14 +206,10 @@ def _query_affinities(xp: Any, q: Array, query_landmarks: Array,
         kept.append(exponential if keep_exponentials else None)
         maxima.append(piece_max)
         totals.append(xp.sum(exponential, axis=-2, keepdims=True))
-    overall_max = maxima[0]
-    for piece_max in maxima[1:]:
-        overall_max = xp.maximum(overall_max, piece_max)
-    overall_max = finite_shift(xp, overall_max)
-    rescales = [xp.exp(piece_max - overall_max) for piece_max in maxima]  # exp(-inf) = 0
+    _, overall_max, rescales = merge_maxima(xp, *maxima)  # a piece without queries: 0
     total = sum(rescale * piece_total for rescale, piece_total in zip(rescales, totals,
                                                                       strict=True))
-    inverse_total = 1.0 / xp.where(total > 0, total, 1.0)
+    inverse_total = 1.0 / nonzero_divisor(xp, total)
     if keep_exponentials:  # r_nc = e_nc exp(m_c^(p) - m_c) / Z_c
         return kept, [rescale * inverse_total for rescale in rescales], overall_max
     return kept, [inverse_total] * len(pieces), overall_max
@@ -528,5 +524,5 @@ def lara(
         if query_mask is not None:
             out = xp.where(query_mask[..., start:stop, None], out, 0.0)
         outputs.append(out)
-    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
+    out = join(xp, outputs, axis=-2)
     return inputs.finish(out)

@@ -1,4 +1,6 @@
-"""Numerical primitives shared by every estimator: stable shifts, masked softmax, causal masks.
+"""Numerical primitives shared by every estimator: stable shifts, the online-softmax merge,
+masked softmax, causal masks and two small idioms (a divisor that keeps empty rows at 0,
+joining pieces).
 
 This module sits below the estimators (softmax, rfa, ra, lara, mrf, features) and imports
 only :mod:`xattn._array`.
@@ -6,11 +8,13 @@ only :mod:`xattn._array`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from xattn._array import Array
 
-__all__ = ["causal_allowed", "finite_shift", "logsumexp", "masked_softmax"]
+__all__ = ["MergedMaxima", "causal_allowed", "finite_shift", "join", "logsumexp",
+           "masked_softmax", "merge_maxima", "nonzero_divisor"]
 
 
 def finite_shift(xp: Any, maxima: Array) -> Array:
@@ -20,6 +24,80 @@ def finite_shift(xp: Any, maxima: Array) -> Array:
     ``exp(logit - shift)`` at ``exp(-inf) = 0`` for those entries instead of NaN.
     """
     return xp.where(maxima == -xp.inf, 0.0, maxima)
+
+
+class MergedMaxima(NamedTuple):
+    """What :func:`merge_maxima` returns (see there)."""
+
+    maximum: Array
+    r""":math:`m = \max_i m_i`; ``-inf`` where every part is empty."""
+    shift: Array
+    r""":math:`\hat m`: ``maximum`` with ``-inf`` replaced by 0 (:func:`finite_shift`), the
+    shift that exponentials of the merged set subtract."""
+    factors: tuple[Array, ...]
+    r""":math:`e^{m_i - \hat m}` per part: 0 for an empty part, at most 1."""
+
+
+def merge_maxima(xp: Any, *maxima: Array) -> MergedMaxima:
+    r"""The online-softmax merge: rescale partial sums of exponentials to a common shift.
+
+    A part :math:`i` of a set of logits :math:`x` is kept as its maximum :math:`m_i` and
+    sums :math:`S_i = \sum_{x \in i} e^{x - m_i} w_x` (of weights, values, features...).
+    The convention for an **empty part** (every entry masked, or no entry yet) is
+    :math:`m_i = -\infty` with sums 0. Disjoint parts merge as
+
+    .. math:: m = \max_i m_i, \qquad S = \sum_i e^{m_i - \hat m} S_i,
+
+    with :math:`\hat m` = :math:`m`, or 0 where every part is empty, so no
+    :math:`-\infty - (-\infty)` arises and empty parts get factor :math:`e^{-\infty} = 0`.
+    The merged part keeps the convention: its maximum is :math:`-\infty` when all parts
+    were empty, and its sums are then 0. New exponentials joining the merged part
+    subtract ``shift`` (:math:`\hat m`). This is the recurrence of online softmax
+    (Milakov & Gimelshein, 2018) and of FlashAttention's running statistics.
+
+    Parameters
+    ----------
+    xp : namespace
+        The arrays' Array API namespace.
+    *maxima : array
+        The parts' maxima :math:`m_i` (broadcastable to one shape; ``-inf`` = empty).
+
+    Returns
+    -------
+    MergedMaxima
+        ``(maximum, shift, factors)``: :math:`m`, :math:`\hat m` and the factors
+        :math:`e^{m_i - \hat m}`, one per part, by which each part's sums are multiplied.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn._primitives import merge_maxima
+    >>> x = np.array([0.5, 3.0, -1.0, 2.0])
+    >>> first, second = x[:2], x[2:]
+    >>> merged = merge_maxima(np, first.max(), second.max(), -np.inf)
+    >>> total = (merged.factors[0] * np.exp(first - first.max()).sum()
+    ...          + merged.factors[1] * np.exp(second - second.max()).sum())
+    >>> bool(np.isclose(total, np.exp(x - merged.shift).sum())), merged.factors[2]
+    (True, np.float64(0.0))
+    """
+    maximum = maxima[0]
+    for part_maximum in maxima[1:]:
+        maximum = xp.maximum(maximum, part_maximum)
+    shift = finite_shift(xp, maximum)
+    return MergedMaxima(maximum, shift,
+                        tuple(xp.exp(part_maximum - shift) for part_maximum in maxima))
+
+
+def nonzero_divisor(xp: Any, total: Array) -> Array:
+    """``total`` where it is positive, else 1: the divisor of a normalization in which a
+    row with nothing to normalize (total 0: every entry masked) stays at 0, not NaN."""
+    return xp.where(total > 0, total, 1.0)
+
+
+def join(xp: Any, pieces: Sequence[Array], axis: int) -> Array:
+    """The pieces concatenated along ``axis``; a single piece is returned as it is (no
+    copy)."""
+    return pieces[0] if len(pieces) == 1 else xp.concat(list(pieces), axis=axis)
 
 
 def masked_softmax(xp: Any, logits: Array, allowed: Array | None = None, *, axis: int = -1,
@@ -35,7 +113,7 @@ def masked_softmax(xp: Any, logits: Array, allowed: Array | None = None, *, axis
     top = finite_shift(xp, xp.max(logits, axis=axis, keepdims=True))
     weights = xp.exp(logits - top)  # entries not allowed: exp(-inf) = 0
     total = xp.sum(weights, axis=axis, keepdims=True)
-    return weights * (scale / xp.where(total > 0, total, 1.0))
+    return weights * (scale / nonzero_divisor(xp, total))
 
 
 def causal_allowed(xp: Any, query_positions: Array, key_start: int, key_stop: int,

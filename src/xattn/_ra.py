@@ -42,7 +42,7 @@ from xattn._array import (
     prepare_attention,
     sequence_positions,
 )
-from xattn._primitives import finite_shift
+from xattn._primitives import finite_shift, join, nonzero_divisor
 from xattn.random import as_generator
 
 __all__ = ["check_noise_scale", "ra"]
@@ -110,7 +110,7 @@ def _cumulative_sum(xp: Any, x: Array, block: int = 32) -> Array:
 
 def _normalized(xp: Any, sums: Array, totals: Array) -> Array:
     """``sums / totals``, with 0 where the total is 0 (a row without allowed keys)."""
-    return sums / xp.where(totals > 0, totals, 1.0)
+    return sums / nonzero_divisor(xp, totals)
 
 
 def _gather_keys(xp: Any, k_hat: Array, component: Array, key_positions: Array,
@@ -389,5 +389,5 @@ def ra(
         assert total is not None  # num_draws >= 1: the sample loop ran
         outputs.append(total if num_draws == 1 else total / num_draws)  # mean over samples
 
-    out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
+    out = join(xp, outputs, axis=-2)
     return inputs.finish(out)

@@ -47,7 +47,7 @@ import array_api_compat
 import array_api_extra as xpx
 
 from xattn._array import Array, one_chunk_along, stream_bounds, written_in_place
-from xattn._primitives import finite_shift
+from xattn._primitives import finite_shift, merge_maxima, nonzero_divisor
 from xattn.features import log_positive_features
 
 __all__ = [
@@ -194,13 +194,9 @@ def combine_partials(xp: Any, partials: list[Partial]) -> Partial:
     """Sum the partials of disjoint key sets, rescaled to their common (largest) shift."""
     if len(partials) == 1:
         return partials[0]
-    shift = partials[0][0]
-    for partial in partials[1:]:
-        shift = xp.maximum(shift, partial[0])
-    safe = finite_shift(xp, shift)
+    shift, _, factors = merge_maxima(xp, *(partial[0] for partial in partials))
     sums = weight = None
-    for part_shift, part_sums, part_weight in partials:
-        factor = xp.exp(part_shift - safe)  # 0 for a part without keys
+    for factor, (_, part_sums, part_weight) in zip(factors, partials, strict=True):
         sums = factor * part_sums if sums is None else sums + factor * part_sums
         weight = factor * part_weight if weight is None else weight + factor * part_weight
     return shift, sums, weight
@@ -216,8 +212,7 @@ def finish_partial(xp: Any, partial: Partial, *, guard: bool) -> tuple[Array, Ar
     _, sums, weight = partial
     numerator, denominator = sums[..., :-1], sums[..., -1:]
     if not guard:
-        safe = xp.where(denominator > 0, denominator, 1.0)
-        return numerator / safe, None
+        return numerator / nonzero_divisor(xp, denominator), None
     floor = math.sqrt(xp.finfo(denominator.dtype).eps) * weight
     has_keys = weight > 0
     invalid = has_keys & (denominator <= floor)
@@ -308,11 +303,8 @@ class PositiveMap:
         return key_max, xp.matrix_transpose(weights) @ values
 
     def merge_states(self, first: State, second: State) -> State:
-        xp = self.xp
-        key_max = xp.maximum(first[0], second[0])
-        safe = finite_shift(xp, key_max)
-        return key_max, (xp.exp(first[0] - safe)[..., None] * first[1]
-                         + xp.exp(second[0] - safe)[..., None] * second[1])
+        key_max, _, (first_factor, second_factor) = merge_maxima(self.xp, first[0], second[0])
+        return key_max, (first_factor[..., None] * first[1] + second_factor[..., None] * second[1])
 
     def readout(self, queries: Array, state: State) -> Partial:
         """Every query against all keys of ``state``: Q_n = max_s (p_ns + K_s)."""
@@ -432,10 +424,7 @@ class TrigonometricMap:
                 xp.sum(weights, axis=-2, keepdims=True))
 
     def merge_states(self, first: State, second: State) -> State:
-        xp = self.xp
-        norm_max = xp.maximum(first[0], second[0])
-        safe = finite_shift(xp, norm_max)
-        first_factor, second_factor = xp.exp(first[0] - safe), xp.exp(second[0] - safe)
+        norm_max, _, (first_factor, second_factor) = merge_maxima(self.xp, first[0], second[0])
         return (norm_max, first_factor * first[1] + second_factor * second[1],
                 first_factor * first[2] + second_factor * second[2])
 
@@ -454,10 +443,10 @@ class TrigonometricMap:
         device = array_api_compat.device(queries)
         allowed = _lower_triangle(xp, queries.shape[-2], device, strict=False)
         pair_norms = xp.where(allowed, xp.matrix_transpose(half_sq_norm), -xp.inf)  # (.., B, B)
-        row_max = xp.maximum(norm_max, xp.max(pair_norms, axis=-1, keepdims=True))
-        row_safe = finite_shift(xp, row_max)
+        # online softmax over the state's keys and the block's allowed ones
+        row_max, row_safe, (state_factor, _) = merge_maxima(
+            xp, norm_max, xp.max(pair_norms, axis=-1, keepdims=True))  # factor 0: no key yet
         pair_weights = xp.exp(pair_norms - row_safe)  # w_m for allowed keys, else 0
-        state_factor = xp.exp(norm_max - row_safe)  # 0 while no key was seen
         kernel = (queries @ xp.matrix_transpose(features)) * pair_weights
         sums = state_factor * (queries @ state_sums) + kernel @ values
         weight = state_factor * state_weight + xp.sum(pair_weights, axis=-1, keepdims=True)

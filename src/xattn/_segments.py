@@ -24,6 +24,7 @@ import numbers
 from typing import Any, TypeGuard
 
 from xattn._array import Array, index_sizes, one_chunk_along
+from xattn._primitives import join, nonzero_divisor
 
 __all__ = ["adaptive_bins", "check_segments", "pair_of_ints", "segment_means"]
 
@@ -162,7 +163,7 @@ def _contiguous_segment_means(xp: Any, x: Array, num_segments: int,
         means.append(xp.zeros((*batch, num_segments - extra, dim), dtype=x.dtype,
                               device=device))
     sizes = xp.asarray(index_sizes(length, num_segments), dtype=x.dtype, device=device)
-    segment_means = xp.concat(means, axis=-2) if len(means) > 1 else means[0]
+    segment_means = join(xp, means, axis=-2)
     # Dask: the reshapes leave one chunk per segment; keep the C means in one chunk
     return one_chunk_along(segment_means, -2), sizes
 
@@ -185,7 +186,7 @@ def segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int, devi
         membership = _segment_membership(xp, mask, x.shape[-2], num_segments, dtype=x.dtype,
                                          device=device)
         sizes = xp.sum(membership, axis=-1)
-        safe_sizes = xp.where(sizes > 0, sizes, 1.0)
+        safe_sizes = nonzero_divisor(xp, sizes)
         return (membership @ x) / safe_sizes[..., None], sizes
     assert pools is not None  # check_segments returns grid and pools together
     membership = _grid_membership(xp, grid, pools, dtype=x.dtype, device=device)  # (C, L)
@@ -194,7 +195,7 @@ def segment_means(xp: Any, x: Array, mask: Array | None, num_segments: int, devi
         return one_chunk_along((membership @ x) / sizes[:, None], -2), sizes
     allowed = xp.astype(mask, x.dtype)[..., :, None]  # (..., L, 1)
     sizes = (membership @ allowed)[..., 0]  # (..., C) allowed tokens per bin
-    safe_sizes = xp.where(sizes > 0, sizes, 1.0)
+    safe_sizes = nonzero_divisor(xp, sizes)
     totals = membership @ xp.where(mask[..., :, None], x, 0.0)  # masked tokens: no part
     return one_chunk_along(totals / safe_sizes[..., None], -2), sizes
 

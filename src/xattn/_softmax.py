@@ -11,7 +11,7 @@ from xattn._array import (
     sequence_positions,
     stream_bounds,
 )
-from xattn._primitives import causal_allowed, finite_shift
+from xattn._primitives import causal_allowed, join, merge_maxima, nonzero_divisor
 
 __all__ = ["softmax_attention"]
 
@@ -105,7 +105,7 @@ def softmax_attention(
     xp = inputs.xp
     tiles = [_attend_tile(inputs, start, stop, causal, chunk_size)
              for start, stop in stream_bounds(inputs.q, -2, chunk_size)]
-    out = tiles[0] if len(tiles) == 1 else xp.concat(tiles, axis=-2)
+    out = join(xp, tiles, axis=-2)
     return inputs.finish(out)
 
 
@@ -138,13 +138,10 @@ def _attend_tile(inputs: AttentionInputs, query_start: int, query_stop: int, cau
             allowed = in_past if allowed is None else (allowed & in_past)
         if allowed is not None:
             scores = xp.where(allowed, scores, -xp.inf)
-        new_max = xp.maximum(running_max, xp.max(scores, axis=-1, keepdims=True))
-        # rows with no allowed key so far keep max = -inf; shift them by 0 instead
-        shift = finite_shift(xp, new_max)
+        # online softmax: the keys so far and this chunk's, at their common shift
+        running_max, shift, (rescale, _) = merge_maxima(
+            xp, running_max, xp.max(scores, axis=-1, keepdims=True))
         weights = xp.exp(scores - shift)  # masked scores: exp(-inf) = 0
-        rescale = xp.exp(running_max - shift)  # 0 while nothing was allowed
         normalizer = normalizer * rescale + xp.sum(weights, axis=-1, keepdims=True)
         numerator = numerator * rescale + weights @ v[..., start:stop, :]
-        running_max = new_max
-    safe_normalizer = xp.where(normalizer > 0, normalizer, 1.0)
-    return numerator / safe_normalizer
+    return numerator / nonzero_divisor(xp, normalizer)

@@ -37,7 +37,7 @@ from typing import Any
 import array_api_compat
 
 from xattn._array import Array, AttentionInputs
-from xattn._primitives import finite_shift
+from xattn._primitives import finite_shift, join
 from xattn._rf_scan import (
     FeatureMap,
     Partial,
@@ -95,10 +95,10 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
     ranges = [(a, b) for a, b in ranges if a < b]
     if not ranges:
         return None
-    keys, key_poison = finite_rows(xp, _cat(xp, [k[..., a:b, :] for a, b in ranges], -2))
-    values, poison = value_columns(xp, _cat(xp, [v[..., a:b, :] for a, b in ranges], -2))
+    keys, key_poison = finite_rows(xp, join(xp, [k[..., a:b, :] for a, b in ranges], -2))
+    values, poison = value_columns(xp, join(xp, [v[..., a:b, :] for a, b in ranges], -2))
     poison = poison + key_poison
-    positions = _cat(xp, [xp.arange(a, b, device=device) for a, b in ranges], -1)
+    positions = join(xp, [xp.arange(a, b, device=device) for a, b in ranges], -1)
     scores = (inputs.scale * inputs.q[..., start:stop, :]) @ xp.matrix_transpose(keys)
     scores = scores + poison[..., None, :]
     queries = xp.arange(start, stop, device=device)[:, None]
@@ -110,15 +110,11 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
     if causal:
         allowed = allowed & (positions[None, :] <= queries)
     if key_mask is not None:
-        allowed = allowed & _cat(xp, [key_mask[..., a:b] for a, b in ranges], -1)[..., None, :]
+        allowed = allowed & join(xp, [key_mask[..., a:b] for a, b in ranges], -1)[..., None, :]
     scores = xp.where(allowed, scores, -xp.inf)
     shift = xp.max(scores, axis=-1, keepdims=True)
     sums = xp.exp(scores - finite_shift(xp, shift)) @ values
     return shift, sums, sums[..., -1:]
-
-
-def _cat(xp: Any, pieces: list[Array], axis: int) -> Array:
-    return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=axis)
 
 
 def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, window: int,

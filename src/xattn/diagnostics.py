@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from xattn._array import Array, array_namespace, check_positive_int
+from xattn._primitives import nonzero_divisor
 from xattn._softmax import softmax_attention
 
 __all__ = [
@@ -379,7 +380,7 @@ def uniform_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = 
         weights = xp.astype(inputs.key_mask, values.dtype)[..., None]
         total = xp.sum(weights * values, axis=-2, keepdims=True)
         count = xp.sum(weights, axis=-2, keepdims=True)
-        mean = total / xp.where(count > 0, count, 1.0)
+        mean = total / nonzero_divisor(xp, count)
     shape = (*inputs.batch_shape, inputs.num_queries, values.shape[-1])
     return inputs.finish(xp.zeros(shape, dtype=values.dtype, device=inputs.device) + mean)
 

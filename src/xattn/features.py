@@ -30,7 +30,7 @@ import math
 from typing import Any
 
 from xattn._array import Array, check_bool, check_choice, check_positive_int, qr
-from xattn._primitives import finite_shift
+from xattn._primitives import finite_shift, merge_maxima, nonzero_divisor
 from xattn.random import as_generator
 
 __all__ = [
@@ -203,16 +203,14 @@ def merge_key_statistics(
     """
     first_max, first_numerator, first_denominator = first
     second_max, second_numerator, second_denominator = second
-    # an empty set's K_s = 0 is only a placeholder: it must not become the shift
+    # an empty set's K_s = 0 is only a placeholder: in the merge, empty is -inf
     first_max = xp.where(first_denominator == 0, -xp.inf, first_max)
     second_max = xp.where(second_denominator == 0, -xp.inf, second_max)
-    key_max = finite_shift(xp, xp.maximum(first_max, second_max))
-    first_rescale = xp.exp(first_max - key_max)  # 0 for an empty set
-    second_rescale = xp.exp(second_max - key_max)
+    _, key_max, (first_rescale, second_rescale) = merge_maxima(xp, first_max, second_max)
     numerator = (first_rescale[..., None] * first_numerator
                  + second_rescale[..., None] * second_numerator)
     denominator = first_rescale * first_denominator + second_rescale * second_denominator
-    return key_max, numerator, denominator
+    return key_max, numerator, denominator  # K_s: the finite shift (0 for an empty set)
 
 
 def weighted_readout(
@@ -254,7 +252,7 @@ def weighted_readout(
         weights = coefficients * weights
     out_numerator = weights @ numerator
     out_denominator = weights @ denominator[..., None]
-    safe = xp.where(out_denominator > 0, out_denominator, 1.0)
+    safe = nonzero_divisor(xp, out_denominator)
     return out_numerator / safe
 
 

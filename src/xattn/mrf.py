@@ -49,7 +49,7 @@ from xattn._array import (
     compute_dtype,
     is_real_floating,
 )
-from xattn._primitives import logsumexp
+from xattn._primitives import logsumexp, nonzero_divisor
 from xattn.features import log_positive_features, sample_omega
 from xattn.random import as_generator
 
@@ -218,7 +218,7 @@ def _sequential_log_partition(xp: Any, log_out: Array, log_in: Array) -> Array:
 def _normalized(xp: Any, matrices: Array, log_scales: Array) -> tuple[Array, Array]:
     """Rescale each matrix to max entry 1, moving the factor into its log-scale."""
     peak = xp.max(matrices, axis=(-2, -1), keepdims=True)
-    peak = xp.where(peak > 0, peak, 1.0)
+    peak = nonzero_divisor(xp, peak)
     return matrices / peak, log_scales + xp.log(peak[..., 0, 0])
 
 
