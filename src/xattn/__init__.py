@@ -25,7 +25,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from xattn._lara import PROPOSALS, WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara, lara_weights
+from xattn._importance import WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara_weights
+from xattn._lara import PROPOSALS, lara
 from xattn._ra import ra
 from xattn._rfa import TrigonometricDenominatorWarning, default_num_features, rfa
 from xattn._softmax import softmax_attention

@@ -26,39 +26,31 @@ import math
 import numbers
 from typing import Any
 
-import array_api_compat
-
 from xattn._array import (
     Array,
-    array_namespace,
+    AttentionInputs,
     check_bool,
     check_choice,
     check_positive_int,
     prepare_attention,
 )
-from xattn._primitives import finite_shift, join, masked_softmax, merge_maxima, nonzero_divisor
+from xattn._importance import (
+    WEIGHTINGS,
+    QuerySoftmax,
+    balance_heuristic,
+    importance_weights,
+)
+from xattn._primitives import join, masked_softmax
 from xattn._ra import check_noise_scale
 from xattn._rf_scan import stream_bounds
 from xattn._segments import check_segments, segment_means
 from xattn.features import merge_key_statistics, positive_key_statistics, weighted_readout
 from xattn.random import as_generator
 
-__all__ = ["PROPOSALS", "WEIGHTINGS", "WEIGHT_FLOOR", "balance_heuristic", "lara",
-           "lara_weights"]
+__all__ = ["PROPOSALS", "lara"]
 
 
 PROPOSALS = ("segment", "key_attention", "landmark_attention", "standard")
-WEIGHTINGS = ("balance", "decoupled", "coupled")
-
-#: Floor for the importance weights α_nc. The query-specific corrections of the
-#: "decoupled" and "coupled" weightings can make α_nc negative; like the authors' code,
-#: LARA clips α_nc from below at this tiny positive value. Where it acts, the weights then
-#: sum to slightly more than 1 over c; the self-normalized ratio does not depend on their
-#: total, and positive weights keep each output a convex combination of the per-proposal
-#: estimates A'_c / b'_c (a denominator that cannot cancel to zero).
-WEIGHT_FLOOR = 1e-8
-
-
 def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
                     key_segment_sizes: Array, k: Array, root_scale: float,
                     key_mask: Array | None) -> Array:
@@ -80,96 +72,6 @@ def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmark
     return query_landmarks + attention @ key_landmarks
 
 
-def balance_heuristic(points: Array, proposal_means: Array) -> Array:
-    r"""Balance-heuristic weights :math:`q_c(\omega)/\sum_{c'} q_{c'}(\omega)` at given points.
-
-    For unit-covariance Gaussian proposals :math:`q_c = N(\mu_c, I)`,
-    :math:`\log q_c(\omega) = \omega \cdot \mu_c - \lVert \mu_c \rVert^2/2 + \text{const}(\omega)`,
-    so each row is a softmax over proposals (eq. 36 of the LARA paper; Veach & Guibas 1995).
-
-    Parameters
-    ----------
-    points : array, shape (..., P, D)
-        Points :math:`\omega_p` at which the weights are evaluated.
-    proposal_means : array, shape (..., C, D)
-        Means :math:`\mu_c` of the proposals.
-
-    Returns
-    -------
-    array, shape (..., P, C)
-        Row p holds the weights of the C proposals at :math:`\omega_p`; each row sums
-        to 1. LARA uses entry (c, c), the weight of proposal c at its own sample.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from xattn._lara import balance_heuristic
-    >>> rng = np.random.default_rng(0)
-    >>> weights = balance_heuristic(rng.normal(size=(3, 4)), rng.normal(size=(5, 4)))
-    >>> weights.shape, np.allclose(weights.sum(axis=-1), 1.0)
-    ((3, 5), True)
-    """
-    xp = array_namespace(points, proposal_means, names=("points", "proposal_means"))
-    log_density = points @ xp.matrix_transpose(proposal_means) - 0.5 * xp.sum(
-        proposal_means * proposal_means, axis=-1)[..., None, :]
-    return masked_softmax(xp, log_density, None, axis=-1)
-
-
-def lara_weights(proposal_weights: Array, query_affinity: Array, *,
-                 weighting: str = "decoupled", beta: float = 2.0) -> Array:
-    r"""Multiple-importance weights :math:`\alpha_{nc}` before the floor (Appendix G.3.2).
-
-    With balance-heuristic weights :math:`w_c` and query affinities :math:`r_{nc}`:
-
-    - ``"balance"`` (eq. 36): :math:`\alpha_{nc} = w_c`;
-    - ``"decoupled"`` (eq. 38, the default): :math:`\alpha_{nc} = w_c + \beta\,(r_{nc} -
-      \frac{1}{C}\sum_{c'} r_{nc'})`;
-    - ``"coupled"`` (eq. 37): :math:`\alpha_{nc} = w_c + w_c\,(r_{nc} - \sum_{c'} w_{c'}
-      r_{nc'})`.
-
-    The corrections sum to zero over c, so whenever :math:`\sum_c w_c = 1` (the balance
-    heuristic at one common point) every weighting sums to 1 over proposals, the
-    condition for an unbiased multiple-importance estimate. :func:`lara` then clips the
-    weights from below at :data:`WEIGHT_FLOOR`.
-
-    Parameters
-    ----------
-    proposal_weights : array, shape (..., C)
-        :math:`w_c` (for example a row of :func:`balance_heuristic`).
-    query_affinity : array, shape (..., N, C)
-        :math:`r_{nc}`; LARA uses the softmax over queries n of :math:`\hat q_n \cdot
-        \tilde q_c`.
-    weighting : {"balance", "decoupled", "coupled"}
-    beta : float
-        Strength :math:`\beta` of the decoupled correction (2 in the paper's ViT runs).
-
-    Returns
-    -------
-    array, shape (..., N, C)
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from xattn._lara import lara_weights
-    >>> w = np.array([0.5, 0.3, 0.2])
-    >>> r = np.array([[0.6, 0.1, 0.3], [0.0, 0.5, 0.5]])
-    >>> alpha = lara_weights(w, r, weighting="decoupled", beta=2.0)
-    >>> np.round(alpha.sum(axis=-1), 12)
-    array([1., 1.])
-    """
-    check_choice(weighting, "weighting", WEIGHTINGS)
-    xp = array_namespace(proposal_weights, query_affinity,
-                         names=("proposal_weights", "query_affinity"))
-    weights = proposal_weights[..., None, :]
-    if weighting == "balance":
-        return weights + xp.zeros_like(query_affinity)
-    if weighting == "decoupled":
-        correction = query_affinity - xp.mean(query_affinity, axis=-1, keepdims=True)
-        return weights + (correction if beta == 1.0 else beta * correction)
-    weighted_mean = xp.sum(weights * query_affinity, axis=-1, keepdims=True)
-    return weights + weights * (query_affinity - weighted_mean)
-
-
 def _check_beta(beta: Any) -> float:
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
         raise TypeError(f"beta must be a real number, got {type(beta).__name__} {beta!r}")
@@ -178,65 +80,115 @@ def _check_beta(beta: Any) -> float:
     return float(beta)
 
 
-def _query_affinities(xp: Any, q: Array, query_landmarks: Array,
-                      query_mask: Array | None, pieces: list[tuple[int, int]], *,
-                      keep_exponentials: bool) -> tuple[list[Array | None], Array, Array]:
-    r"""First pass of the softmax over queries of :math:`s_{nc} = \hat q_n \cdot \tilde q_c`.
+def _proposals(inputs: AttentionInputs, proposal: str, num_samples: int,
+               grid: tuple[int, int] | None, pools: tuple[int, int] | None,
+               root_scale: float) -> tuple[Array, Array]:
+    r"""The landmarks :math:`\tilde q_c` and the proposal means :math:`\mu_c`, (..., C, D).
 
-    One pass over the query pieces: piece p takes :math:`e_{nc} = e^{s_{nc} - m^{(p)}_c}`
-    with its own maximum :math:`m^{(p)}_c` over its allowed queries; then :math:`m_c =
-    \max_p m^{(p)}_c` and :math:`Z_c = \sum_p e^{m^{(p)}_c - m_c} \sum_{n \in p} e_{nc}`
-    (an online softmax along n), so that :math:`r_{nc} = e^{s_{nc} - m_c} / Z_c`.
-
-    Returns ``(kept, rho, shift)``, a list per piece and the (..., 1, C) shift
-    :math:`m_c`. With ``keep_exponentials`` ``kept[p]`` is :math:`e_{nc}` (..., B, C) and
-    ``rho[p]`` is :math:`e^{m^{(p)}_c - m_c} / Z_c`, so that :math:`r_{nc} = e_{nc}
-    \rho^{(p)}_c` without a second exponential; otherwise ``kept[p]`` is None, the
-    second pass recomputes :math:`e^{s_{nc} - m_c}`, and ``rho[p]`` is :math:`1 / Z_c`.
-    Masked queries and pieces without an allowed query get 0.
+    Landmarks are the means of C segments of the allowed queries and keys (Appendix
+    G.3.1): contiguous runs, or the bins of 2-D adaptive average pooling on an image grid
+    (Appendix H), of the scaled inputs :math:`\hat q, \hat k`.
     """
-    landmarks_t = xp.matrix_transpose(query_landmarks)
-    kept, maxima, totals = [], [], []
-    for start, stop in pieces:
-        scores = q[..., start:stop, :] @ landmarks_t  # (..., B, C)
+    xp, device = inputs.xp, inputs.device
+    query_landmarks, _ = segment_means(xp, inputs.q, inputs.query_mask, num_samples, device,
+                                       grid=grid, pools=pools)
+    query_landmarks = root_scale * query_landmarks  # q~_c, the means of q^
+    key_landmarks, key_segment_sizes = segment_means(xp, inputs.k, inputs.key_mask,
+                                                     num_samples, device, grid=grid,
+                                                     pools=pools)
+    key_landmarks = root_scale * key_landmarks  # k~_c, the means of k^
+    proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
+                                     key_segment_sizes, inputs.k, root_scale, inputs.key_mask)
+    return query_landmarks, proposal_means
+
+
+def _samples(inputs: AttentionInputs, proposal_means: Array, num_samples: int, *,
+             deterministic: bool, noise_scale: float, rng: Any) -> Array:
+    r"""One sample per proposal, :math:`\omega_c = \mu_c + \sigma \epsilon_c`
+    (deterministic: :math:`\omega_c = \mu_c`), (*batch, C, D); the weights stay those of
+    :math:`N(\mu_c, I)` whatever :math:`\sigma` = ``noise_scale``."""
+    xp = inputs.xp
+    sample_shape = (*inputs.batch_shape, num_samples, inputs.q.shape[-1])
+    if deterministic:
+        omega = proposal_means
+    else:
+        noise = as_generator(rng).normal(xp, sample_shape, dtype=inputs.compute_dtype,
+                                         device=inputs.device)
+        omega = proposal_means + (noise if noise_scale == 1.0 else noise_scale * noise)
+    return xp.broadcast_to(omega, sample_shape)
+
+
+def _key_statistics(inputs: AttentionInputs, omega: Array, root_scale: float,
+                    chunk_size: int) -> tuple[Array, Array, Array]:
+    r"""RFA's stabilized key statistics with the samples :math:`\omega_c`: :math:`K_c,
+    A'_c, b'_c`, the keys walked ``chunk_size`` at a time with a running maximum per
+    sample (:func:`~xattn.features.merge_key_statistics`)."""
+    xp, k, v, key_mask = inputs.xp, inputs.k, inputs.v, inputs.key_mask
+    statistics = None
+    for start, stop in stream_bounds(k, -2, chunk_size):
+        piece = positive_key_statistics(xp, root_scale * k[..., start:stop, :],
+                                        v[..., start:stop, :], omega,
+                                        None if key_mask is None else key_mask[..., start:stop])
+        statistics = piece if statistics is None else merge_key_statistics(xp, statistics,
+                                                                           piece)
+    assert statistics is not None  # stream_bounds gives at least one piece
+    return statistics
+
+
+def _query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means: Array,
+                omega: Array, statistics: tuple[Array, Array, Array], *, weighting: str,
+                beta: float, root_scale: float, chunk_size: int) -> Array:
+    r"""The estimator of eq. 28 for the queries, a piece of ``chunk_size`` at a time.
+
+    Per piece: the logits :math:`e_{nc} = \omega_c \cdot \hat q_n + K_c -
+    \tfrac12\lVert\omega_c\rVert^2 + \tfrac12\lVert\omega_c - \mu_c\rVert^2` (the last two
+    terms are :math:`\log N(\omega_c; 0, I) - \log q_c(\omega_c)`), the weights
+    :math:`\alpha_{nc}` and the ratio :math:`\sum_c u_{nc} A'_c / \sum_c u_{nc} b'_c`.
+    The query affinities of the decoupled and coupled weightings need a softmax over all
+    queries, so a first pass (:class:`~xattn._importance.QuerySoftmax`) walks the
+    queries before this one. Its (N, C) exponentials are kept for the second pass when
+    they take no more memory than the output pieces that replace them (C <= Dv); for
+    C > Dv they are recomputed, in one product of the queries with the stacked
+    :math:`[\tilde q; \omega]`, so that working memory stays independent of N.
+    """
+    xp, q, query_mask = inputs.xp, inputs.q, inputs.query_mask
+    num_samples = omega.shape[-2]
+    key_max, numerator, denominator = statistics
+    offset = omega - proposal_means
+    log_density_ratio = 0.5 * (xp.sum(offset * offset, axis=-1) - xp.sum(omega * omega, axis=-1))
+    logit_offset = (key_max + log_density_ratio)[..., None, :]  # (..., 1, C)
+    # w_c: the balance heuristic of proposal c at its own sample omega_c (eq. 36)
+    own_weight = xp.linalg.diagonal(balance_heuristic(omega, proposal_means))
+
+    pieces = stream_bounds(q, -2, chunk_size)
+    # what multiplies q carries sqrt(s): q . (sqrt(s) omega_c) = q^ . omega_c, and
+    # q . (sqrt(s) q~_c) = q^ . q~_c for the affinities
+    projection_t = xp.matrix_transpose(root_scale * omega)
+    affinities = None
+    recompute = False
+    if weighting != "balance":  # r_nc = softmax over all queries of q^_n . q~_c
+        scaled_landmarks = root_scale * query_landmarks
+        recompute = num_samples > inputs.v.shape[-1]
+        affinities = QuerySoftmax(xp, q, scaled_landmarks, query_mask, pieces,
+                                  keep_exponentials=not recompute)
+        if recompute:  # the second pass: one GEMM of q against the stacked [q~; omega]
+            landmarks_t = xp.broadcast_to(xp.matrix_transpose(scaled_landmarks),
+                                          projection_t.shape)
+            projection_t = xp.concat([landmarks_t, projection_t], axis=-1)
+    outputs = []
+    for index, (start, stop) in enumerate(pieces):
+        logits = q[..., start:stop, :] @ projection_t
+        scores = None
+        if recompute:  # s_nc, then the logits of omega
+            scores, logits = logits[..., :num_samples], logits[..., num_samples:]
+        affinity = None if affinities is None else affinities.piece(index, scores)
+        weights = importance_weights(xp, own_weight, affinity, weighting, beta)  # alpha_nc
+        out = weighted_readout(xp, logits + logit_offset, numerator, denominator,
+                               coefficients=weights)
         if query_mask is not None:
-            scores = xp.where(query_mask[..., start:stop, None], scores, -xp.inf)
-        piece_max = xp.max(scores, axis=-2, keepdims=True)  # -inf: no allowed query
-        exponential = xp.exp(scores - finite_shift(xp, piece_max))
-        kept.append(exponential if keep_exponentials else None)
-        maxima.append(piece_max)
-        totals.append(xp.sum(exponential, axis=-2, keepdims=True))
-    _, overall_max, rescales = merge_maxima(xp, *maxima)  # a piece without queries: 0
-    total = sum(rescale * piece_total for rescale, piece_total in zip(rescales, totals,
-                                                                      strict=True))
-    inverse_total = 1.0 / nonzero_divisor(xp, total)
-    if keep_exponentials:  # r_nc = e_nc exp(m_c^(p) - m_c) / Z_c
-        return kept, [rescale * inverse_total for rescale in rescales], overall_max
-    return kept, [inverse_total] * len(pieces), overall_max
-
-
-def _importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array] | None,
-                        weighting: str, beta: float) -> Array:
-    r""":math:`\alpha_{nc}` of a piece of queries, clipped below at the weight floor.
-
-    ``affinity`` is a piece of :func:`_query_affinities` (None for the balance heuristic,
-    whose weights do not depend on the query: then (..., 1, C)). For the decoupled
-    weighting (eq. 38) :math:`\beta r_{nc}` is :math:`e_{nc} (\beta \rho_c)` and the mean
-    over proposals is one matrix-vector product, :math:`\frac1C \sum_c e_{nc} \beta
-    \rho_c`.
-    """
-    floor = xp.asarray(WEIGHT_FLOOR, dtype=own_weight.dtype,
-                       device=array_api_compat.device(own_weight))  # 0-d: no N x C array
-    weights = own_weight[..., None, :]  # w_c, (..., 1, C)
-    if affinity is None:  # "balance": alpha_nc = w_c for every query
-        return xp.maximum(weights, floor)
-    exponential, rho = affinity
-    if weighting == "decoupled":  # w_c + beta (r_nc - mean_c' r_nc')
-        scaled = beta * rho  # (..., 1, C)
-        mean = exponential @ xp.matrix_transpose(scaled / scaled.shape[-1])  # (..., B, 1)
-        return xp.maximum(exponential * scaled + (weights - mean), floor)
-    return xp.maximum(lara_weights(own_weight, exponential * rho, weighting=weighting,
-                                   beta=beta), floor)
+            out = xp.where(query_mask[..., start:stop, None], out, 0.0)
+        outputs.append(out)
+    return join(xp, outputs, axis=-2)
 
 
 def lara(
@@ -429,7 +381,6 @@ def lara(
     """
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
                                check_finite=check_finite)
-    xp = inputs.xp
     shapes = f"q shape {tuple(inputs.q.shape)}, k shape {tuple(inputs.k.shape)}"
     num_samples, grid, pools = check_segments(num_samples, grid, inputs.num_queries,
                                               inputs.num_keys, shapes)
@@ -442,87 +393,15 @@ def lara(
     if inputs.is_empty:  # N = 0 or an empty batch: an empty result, whatever C
         return inputs.empty_result()
 
-    dtype, device = inputs.compute_dtype, inputs.device
     root_scale = math.sqrt(inputs.scale)
-    # q^ = sqrt(s) q is never formed: the square root is folded into the (C, D) landmarks
-    # and samples that multiply q (a pass over (N, D) fewer); k^ is formed a piece at a time
-    q, k, v = inputs.q, inputs.k, inputs.v
-    key_mask, query_mask = inputs.key_mask, inputs.query_mask
-
-    # Landmarks: means of C segments of the allowed queries and keys (G.3.1): contiguous
-    # runs, or the bins of 2-D adaptive average pooling on an image grid (Appendix H).
-    query_landmarks, _ = segment_means(xp, q, query_mask, num_samples, device,
-                                       grid=grid, pools=pools)
-    query_landmarks = root_scale * query_landmarks  # q~_c, the means of q^
-    key_landmarks, key_segment_sizes = segment_means(xp, k, key_mask, num_samples,
-                                                     device, grid=grid, pools=pools)
-    key_landmarks = root_scale * key_landmarks  # k~_c, the means of k^
-    proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
-                                     key_segment_sizes, k, root_scale, key_mask)  # mu_c
-
-    # One sample per proposal: omega_c = mu_c + sigma eps_c (deterministic: omega_c = mu_c);
-    # the weights below are those of N(mu_c, I) whatever sigma = noise_scale.
-    sample_shape = (*inputs.batch_shape, num_samples, inputs.q.shape[-1])
-    if deterministic:
-        omega = proposal_means
-    else:
-        noise = as_generator(rng).normal(xp, sample_shape, dtype=dtype, device=device)
-        omega = proposal_means + (noise if noise_scale == 1.0 else noise_scale * noise)
-    omega = xp.broadcast_to(omega, sample_shape)
-
-    # Weights alpha_nc: balance heuristic at each proposal's own sample, plus the
-    # query-specific correction with r_nc = softmax over queries of q^_n . q~_c (G.3.2).
-    balance = balance_heuristic(omega, proposal_means)  # (..., C samples, C proposals)
-    own_weight = xp.linalg.diagonal(balance)  # w_c: proposal c at its own sample omega_c
-
-    # Stabilized estimator (eq. 28): key side exactly as RFA ...
-    # (the keys walked chunk_size at a time, with a running maximum per sample, as RFA)
-    statistics = None
-    for start, stop in stream_bounds(k, -2, chunk_size):
-        piece = positive_key_statistics(xp, root_scale * k[..., start:stop, :],
-                                        v[..., start:stop, :], omega,
-                                        None if key_mask is None else key_mask[..., start:stop])
-        statistics = piece if statistics is None else merge_key_statistics(xp, statistics,
-                                                                           piece)
-    assert statistics is not None  # stream_bounds gives at least one piece
-    key_max, numerator, denominator = statistics
-    # ... and e_nc = omega_c . q^_n + K_c - |omega_c|^2/2 + |omega_c - mu_c|^2/2, where the
-    # last two terms are log N(omega_c; 0, I) - log q_c(omega_c).
-    offset = omega - proposal_means
-    log_density_ratio = 0.5 * (xp.sum(offset * offset, axis=-1) - xp.sum(omega * omega, axis=-1))
-    logit_offset = (key_max + log_density_ratio)[..., None, :]  # (..., 1, C)
-
-    pieces = stream_bounds(q, -2, chunk_size)
-    # rows of the query-side GEMM: q . (sqrt(s) omega_c) = q^ . omega_c
-    projection_t = xp.matrix_transpose(root_scale * omega)
-    # The exponentials of the first pass, (N, C) in all, are kept for the second when they
-    # take no more memory than the output pieces that replace them (C <= Dv); for C > Dv
-    # the second pass recomputes them, so that working memory stays independent of N.
-    recompute = weighting != "balance" and num_samples > inputs.v.shape[-1]
-    kept, rho, shift = [None] * len(pieces), [None] * len(pieces), None
-    if weighting != "balance":  # r_nc = softmax over all queries of q^_n . q~_c: first pass
-        landmarks = root_scale * query_landmarks  # q . (sqrt(s) q~_c) = q^ . q~_c
-        kept, rho, shift = _query_affinities(xp, q, landmarks, query_mask, pieces,
-                                             keep_exponentials=not recompute)
-        if recompute:  # second pass: one GEMM of q against the stacked [q~; omega]
-            landmarks_t = xp.broadcast_to(xp.matrix_transpose(landmarks), projection_t.shape)
-            projection_t = xp.concat([landmarks_t, projection_t], axis=-1)
-    outputs = []
-    for index, (start, stop) in enumerate(pieces):  # the queries, a piece at a time
-        logits = q[..., start:stop, :] @ projection_t
-        affinity = None
-        if recompute:  # e^(s_nc - m_c), the (B, C) exponentials were not kept
-            scores, logits = logits[..., :num_samples], logits[..., num_samples:]
-            if query_mask is not None:
-                scores = xp.where(query_mask[..., start:stop, None], scores, -xp.inf)
-            affinity = (xp.exp(scores - shift), rho[index])
-        elif kept[index] is not None:
-            affinity, kept[index] = (kept[index], rho[index]), None  # released once used
-        weights = _importance_weights(xp, own_weight, affinity, weighting, beta)  # alpha_nc
-        logits = logits + logit_offset  # e_nc
-        out = weighted_readout(xp, logits, numerator, denominator, coefficients=weights)
-        if query_mask is not None:
-            out = xp.where(query_mask[..., start:stop, None], out, 0.0)
-        outputs.append(out)
-    out = join(xp, outputs, axis=-2)
+    # q^ = sqrt(s) q is never formed: sqrt(s) is folded into the (C, D) matrices that
+    # multiply q in the query pass; k^ is formed a piece of keys at a time
+    query_landmarks, proposal_means = _proposals(inputs, proposal, num_samples, grid, pools,
+                                                 root_scale)
+    omega = _samples(inputs, proposal_means, num_samples, deterministic=deterministic,
+                     noise_scale=noise_scale, rng=rng)
+    statistics = _key_statistics(inputs, omega, root_scale, chunk_size)
+    out = _query_pass(inputs, query_landmarks, proposal_means, omega, statistics,
+                      weighting=weighting, beta=beta, root_scale=root_scale,
+                      chunk_size=chunk_size)
     return inputs.finish(out)

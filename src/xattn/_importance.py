@@ -1,0 +1,222 @@
+r"""Multiple-importance weights of LARA: the balance heuristic, the weightings of the LARA
+paper's Appendix G.3.2 and the query affinities they use.
+
+LARA (:mod:`xattn._lara`) combines C proposals :math:`q_c = N(\mu_c, I)` with weights
+:math:`\alpha_{nc}`; this module computes them:
+
+- :func:`balance_heuristic`: :math:`w_c = q_c(\omega_c) / \sum_{c'} q_{c'}(\omega_c)`
+  (Veach & Guibas, 1995; eq. 36);
+- :class:`QuerySoftmax`: the query affinities :math:`r_{nc} = \mathrm{softmax}_n(\hat q_n
+  \cdot \tilde q_c)`, a softmax over all queries, kept as per-proposal statistics of a
+  first pass over the queries so that a second pass reads them a piece at a time;
+- :func:`lara_weights`: :math:`\alpha_{nc}` of the three weightings (eqs. 36-38), and
+  :func:`importance_weights`, the same for a piece of queries, clipped at
+  :data:`WEIGHT_FLOOR`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+
+from xattn._array import Array, array_namespace, check_choice
+from xattn._primitives import finite_shift, masked_softmax, merge_maxima, nonzero_divisor
+
+__all__ = ["WEIGHTINGS", "WEIGHT_FLOOR", "QuerySoftmax", "balance_heuristic",
+           "importance_weights", "lara_weights"]
+
+WEIGHTINGS = ("balance", "decoupled", "coupled")
+
+#: Floor for the importance weights α_nc. The query-specific corrections of the
+#: "decoupled" and "coupled" weightings can make α_nc negative; like the authors' code,
+#: LARA clips α_nc from below at this tiny positive value. Where it acts, the weights then
+#: sum to slightly more than 1 over c; the self-normalized ratio does not depend on their
+#: total, and positive weights keep each output a convex combination of the per-proposal
+#: estimates A'_c / b'_c (a denominator that cannot cancel to zero).
+WEIGHT_FLOOR = 1e-8
+
+
+def balance_heuristic(points: Array, proposal_means: Array) -> Array:
+    r"""Balance-heuristic weights :math:`q_c(\omega)/\sum_{c'} q_{c'}(\omega)` at given points.
+
+    For unit-covariance Gaussian proposals :math:`q_c = N(\mu_c, I)`,
+    :math:`\log q_c(\omega) = \omega \cdot \mu_c - \lVert \mu_c \rVert^2/2 + \text{const}(\omega)`,
+    so each row is a softmax over proposals (eq. 36 of the LARA paper; Veach & Guibas 1995).
+
+    Parameters
+    ----------
+    points : array, shape (..., P, D)
+        Points :math:`\omega_p` at which the weights are evaluated.
+    proposal_means : array, shape (..., C, D)
+        Means :math:`\mu_c` of the proposals.
+
+    Returns
+    -------
+    array, shape (..., P, C)
+        Row p holds the weights of the C proposals at :math:`\omega_p`; each row sums
+        to 1. LARA uses entry (c, c), the weight of proposal c at its own sample.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn._importance import balance_heuristic
+    >>> rng = np.random.default_rng(0)
+    >>> weights = balance_heuristic(rng.normal(size=(3, 4)), rng.normal(size=(5, 4)))
+    >>> weights.shape, np.allclose(weights.sum(axis=-1), 1.0)
+    ((3, 5), True)
+    """
+    xp = array_namespace(points, proposal_means, names=("points", "proposal_means"))
+    log_density = points @ xp.matrix_transpose(proposal_means) - 0.5 * xp.sum(
+        proposal_means * proposal_means, axis=-1)[..., None, :]
+    return masked_softmax(xp, log_density, None, axis=-1)
+
+
+def lara_weights(proposal_weights: Array, query_affinity: Array, *,
+                 weighting: str = "decoupled", beta: float = 2.0) -> Array:
+    r"""Multiple-importance weights :math:`\alpha_{nc}` before the floor (Appendix G.3.2).
+
+    With balance-heuristic weights :math:`w_c` and query affinities :math:`r_{nc}`:
+
+    - ``"balance"`` (eq. 36): :math:`\alpha_{nc} = w_c`;
+    - ``"decoupled"`` (eq. 38, the default): :math:`\alpha_{nc} = w_c + \beta\,(r_{nc} -
+      \frac{1}{C}\sum_{c'} r_{nc'})`;
+    - ``"coupled"`` (eq. 37): :math:`\alpha_{nc} = w_c + w_c\,(r_{nc} - \sum_{c'} w_{c'}
+      r_{nc'})`.
+
+    The corrections sum to zero over c, so whenever :math:`\sum_c w_c = 1` (the balance
+    heuristic at one common point) every weighting sums to 1 over proposals, the
+    condition for an unbiased multiple-importance estimate. :func:`lara` then clips the
+    weights from below at :data:`WEIGHT_FLOOR`.
+
+    Parameters
+    ----------
+    proposal_weights : array, shape (..., C)
+        :math:`w_c` (for example a row of :func:`balance_heuristic`).
+    query_affinity : array, shape (..., N, C)
+        :math:`r_{nc}`; LARA uses the softmax over queries n of :math:`\hat q_n \cdot
+        \tilde q_c`.
+    weighting : {"balance", "decoupled", "coupled"}
+    beta : float
+        Strength :math:`\beta` of the decoupled correction (2 in the paper's ViT runs).
+
+    Returns
+    -------
+    array, shape (..., N, C)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from xattn._importance import lara_weights
+    >>> w = np.array([0.5, 0.3, 0.2])
+    >>> r = np.array([[0.6, 0.1, 0.3], [0.0, 0.5, 0.5]])
+    >>> alpha = lara_weights(w, r, weighting="decoupled", beta=2.0)
+    >>> np.round(alpha.sum(axis=-1), 12)
+    array([1., 1.])
+    """
+    check_choice(weighting, "weighting", WEIGHTINGS)
+    xp = array_namespace(proposal_weights, query_affinity,
+                         names=("proposal_weights", "query_affinity"))
+    weights = proposal_weights[..., None, :]
+    if weighting == "balance":
+        return weights + xp.zeros_like(query_affinity)
+    if weighting == "decoupled":
+        correction = query_affinity - xp.mean(query_affinity, axis=-1, keepdims=True)
+        return weights + (correction if beta == 1.0 else beta * correction)
+    weighted_mean = xp.sum(weights * query_affinity, axis=-1, keepdims=True)
+    return weights + weights * (query_affinity - weighted_mean)
+
+
+class QuerySoftmax:
+    r"""The query affinities :math:`r_{nc} = \mathrm{softmax}_n(s_{nc})`, :math:`s_{nc} =
+    \hat q_n \cdot \tilde q_c`, over the allowed queries, for a pass a piece at a time.
+
+    The constructor is the first pass over the query pieces: piece p takes :math:`e_{nc} =
+    e^{s_{nc} - m^{(p)}_c}` with its own maximum :math:`m^{(p)}_c` over its allowed
+    queries, and the pieces merge (:func:`~xattn._primitives.merge_maxima`, an online
+    softmax along n) into :math:`m_c = \max_p m^{(p)}_c` and :math:`Z_c = \sum_p
+    e^{m^{(p)}_c - m_c} \sum_{n \in p} e_{nc}`. :meth:`piece` then gives, for piece p,
+    a pair :math:`(e_{nc}, \rho_c)` with :math:`r_{nc} = e_{nc} \rho_c`:
+
+    - with ``keep_exponentials`` the first pass's :math:`e_{nc}` (released once read) and
+      :math:`\rho_c = e^{m^{(p)}_c - m_c} / Z_c`: no second exponential, but (N, C)
+      values held between the passes;
+    - otherwise :math:`e_{nc} = e^{s_{nc} - m_c}`, recomputed from the scores the
+      second pass passes in, and :math:`\rho_c = 1 / Z_c`: working memory independent
+      of N.
+
+    Masked queries and pieces without an allowed query get 0.
+
+    Parameters
+    ----------
+    xp : namespace
+    q : array, shape (..., N, D)
+        The queries, unscaled.
+    scaled_landmarks : array, shape (..., C, D)
+        :math:`\sqrt{s}\,\tilde q_c`, so that ``q @ scaled_landmarks.T`` is :math:`s_{nc}`.
+    query_mask : bool array, shape (..., N), or None
+    pieces : list of (start, stop)
+        The query pieces of both passes.
+    keep_exponentials : bool
+    """
+
+    def __init__(self, xp: Any, q: Array, scaled_landmarks: Array, query_mask: Array | None,
+                 pieces: list[tuple[int, int]], *, keep_exponentials: bool) -> None:
+        self.xp, self.query_mask, self.pieces = xp, query_mask, pieces
+        landmarks_t = xp.matrix_transpose(scaled_landmarks)
+        kept: list[Array | None] = []
+        maxima, totals = [], []
+        for start, stop in pieces:
+            scores = self._masked(q[..., start:stop, :] @ landmarks_t, start, stop)  # (..., B, C)
+            piece_max = xp.max(scores, axis=-2, keepdims=True)  # -inf: no allowed query
+            exponential = xp.exp(scores - finite_shift(xp, piece_max))
+            kept.append(exponential if keep_exponentials else None)
+            maxima.append(piece_max)
+            totals.append(xp.sum(exponential, axis=-2, keepdims=True))
+        _, self.shift, self.rescales = merge_maxima(xp, *maxima)  # no allowed query: 0
+        total = sum(rescale * piece_total for rescale, piece_total in zip(self.rescales, totals,
+                                                                          strict=True))
+        self.inverse_total = 1.0 / nonzero_divisor(xp, total)  # 1 / Z_c
+        self.keep_exponentials = keep_exponentials
+        self._kept = kept
+
+    def _masked(self, scores: Array, start: int, stop: int) -> Array:
+        if self.query_mask is None:
+            return scores
+        return self.xp.where(self.query_mask[..., start:stop, None], scores, -self.xp.inf)
+
+    def piece(self, index: int, scores: Array | None = None) -> tuple[Array, Array]:
+        r""":math:`(e_{nc}, \rho_c)` of piece ``index`` (see the class); without
+        ``keep_exponentials`` ``scores`` are its :math:`s_{nc}`, (..., B, C)."""
+        if self.keep_exponentials:
+            exponential, self._kept[index] = self._kept[index], None  # released once read
+            assert exponential is not None, "each piece is read once"
+            return exponential, self.rescales[index] * self.inverse_total
+        assert scores is not None, "the scores are recomputed by the second pass"
+        start, stop = self.pieces[index]
+        return (self.xp.exp(self._masked(scores, start, stop) - self.shift),
+                self.inverse_total)
+
+
+def importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array] | None,
+                        weighting: str, beta: float) -> Array:
+    r""":math:`\alpha_{nc}` of a piece of queries, clipped below at the weight floor.
+
+    ``affinity`` is :meth:`QuerySoftmax.piece` (None for the balance heuristic,
+    whose weights do not depend on the query: then (..., 1, C)). For the decoupled
+    weighting (eq. 38) :math:`\beta r_{nc}` is :math:`e_{nc} (\beta \rho_c)` and the mean
+    over proposals is one matrix-vector product, :math:`\frac1C \sum_c e_{nc} \beta
+    \rho_c`.
+    """
+    floor = xp.asarray(WEIGHT_FLOOR, dtype=own_weight.dtype,
+                       device=array_api_compat.device(own_weight))  # 0-d: no N x C array
+    weights = own_weight[..., None, :]  # w_c, (..., 1, C)
+    if affinity is None:  # "balance": alpha_nc = w_c for every query
+        return xp.maximum(weights, floor)
+    exponential, rho = affinity
+    if weighting == "decoupled":  # w_c + beta (r_nc - mean_c' r_nc')
+        scaled = beta * rho  # (..., 1, C)
+        mean = exponential @ xp.matrix_transpose(scaled / scaled.shape[-1])  # (..., B, 1)
+        return xp.maximum(exponential * scaled + (weights - mean), floor)
+    return xp.maximum(lara_weights(own_weight, exponential * rho, weighting=weighting,
+                                   beta=beta), floor)
