@@ -36,15 +36,11 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, THREADS)
 
 import numpy as np  # noqa: E402
+from _common import best_time, loglog_slope, rss_peak  # noqa: E402
 
 import xattn  # noqa: E402
 from xattn.cli.figures import loglog_axes, new_figure  # noqa: E402
-from xattn.cli.measure import (  # noqa: E402
-    best_time,
-    loglog_slope,
-    rss_peak,
-    tracemalloc_peak,
-)
+from xattn.cli.measure import tracemalloc_peak  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

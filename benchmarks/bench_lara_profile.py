@@ -38,9 +38,9 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, THREADS)
 
 import numpy as np  # noqa: E402
+from _common import interleaved_best_wall_and_cpu_times  # noqa: E402
 
 import xattn  # noqa: E402
-from xattn.cli.measure import interleaved_best_wall_and_cpu_times  # noqa: E402
 
 OUT = Path(__file__).with_name("lara_profile_results.json")
 LENGTH, SAMPLES, DIM = 32768, 64, 64

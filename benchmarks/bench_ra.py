@@ -35,12 +35,10 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, THREADS)
 
 import numpy as np  # noqa: E402
+from _common import interleaved_best_wall_and_cpu_times  # noqa: E402
 
 import xattn  # noqa: E402
-from xattn.cli.measure import (  # noqa: E402
-    interleaved_best_wall_and_cpu_times,
-    tracemalloc_peak,
-)
+from xattn.cli.measure import tracemalloc_peak  # noqa: E402
 
 OUT = Path(__file__).with_name("ra_results.json")
 TIME_SHAPE = (64, 2, 256, 32)  # batch, heads, N = M, D

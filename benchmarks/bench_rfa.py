@@ -18,7 +18,7 @@ projection buffer), D^-1/2 score scaling, one batch-head, torch under ``no_grad`
 Time: best of ``--repeats`` rounds after one warm-up call (``time.perf_counter``); each
 round calls every method once, interleaved, so load changes hit all methods alike.
 Peak memory, above what the inputs and the imports already hold (the measurement helpers
-of ``xattn bench``, :mod:`xattn.cli.measure`):
+of ``xattn bench``, :mod:`xattn.cli.measure`, and ``benchmarks/_common.py``):
 
 * NumPy: :mod:`tracemalloc` peak during one call (NumPy reports its buffers to it);
 * torch CPU: a fresh subprocess per (method, N) builds the inputs, resets the kernel's
@@ -53,14 +53,10 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, THREADS)  # before NumPy loads its BLAS
 
 import numpy as np  # noqa: E402
+from _common import interleaved_best_times, loglog_slope, rss_peak  # noqa: E402
 
 from xattn.cli.figures import loglog_axes, new_figure  # noqa: E402
-from xattn.cli.measure import (  # noqa: E402
-    interleaved_best_times,
-    loglog_slope,
-    rss_peak,
-    tracemalloc_peak,
-)
+from xattn.cli.measure import tracemalloc_peak  # noqa: E402
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_LENGTHS = (1024, 2048, 4096)

@@ -50,20 +50,15 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, THREADS)
 
 import numpy as np  # noqa: E402
+from _common import interleaved_best_wall_and_cpu_times, loglog_slope  # noqa: E402
 
 import xattn  # noqa: E402
 from xattn.cli.bench import crossover_length  # noqa: E402
 from xattn.cli.common import environment, write_json  # noqa: E402
 from xattn.cli.figures import loglog_axes, new_figure, save_figure  # noqa: E402
-from xattn.cli.measure import (  # noqa: E402
-    Measurement,
-    interleaved_best_wall_and_cpu_times,
-    load_backend,
-    loglog_slope,
-    measured,
-)
+from xattn.cli.measure import Measurement, load_backend, measured  # noqa: E402
 from xattn.cli.memory import rfa_bytes  # noqa: E402
-from xattn.cli.registry import ESTIMATORS, SOFTMAX, EstimatorSpec  # noqa: E402
+from xattn.cli.registry import ESTIMATOR_SPECS, SOFTMAX, EstimatorSpec  # noqa: E402
 
 HERE = Path(__file__).parent
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -124,7 +119,7 @@ def measure_backend(name: str, lengths, repeats: int, causal_repeats: int,
         import torch
 
         torch.set_num_threads(int(THREADS))
-    specs = [SOFTMAX, ESTIMATORS["rfa"], ESTIMATORS["lara"], ESTIMATORS["ra"]]
+    specs = [SOFTMAX, ESTIMATOR_SPECS["rfa"], ESTIMATOR_SPECS["lara"], ESTIMATOR_SPECS["ra"]]
     if name == "numpy":
         specs.append(RFA_CAUSAL)
     functions = {spec.name: spec.load() for spec in specs}
@@ -243,8 +238,8 @@ def jax_compiled_memory(lengths) -> dict:
     """Temp + output bytes of the XLA program jit-compiled for each call (JAX on the CPU,
     ``memory_analysis()``, no run): what XLA plans to hold at once."""
     backend = load_backend("jax", "cpu", "float32")
-    specs = {"softmax": (SOFTMAX, {}), "rfa": (ESTIMATORS["rfa"], {}),
-             "lara": (ESTIMATORS["lara"], {})}
+    specs = {"softmax": (SOFTMAX, {}), "rfa": (ESTIMATOR_SPECS["rfa"], {}),
+             "lara": (ESTIMATOR_SPECS["lara"], {})}
     rows = {name: [] for name in specs}
     for length in lengths:
         arrays = tuple(backend.to_backend(np.random.default_rng(index).normal(

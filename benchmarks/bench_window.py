@@ -51,9 +51,9 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, THREADS)  # before NumPy loads its BLAS
 
 import numpy as np  # noqa: E402
+from _common import loglog_slope  # noqa: E402
 
 import xattn  # noqa: E402
-from xattn.cli.measure import loglog_slope  # noqa: E402
 from xattn.diagnostics import (  # noqa: E402
     estimator_error,
     structured_attention_inputs,

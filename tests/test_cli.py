@@ -76,7 +76,7 @@ def test_compare_end_to_end(tmp_path, npz, capsys):
     # the JSON is reproduced by estimator_error with the same seed on the same float32 data
     q, k, v = (a.astype(np.float32) for a in small_inputs())
     for row in payload["results"]:
-        spec = cli.ESTIMATORS[row["estimator"]]
+        spec = cli.ESTIMATOR_SPECS[row["estimator"]]
         draws = 1 if spec.deterministic else 3
         expected = estimator_error(spec.load(), q, k, v, draws=draws, seed=5,
                                    **{spec.sample_keyword: row["samples"] or 1}, **spec.options)

@@ -17,10 +17,12 @@ counters. Figures are drawn with Matplotlib's Agg canvas (no display, no pyplot 
 
 Modules, one concern each:
 
-* :mod:`xattn.cli.registry`: the estimators the command knows (:class:`EstimatorSpec`);
+* :mod:`xattn.cli.registry`: the estimators ``compare`` and ``bench`` know
+  (:data:`ESTIMATOR_SPECS`, each an :class:`EstimatorSpec`);
 * :mod:`xattn.cli.measure`: backends, moving arrays onto them, synchronizing, timing and
   peak memory; :mod:`xattn.cli.figures`: the Agg figures (both also used by
-  ``benchmarks/``); :mod:`xattn.cli.memory`: memory estimates, checked before a run;
+  ``benchmarks/``, whose own helpers are in ``benchmarks/_common.py``);
+  :mod:`xattn.cli.memory`: memory estimates, checked before a run;
 * :mod:`xattn.cli.inputs`: reading and validating ``--input`` files;
 * :mod:`xattn.cli.compare`, :mod:`xattn.cli.bench`, :mod:`xattn.cli.train`: the
   sub-commands, each with ``add_parser(subparsers)`` and ``run(args)``;
@@ -30,14 +32,16 @@ Modules, one concern each:
   only for the chosen ``--framework``); :mod:`xattn.cli.train_report`: its table, JSON
   and figure;
 * :mod:`xattn.cli.common`, :mod:`xattn.cli.options`: what the sub-commands share (the
-  usage error, output helpers, argument types and common options);
-* :mod:`xattn.cli.parser`: the argument parser and :func:`main`.
+  usage error, the progress bar, the table, JSON and ``--out``; argument types and the
+  common options, ``--out`` and ``--progress`` among them);
+* :mod:`xattn.cli.parser`: the argument parser (every ``choices=`` checked and worded
+  alike) and :func:`main`.
 """
 
 from __future__ import annotations
 
 from xattn.cli.bench import crossover_length
 from xattn.cli.parser import build_parser, main
-from xattn.cli.registry import ESTIMATORS, EstimatorSpec
+from xattn.cli.registry import ESTIMATOR_SPECS, EstimatorSpec
 
-__all__ = ["ESTIMATORS", "EstimatorSpec", "build_parser", "crossover_length", "main"]
+__all__ = ["ESTIMATOR_SPECS", "EstimatorSpec", "build_parser", "crossover_length", "main"]

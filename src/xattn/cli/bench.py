@@ -14,6 +14,7 @@ from xattn.cli.common import (
     advance,
     environment,
     format_bytes,
+    format_table,
     output_dir,
     progress_bar,
     write_json,
@@ -27,11 +28,12 @@ from xattn.cli.options import (
     nonnegative_float,
     positive_int,
 )
-from xattn.cli.registry import SOFTMAX, EstimatorSpec, estimator_specs
+from xattn.cli.registry import ESTIMATOR_SPECS, SOFTMAX, EstimatorSpec
 
-__all__ = ["DEFAULT_LENGTHS", "add_parser", "crossover_length", "run"]
+__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_LENGTHS", "add_parser", "crossover_length", "run"]
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+DEFAULT_ESTIMATORS = "rfa,ra,lara"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -47,14 +49,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "crossover length from which each estimator is faster than exact softmax; write "
         "DIR/bench.png and DIR/bench.json. Exact softmax is always measured: name only "
         "estimators in --estimators, each once.")
-    add_common_options(parser, "rfa,ra,lara")
+    add_common_options(parser, DEFAULT_ESTIMATORS)
     parser.add_argument("--lengths", type=int_list, default=list(DEFAULT_LENGTHS),
-                        metavar="LIST", help="comma-separated sequence lengths "
-                        "(default: 1024,2048,...,65536)")
+                        metavar="LIST", help="comma-separated sequence lengths (default: "
+                        f"{DEFAULT_LENGTHS[0]},{DEFAULT_LENGTHS[1]},...,{DEFAULT_LENGTHS[-1]})")
+    default_samples = ",".join(f"{name}={ESTIMATOR_SPECS[name].bench_samples}"
+                               for name in DEFAULT_ESTIMATORS.split(","))
     parser.add_argument("--samples", default=None, metavar="SPEC",
                         help="samples per estimator: an int for all, name=int pairs (each "
                         "name once), or both (the int for the others); capped at N "
-                        "(default: rfa=64,ra=1,lara=64)")
+                        f"(default: {default_samples})")
     parser.add_argument("--heads", type=positive_int, default=1,
                         help="number of heads (default: 1)")
     parser.add_argument("--head-dim", type=positive_int, default=64,
@@ -72,7 +76,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn bench``."""
     out_dir = output_dir(args.out, ("bench.json", "bench.png"))  # before any work
-    specs = [SOFTMAX, *estimator_specs(args.estimators)]  # softmax: the reference, once
+    specs = [SOFTMAX, *(ESTIMATOR_SPECS[name] for name in args.estimators)]  # the reference
     functions = {spec.name: spec.load() for spec in specs}
     samples = _bench_samples(args.samples, specs)
     backend = load_backend(args.backend, args.device, args.dtype)
@@ -236,15 +240,18 @@ def crossover_length(softmax_rows: list[dict[str, Any]],
 
 def _print_bench_table(results: dict[str, list[dict[str, Any]]],
                        crossover: dict[str, int | None], lengths: Sequence[int]) -> None:
-    names = list(results)
-    print(f"{'length':>7} " + " ".join(f"{name + ' [ms]':>13} {'[MiB]':>8}" for name in names))
+    columns = [("length", ">7")]
+    for name in results:
+        columns += [(f"{name} [ms]", ">13"), ("[MiB]", ">8")]
+    rows = []
     for index, length in enumerate(lengths):
-        cells = []
-        for name in names:
-            row = results[name][index]
-            time_ms = "skipped" if row["time_s"] is None else f"{1e3 * row['time_s']:.2f}"
-            cells.append(f"{time_ms:>13} {format_bytes(row['peak_memory_bytes']):>8}")
-        print(f"{length:>7} " + " ".join(cells))
+        cells = [str(length)]
+        for name_rows in results.values():
+            row = name_rows[index]
+            cells += ["skipped" if row["time_s"] is None else f"{1e3 * row['time_s']:.2f}",
+                      format_bytes(row["peak_memory_bytes"])]
+        rows.append(cells)
+    print(format_table(columns, rows, rule=False))
     for name, crossing in crossover.items():
         verdict = (f"faster than exact softmax from N = {crossing} on" if crossing is not None
                    else "not faster than exact softmax at the measured lengths")

@@ -1,4 +1,5 @@
-"""What every sub-command shares: the usage-error exception and the output helpers."""
+"""What every sub-command shares: the usage-error exception and the output helpers (the
+progress bar, the text table, JSON, the output directory)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import os
 import platform
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import xattn
 
 __all__ = ["DEFAULT_OUT", "EXIT_USAGE", "CommandError", "advance", "environment",
-           "format_bytes", "output_dir", "progress_bar", "write_json"]
+           "format_bytes", "format_table", "output_dir", "progress_bar", "write_json"]
 
+#: The ``--out`` directory of every sub-command unless told otherwise.
 DEFAULT_OUT = "xattn-out"
 EXIT_USAGE = 2
 
@@ -27,8 +29,11 @@ class CommandError(Exception):
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, description: str, enabled: bool | None) -> Iterator[Any]:
-    """A tqdm bar on stderr (shown on a terminal unless ``enabled`` says otherwise)."""
+def progress_bar(total: int, description: str, enabled: bool | None, *, unit: str = "run",
+                 position: int | None = None) -> Iterator[Any]:
+    """A tqdm bar on stderr counting ``unit`` (``enabled`` None: shown on a terminal
+    only), or None when ``enabled`` is False or tqdm is missing; ``position``: its line,
+    for the bars of parallel runs. The bar closes when the ``with`` block ends."""
     try:
         from tqdm import tqdm
     except ImportError:  # the bar is a nicety: run without it
@@ -37,12 +42,13 @@ def progress_bar(total: int, description: str, enabled: bool | None) -> Iterator
         yield None
         return
     with tqdm(total=total, desc=description, file=sys.stderr, leave=False,
-              disable=None if enabled is None else False, unit="run") as bar:
+              disable=None if enabled is None else False, unit=unit,
+              position=position) as bar:
         yield bar
 
 
 def advance(bar: Any, label: str) -> None:
-    """Advance the progress bar (if any) by one run labelled ``label``."""
+    """Advance the progress bar (if any) by one unit, labelled ``label``."""
     if bar is not None:
         bar.set_postfix_str(label, refresh=False)
         bar.update(1)
@@ -51,6 +57,31 @@ def advance(bar: Any, label: str) -> None:
 def format_bytes(value: int | None) -> str:
     """Bytes as MiB with one decimal, ``n/a`` for ``None``."""
     return "n/a" if value is None else f"{value / 2**20:.1f}"
+
+
+def format_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[str]], *,
+                 rule: bool = True) -> str:
+    """A text table: ``columns`` are (header, format spec such as ``"<10"`` or ``">7"``),
+    each row one string per column; cells one space apart, a rule of dashes under the
+    header if ``rule``.
+
+    The widths are fixed by the caller, not taken from the contents as a table library
+    (tabulate, rich) would, so that the tables of the commands line up the same way from
+    run to run; for three small tables such a dependency is not worth it.
+
+    Examples
+    --------
+    >>> from xattn.cli.common import format_table
+    >>> print(format_table([("name", "<6"), ("ms", ">5")], [["rfa", "1.25"]]))
+    name      ms
+    ------------
+    rfa     1.25
+    """
+    def line(cells: Sequence[str]) -> str:
+        return " ".join(f"{cell:{spec}}" for cell, (_, spec) in zip(cells, columns, strict=True))
+
+    header = line([name for name, _ in columns])
+    return "\n".join([header, *(["-" * len(header)] if rule else []), *map(line, rows)])
 
 
 def _strict_json(value: Any) -> Any:

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from xattn._softmax import softmax_attention
+import xattn
 from xattn.cli.common import (
     CommandError,
     advance,
     environment,
     format_bytes,
+    format_table,
     output_dir,
     progress_bar,
     write_json,
@@ -24,7 +26,7 @@ from xattn.cli.inputs import load_inputs, validate_inputs
 from xattn.cli.measure import Measurement, load_backend, measured
 from xattn.cli.memory import Problem, host_memory_available, require_memory, softmax_bytes
 from xattn.cli.options import add_common_options, int_at_least, int_list, nonnegative_int
-from xattn.cli.registry import ESTIMATORS, EstimatorSpec, estimator_specs, windowed_rfa_spec
+from xattn.cli.registry import ESTIMATOR_SPECS, EstimatorSpec, windowed_rfa_spec
 from xattn.diagnostics import (
     EstimatorError,
     estimator_error,
@@ -32,14 +34,18 @@ from xattn.diagnostics import (
     uniform_attention,
 )
 
-__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_SAMPLES", "MAX_DRAWS", "add_parser", "check_cells",
-           "run"]
+__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_SAMPLE_COUNTS", "MAX_DRAWS", "add_parser",
+           "check_cells", "run"]
 
-DEFAULT_SAMPLES = (16, 32, 64, 128, 256)
+#: The numbers of samples ``--samples`` measures by default.
+DEFAULT_SAMPLE_COUNTS = (16, 32, 64, 128, 256)
 # Draws per cell: beyond this the run would take days (each draw is a full estimator
 # call), while the figures' relative standard error, about sqrt(2 / draws), is already 0.1%.
 MAX_DRAWS = 1_000_000
 DEFAULT_ESTIMATORS = "rfa,ra,ra-biased,ra-det,lara,lara-det"
+# the default input's sizes, for the help: structured_attention_inputs' own defaults
+_INPUT = {name: parameter.default for name, parameter
+          in inspect.signature(structured_attention_inputs).parameters.items()}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -51,9 +57,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "exact output), time and peak memory, with the uniform-attention baseline (every "
         "query gets the mean of the values); write DIR/compare.png (MSE vs samples) and "
         "DIR/compare.json (all figures). Without --input the data are deterministic "
-        "structured attention: 4 heads, N = M = 1024, D = Dv = 64, queries and keys around "
-        "16 cluster centres of norm 6 (contiguous blocks of tokens, 25%% shuffled), so "
-        "attention is sharp (xattn.diagnostics.structured_attention_inputs). Draw r of "
+        f"structured attention: {_INPUT['num_heads']} heads, N = M = {_INPUT['length']}, "
+        f"D = Dv = {_INPUT['head_dim']}, queries and keys around {_INPUT['num_clusters']} "
+        f"cluster centres of norm {_INPUT['radius']:g} (contiguous blocks of tokens, "
+        f"{100 * _INPUT['shuffled_fraction']:g}%% shuffled), so attention is sharp "
+        "(xattn.diagnostics.structured_attention_inputs). Draw r of "
         "every cell uses rng = SEED + r, as xattn.diagnostics.estimator_error(seed=SEED). "
         "Estimators: rfa, ra, lara (sampled), ra-biased (RA with biased=True), and the "
         "evaluation modes lara-det (LARA with deterministic=True, one draw per cell) and "
@@ -64,9 +72,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_common_options(parser, DEFAULT_ESTIMATORS)
     parser.add_argument("--input", metavar="FILE.npz",
                         help="arrays q (..., N, D), k (..., M, D), v (..., M, Dv)")
-    parser.add_argument("--samples", type=int_list, default=list(DEFAULT_SAMPLES),
+    parser.add_argument("--samples", type=int_list, default=list(DEFAULT_SAMPLE_COUNTS),
                         metavar="LIST", help="comma-separated numbers of samples, each "
-                        "measured once (default: 16,32,64,128,256)")
+                        f"measured once (default: {','.join(map(str, DEFAULT_SAMPLE_COUNTS))})")
     parser.add_argument("--draws", default=4,
                         type=int_at_least(1, MAX_DRAWS, " (draws per cell: each is a full "
                                           "estimator call)"),
@@ -88,17 +96,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn compare``."""
-    specs = estimator_specs(args.estimators)
+    specs = [ESTIMATOR_SPECS[name] for name in args.estimators]
     if args.window is not None or args.sinks:  # rfa+window right after plain rfa
-        if ESTIMATORS["rfa"] not in specs:
-            specs.insert(0, ESTIMATORS["rfa"])
-        specs.insert(specs.index(ESTIMATORS["rfa"]) + 1,
-                     windowed_rfa_spec(args.window, args.sinks))
+        rfa = ESTIMATOR_SPECS["rfa"]
+        if rfa not in specs:
+            specs.insert(0, rfa)
+        specs.insert(specs.index(rfa) + 1, windowed_rfa_spec(args.window, args.sinks))
     functions = {spec.name: spec.load() for spec in specs}
     if args.input is None:
-        source = "default: structured_attention_inputs() (4 heads, N = M = 1024, D = 64)"
         q_host, k_host, v_host = validate_inputs(*structured_attention_inputs(), args.dtype,
                                                  "default inputs")
+        heads, length, dim = q_host.shape
+        source = (f"default: structured_attention_inputs() ({heads} heads, N = M = {length}, "
+                  f"D = {dim})")
     else:
         source = str(args.input)
         q_host, k_host, v_host = load_inputs(args.input, args.dtype)
@@ -120,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
     q, k, v = (backend.to_backend(a) for a in (q_host, k_host, v_host))
     exact_measurement = Measurement()
-    exact_call = measured(softmax_attention, backend, exact_measurement)
+    exact_call = measured(xattn.softmax_attention, backend, exact_measurement)
     exact = exact_call(q, k, v)
     exact_call(q, k, v)  # a second, timed call
     if not bool(backend.namespace.all(backend.namespace.isfinite(exact))):
@@ -138,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     total_runs = sum(_draws(spec, args) for spec, _ in cells)
     with progress_bar(total_runs, "xattn compare", args.progress) as bar:
         for spec, samples in cells:
-            assert spec.sample_keyword is not None  # estimator_specs refuses softmax
+            assert spec.sample_keyword is not None  # --estimators refuses softmax
             # passed on to the estimator through estimator_error's **options
             sample_option: dict[str, Any] = {spec.sample_keyword: samples}
             measurement = Measurement()
@@ -223,7 +233,7 @@ def check_cells(cells: list[tuple[EstimatorSpec, int]], functions: dict[str, Any
     nothing = Problem(0, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], q.dtype.itemsize)
     available = host_memory_available()
     for spec, samples in cells:
-        assert spec.sample_keyword is not None  # estimator_specs refuses softmax
+        assert spec.sample_keyword is not None  # --estimators refuses softmax
         # what the empty call itself holds (the samples it draws), against host memory
         require_memory([(f"{spec.name} with {samples} samples", spec.memory(nothing, samples))],
                        available, "this machine")
@@ -268,20 +278,22 @@ def _row(spec: EstimatorSpec | None, samples: int | None, error: EstimatorError,
             "peak_memory_bytes": measurement.peak_memory_bytes}
 
 
+_COLUMNS = (("estimator", "<10"), ("samples", ">7"), ("MSE", ">10"), ("bias^2", ">10"),
+            ("variance", ">10"), ("rel.err", ">9"), ("time [ms]", ">10"), ("peak [MiB]", ">10"))
+
+
+def _samples_cell(row: dict[str, Any]) -> str:
+    if row["samples"] is not None:
+        return str(row["samples"])
+    return "-" if row["estimator"] in ("uniform", "softmax") else "any"
+
+
 def _print_compare_table(rows: list[dict[str, Any]], baseline: dict[str, Any],
                          exact: dict[str, Any]) -> None:
-    header = (f"{'estimator':<10} {'samples':>7} {'MSE':>10} {'bias^2':>10} {'variance':>10} "
-              f"{'rel.err':>9} {'time [ms]':>10} {'peak [MiB]':>10}")
-    print(header)
-    print("-" * len(header))
-    for row in [*rows, baseline, exact]:
-        samples = "-" if row["samples"] is None else str(row["samples"])
-        if row["estimator"] not in ("uniform", "softmax") and row["samples"] is None:
-            samples = "any"
-        print(f"{row['estimator']:<10} {samples:>7} {row['mse']:>10.3e} "
-              f"{row['bias_squared']:>10.3e} {row['variance']:>10.3e} "
-              f"{row['relative_error']:>9.3f} {1e3 * row['time_s']:>10.2f} "
-              f"{format_bytes(row['peak_memory_bytes']):>10}")
+    print(format_table(_COLUMNS, ([
+        row["estimator"], _samples_cell(row), f"{row['mse']:.3e}", f"{row['bias_squared']:.3e}",
+        f"{row['variance']:.3e}", f"{row['relative_error']:.3f}", f"{1e3 * row['time_s']:.2f}",
+        format_bytes(row["peak_memory_bytes"])] for row in [*rows, baseline, exact])))
     worse = sorted({row["estimator"] for row in rows if row["mse"] > baseline["mse"]})
     if worse:
         print(f"note: {', '.join(worse)} do worse than uniform attention (MSE "

@@ -1,47 +1,42 @@
-"""Backends and measurement: arrays onto a device, synchronizing, timing, peak memory, figures.
+"""Backends and measurement: arrays onto a device, synchronizing, timing, peak memory.
 
-Used by ``xattn compare``, ``xattn bench`` and the scripts in ``benchmarks/``:
+Used by ``xattn compare``, ``xattn bench``, ``xattn train`` (torch) and the scripts in
+``benchmarks/`` (whose own helpers are in ``benchmarks/_common.py``):
 
 * :func:`load_backend` imports one array library lazily and returns a :class:`Backend`
-  that moves NumPy arrays onto its device (through :func:`xattn._array.host_to_device`),
-  synchronizes it for timing and measures the peak memory of a call;
+  that moves NumPy arrays onto its device, synchronizes it for timing and measures the
+  peak memory of a call;
 * :class:`Measurement` and :func:`measured` time the calls of a function (the first call
   warms up and measures memory);
-* :func:`tracemalloc_peak` and :func:`rss_peak` measure host memory;
-  :func:`best_time`, :func:`interleaved_best_times`,
-  :func:`interleaved_best_wall_and_cpu_times` and :func:`loglog_slope` are the benchmark
-  scripts' timing helpers;
-* the figures are drawn with :mod:`xattn.cli.figures`.
+* :func:`tracemalloc_peak` measures host memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import json
-import math
 import os
 import statistics
 import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from xattn._array import host_to_device
 from xattn.cli import memory
 from xattn.cli.common import CommandError
 
-__all__ = ["BACKENDS", "Backend", "Measurement", "allocator_peak", "best_time",
-           "interleaved_best_times", "interleaved_best_wall_and_cpu_times", "load_backend",
-           "loglog_slope", "measured", "native_stderr_silenced", "rss_peak", "tracemalloc_peak"]
+__all__ = ["BACKENDS", "DEVICES", "Backend", "Measurement", "allocator_peak", "load_backend",
+           "measured", "native_stderr_silenced", "tracemalloc_peak"]
 
+#: The array libraries (``--backend``) and devices (``--device``) the commands run on.
 BACKENDS = ("numpy", "torch", "jax", "cupy", "dask")
+DEVICES = ("cpu", "cuda")
 
 PeakMemory = Callable[[Callable[[], Any]], tuple[Any, "int | None"]]
 
@@ -112,45 +107,6 @@ def tracemalloc_peak(run: Callable[[], Any]) -> tuple[Any, int]:
         if not was_tracing:
             tracemalloc.stop()
     return result, max(int(peak), 0)
-
-
-def _proc_status_kib(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_high_water_mark() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")  # Linux: reset VmHWM to the current resident size
-        return True
-    except OSError:
-        return False
-
-
-def rss_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
-    """``run()`` and the growth of the resident high-water mark during it (Linux).
-
-    Counts every page the call touched, whatever allocated it (torch's CPU allocator,
-    BLAS workspaces); resolution is a page, noise a few MB. ``None`` where
-    ``/proc/self/clear_refs`` is unavailable.
-    """
-    gc.collect()
-    if not _reset_high_water_mark() or _proc_status_kib("VmHWM") is None:
-        return run(), None
-    before = _proc_status_kib("VmRSS")
-    _reset_high_water_mark()
-    result = run()
-    high_water = _proc_status_kib("VmHWM")
-    if before is None or high_water is None:
-        return result, None
-    return result, max(high_water - before, 0) * 1024
 
 
 def _host_available() -> int | None:
@@ -245,11 +201,8 @@ def _import_backend(module: str, backend: str) -> Any:
 
 
 def load_backend(name: str, device: str, dtype: str) -> Backend:
-    """Import the backend ``name`` lazily and check that ``device`` and ``dtype`` work."""
-    if name not in BACKENDS:
-        raise CommandError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
-    if device not in ("cpu", "cuda"):
-        raise CommandError(f"unknown device {device!r}; choose from cpu, cuda")
+    """Import the backend ``name`` (one of :data:`BACKENDS`) lazily and check that
+    ``device`` (one of :data:`DEVICES`) and ``dtype`` work."""
     if name in ("numpy", "dask") and device != "cpu":
         raise CommandError(f"backend {name!r} runs on the CPU only; use --device cpu")
     if name == "cupy" and device != "cuda":
@@ -259,7 +212,8 @@ def load_backend(name: str, device: str, dtype: str) -> Backend:
 
 
 def _converter(xp: Any, dtype: Any, device: Any) -> Callable[[np.ndarray], Any]:
-    return lambda host: host_to_device(xp, host, dtype=dtype, device=device)
+    """The Array API way onto a device; torch and JAX have their own (below)."""
+    return lambda host: xp.asarray(host, dtype=dtype, device=device)
 
 
 def _numpy(device: str, dtype: str) -> Backend:
@@ -292,8 +246,9 @@ def _torch(device: str, dtype: str) -> Backend:
         result = run()
         return result, int(torch.cuda.max_memory_allocated(torch_device) - baseline)
 
+    torch_dtype = getattr(torch, dtype)
     return Backend("torch", str(torch_device), xp,
-                   _converter(xp, getattr(torch, dtype), torch_device),
+                   lambda host: torch.as_tensor(host, device=torch_device).to(torch_dtype),
                    torch_sync, torch_peak, torch.__version__,
                    memory_available=(lambda: int(torch.cuda.mem_get_info(torch_device)[0]))
                    if torch_device.type == "cuda" else _host_available,
@@ -313,8 +268,9 @@ def _jax(device: str, dtype: str) -> Backend:
     if dtype == "float64" and not jax.config.jax_enable_x64:
         raise CommandError("--dtype float64 with JAX needs the environment variable "
                            "JAX_ENABLE_X64=1")
+    jax_dtype = getattr(jnp, dtype)
     return Backend("jax", str(jax_device), jnp,
-                   _converter(jnp, getattr(jnp, dtype), jax_device),
+                   lambda host: jax.device_put(jnp.asarray(host, dtype=jax_dtype), jax_device),
                    lambda out: out.block_until_ready(), _no_peak, jax.__version__,
                    memory_available=lambda: _jax_memory_available(jax_device),
                    memory_method="XLA memory_analysis() of the jit-compiled call: temp + "
@@ -414,7 +370,12 @@ class Measurement:
 
 def measured(function: Callable[..., Any], backend: Backend,
              measurement: Measurement) -> Callable[..., Any]:
-    """Wrap ``function`` so that each call is synchronized, timed and (first) memory-traced."""
+    """Wrap ``function`` so that each call is synchronized, timed and (first) memory-traced.
+
+    Not :mod:`timeit` (which times a statement in a loop, with no device synchronization
+    and no memory trace of the first call) nor ``torch.utils.benchmark`` (torch only:
+    the commands time NumPy, JAX, CuPy and Dask calls the same way).
+    """
 
     def call(*args: Any, **kwargs: Any) -> Any:
         if measurement.first_time is None and backend.compiled_peak is not None:
@@ -435,77 +396,3 @@ def measured(function: Callable[..., Any], backend: Backend,
         return out
 
     return call
-
-
-def best_time(call: Callable[[], Any], repeats: int) -> float:
-    """Best wall time of ``repeats`` calls of ``call()`` after one warm-up call."""
-    return interleaved_best_times({"call": call}, repeats)["call"]
-
-
-def interleaved_best_times(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Best wall time of each call over ``repeats`` rounds, after one warm-up call each.
-
-    Rounds interleave the calls (one call of each per round), so that a change of load
-    on a shared machine affects all of them alike instead of whichever ran at the time.
-    """
-    best = _interleaved_best(calls, repeats, cpu_time=False)
-    return {name: times["wall_s"] for name, times in best.items()}
-
-
-def interleaved_best_wall_and_cpu_times(
-    calls: dict[str, Callable[[], Any]], repeats: int
-) -> dict[str, dict[str, float]]:
-    """Best wall time and best CPU time of each call over ``repeats`` interleaved rounds.
-
-    As :func:`interleaved_best_times`, and also the CPU time of this process
-    (:func:`time.process_time`), which leaves out the time the process waited for a core:
-    on a loaded shared machine, and a library on one thread, it is the steadier figure.
-
-    Returns
-    -------
-    dict
-        ``{name: {"wall_s": best wall time, "cpu_s": best CPU time}}``, in seconds.
-
-    Examples
-    --------
-    >>> from xattn.cli.measure import interleaved_best_wall_and_cpu_times
-    >>> times = interleaved_best_wall_and_cpu_times({"sum": lambda: sum(range(1000))}, 3)
-    >>> sorted(times["sum"])
-    ['cpu_s', 'wall_s']
-    """
-    return _interleaved_best(calls, repeats, cpu_time=True)
-
-
-def _interleaved_best(calls: dict[str, Callable[[], Any]], repeats: int, *,
-                      cpu_time: bool) -> dict[str, dict[str, float]]:
-    for call in calls.values():
-        call()  # warm-up
-    clocks = ("wall_s", "cpu_s") if cpu_time else ("wall_s",)
-    best = {name: dict.fromkeys(clocks, math.inf) for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            wall = time.perf_counter()
-            cpu = time.process_time() if cpu_time else 0.0
-            call()
-            if cpu_time:
-                best[name]["cpu_s"] = min(best[name]["cpu_s"], time.process_time() - cpu)
-            best[name]["wall_s"] = min(best[name]["wall_s"], time.perf_counter() - wall)
-    return best
-
-
-def loglog_slope(lengths: Sequence[float], values: Sequence[float | None]) -> float | None:
-    """Least-squares slope of log(value) against log(length) (1: linear); ``None`` with
-    fewer than two positive values.
-
-    Examples
-    --------
-    >>> from xattn.cli.measure import loglog_slope
-    >>> round(loglog_slope([1, 2, 4], [3.0, 12.0, 48.0]), 6)
-    2.0
-    """
-    points = [(math.log(n), math.log(t)) for n, t in zip(lengths, values, strict=True)
-              if t is not None and t > 0]
-    if len(points) < 2:
-        return None
-    x, y = np.array(points).T
-    return float(np.polyfit(x, y, 1)[0])

@@ -7,14 +7,22 @@ is to refuse absurd sizes up front with a figure, instead of a MemoryError after
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
+
+import xattn
+from xattn.cli.common import CommandError
 
 __all__ = ["HOST_ITEMSIZE", "TRAINING_ATTENTION_BYTES", "Problem", "dataset_bytes",
            "format_size", "host_memory_available", "lara_bytes", "ra_bytes", "require_memory",
            "rfa_bytes", "softmax_bytes", "softmax_training_bytes", "training_step_bytes"]
 
 HOST_ITEMSIZE = 8  # the host draws (int seeds) and generated inputs are float64
+# the estimators' default chunk sizes, read from their signatures (the one source)
+_SOFTMAX_CHUNK, _RA_CHUNK = (
+    int(inspect.signature(estimator).parameters["chunk_size"].default)
+    for estimator in (xattn.softmax_attention, xattn.ra))
 
 
 @dataclass(frozen=True)
@@ -40,9 +48,10 @@ class Problem:
 
 
 def softmax_bytes(problem: Problem, samples: int | None = None) -> int:
-    """Exact softmax: N x chunk scores (chunk = 1024 keys), the running sums, the output."""
+    """Exact softmax: N x chunk scores (chunk: its default ``chunk_size`` keys), the running
+    sums, the output."""
     p = problem
-    chunk = min(p.num_keys, 1024)
+    chunk = min(p.num_keys, _SOFTMAX_CHUNK)
     return p.itemsize * p.batch * p.num_queries * (3 * chunk + 2 * p.value_dim)
 
 
@@ -55,9 +64,10 @@ def rfa_bytes(problem: Problem, samples: int) -> int:
 
 
 def ra_bytes(problem: Problem, samples: int) -> int:
-    """RA: per chunk of 128 queries, (chunk, S, M) statistics; host noise (N, S, D)."""
+    """RA: per chunk of queries (its default ``chunk_size``), (chunk, S, M) statistics;
+    host noise (N, S, D)."""
     p = problem
-    chunk = min(p.num_queries, 128)
+    chunk = min(p.num_queries, _RA_CHUNK)
     device = p.itemsize * p.batch * (4 * chunk * samples * p.num_keys
                                      + 2 * chunk * samples * p.head_dim
                                      + 2 * p.num_queries * p.value_dim)
@@ -142,8 +152,6 @@ def require_memory(needs: list[tuple[str, int]], available: int | None, where: s
 
     ``needs`` pairs a description (``"rfa with 1000000 samples"``) with its estimate.
     """
-    from xattn.cli.common import CommandError
-
     if available is None or not needs:
         return
     label, need = max(needs, key=lambda item: item[1])

@@ -1,4 +1,8 @@
-"""Argument types and the options every sub-command shares."""
+"""Argument types and the options the sub-commands share.
+
+Options with a fixed set of names declare it as ``choices=``; for a comma list
+(:func:`name_list`) the parser of :mod:`xattn.cli.parser` checks each item.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,12 @@ import argparse
 import math
 
 from xattn.cli.common import DEFAULT_OUT
-from xattn.cli.measure import BACKENDS
-from xattn.cli.registry import ESTIMATORS
+from xattn.cli.measure import BACKENDS, DEVICES
+from xattn.cli.registry import ESTIMATOR_SPECS, SOFTMAX
 
-__all__ = ["MAX_SEED", "add_common_options", "int_at_least", "int_list", "name_list",
-           "nonnegative_float", "nonnegative_int", "positive_int", "seed", "seed_list"]
+__all__ = ["MAX_SEED", "add_common_options", "add_out_option", "add_progress_options",
+           "estimator_names", "int_at_least", "int_list", "name_list", "nonnegative_float",
+           "nonnegative_int", "positive_int", "seed", "seed_list"]
 
 #: Largest seed any sub-command accepts: seeds are 32-bit unsigned ints, the range that
 #: every generator the commands seed keeps apart (a JAX key keeps only the low 32 bits
@@ -38,10 +43,24 @@ def int_list(text: str) -> list[int]:
 
 
 def name_list(text: str) -> list[str]:
-    """An argparse type: comma-separated names."""
+    """An argparse type: comma-separated names (``choices=`` checks each)."""
     names = [item.strip() for item in text.split(",") if item.strip()]
     if not names:
         raise argparse.ArgumentTypeError("expected comma-separated names")
+    return names
+
+
+def estimator_names(text: str) -> list[str]:
+    """An argparse type: the ``--estimators`` of ``compare`` and ``bench``, comma-separated,
+    each once and without ``softmax``, the reference both commands measure anyway."""
+    names = name_list(text)
+    if SOFTMAX.name in names:
+        raise argparse.ArgumentTypeError(f"{SOFTMAX.name} is the exact reference, measured "
+                                         "always; name only the estimators among "
+                                         f"{', '.join(ESTIMATOR_SPECS)}")
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            raise argparse.ArgumentTypeError(f"{name} is named twice")
     return names
 
 
@@ -94,23 +113,35 @@ def nonnegative_float(text: str) -> float:
 
 
 def add_common_options(parser: argparse.ArgumentParser, default_estimators: str) -> None:
-    """--backend, --device, --dtype, --estimators, --seed, --out, --(no-)progress."""
-    parser.add_argument("--backend", default="numpy", metavar="NAME",
+    """--backend, --device, --dtype, --estimators, --seed, --out, --(no-)progress of
+    ``compare`` and ``bench``."""
+    parser.add_argument("--backend", default="numpy", choices=BACKENDS, metavar="NAME",
                         help=f"array library: {', '.join(BACKENDS)} (default: numpy)")
-    parser.add_argument("--device", default="cpu", metavar="cpu|cuda",
+    parser.add_argument("--device", default="cpu", choices=DEVICES, metavar="|".join(DEVICES),
                         help="device (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"),
                         help="dtype of the inputs (default: float32)")
-    parser.add_argument("--estimators", type=name_list, metavar="LIST",
-                        default=name_list(default_estimators),
-                        help=f"comma-separated estimators among {', '.join(ESTIMATORS)} "
-                             f"(default: {default_estimators})")
+    parser.add_argument("--estimators", type=estimator_names, choices=tuple(ESTIMATOR_SPECS),
+                        metavar="LIST", default=estimator_names(default_estimators),
+                        help="comma-separated estimators among "
+                             f"{', '.join(ESTIMATOR_SPECS)} (default: {default_estimators})")
     parser.add_argument("--seed", type=seed, default=0,
                         help=f"seed of the random draws, 0 to {MAX_SEED} (default: 0)")
+    add_out_option(parser)
+    add_progress_options(parser, "the progress bar")
+
+
+def add_out_option(parser: argparse.ArgumentParser) -> None:
+    """--out DIR, by default :data:`~xattn.cli.common.DEFAULT_OUT`."""
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                         help=f"output directory (default: {DEFAULT_OUT})")
+
+
+def add_progress_options(parser: argparse.ArgumentParser, bars: str) -> None:
+    """--progress and --no-progress (``args.progress``: True, False, or None for "on a
+    terminal"); ``bars`` names what they show, in the help."""
     progress = parser.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None,
-                          help="always show the progress bar (default: on a terminal)")
+                          help=f"always show {bars} (default: on a terminal)")
     progress.add_argument("--no-progress", dest="progress", action="store_false",
-                          help="never show the progress bar")
+                          help=f"never show {bars}")

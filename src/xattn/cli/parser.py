@@ -18,10 +18,25 @@ SUBCOMMANDS = (compare, bench, train)
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but usage errors are one line on stderr (exit code 2)."""
+    """argparse, but usage errors are one line on stderr (exit code 2), and an option's
+    ``choices=`` are checked item by item for a comma list (``type=name_list``) and
+    refused as ``unknown backend 'x'; choose from ...``."""
 
     def error(self, message: str) -> Any:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+    # argparse has no public hook for either: overriding its choice check is the one way
+    # (the sub-command, a positional, keeps argparse's own check and wording)
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if not action.option_strings or action.choices is None:
+            return super()._check_value(action, value)
+        choices = list(action.choices)
+        for item in value if isinstance(value, list) else [value]:
+            if item not in choices:
+                noun = action.dest.removesuffix("s")  # estimators -> estimator
+                raise argparse.ArgumentError(action, f"unknown {noun} {item!r}; choose from "
+                                                     f"{', '.join(choices)}")
+        return None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import xattn
-from xattn._softmax import softmax_attention
-from xattn.cli.common import CommandError
 from xattn.cli.memory import Problem, lara_bytes, ra_bytes, rfa_bytes, softmax_bytes
 
-__all__ = ["ESTIMATORS", "SOFTMAX", "EstimatorSpec", "estimator_specs", "windowed_rfa_spec"]
+__all__ = ["ESTIMATOR_SPECS", "SOFTMAX", "EstimatorSpec", "windowed_rfa_spec"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,9 @@ class EstimatorSpec:
     samples_matter: bool = True
 
 
-ESTIMATORS: dict[str, EstimatorSpec] = {
+#: The estimators ``--estimators`` of ``compare`` and ``bench`` names, by name (not the
+#: layers' estimator names, ``xattn.torch.ESTIMATORS``: these include evaluation modes).
+ESTIMATOR_SPECS: dict[str, EstimatorSpec] = {
     "rfa": EstimatorSpec("rfa", "num_features", lambda: xattn.rfa, bench_samples=64,
                          memory=rfa_bytes),
     "ra": EstimatorSpec("ra", "num_samples", lambda: xattn.ra, bench_samples=1,
@@ -77,7 +77,8 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
                               bench_samples=64, memory=lara_bytes,
                               options={"deterministic": True}, deterministic=True),
 }
-SOFTMAX = EstimatorSpec("softmax", None, lambda: softmax_attention)
+#: Exact softmax attention, the reference every command measures.
+SOFTMAX = EstimatorSpec("softmax", None, lambda: xattn.softmax_attention)
 
 
 def windowed_rfa_spec(window: int | None, sinks: int) -> EstimatorSpec:
@@ -92,23 +93,3 @@ def windowed_rfa_spec(window: int | None, sinks: int) -> EstimatorSpec:
     return EstimatorSpec("rfa+window", "num_features", lambda: xattn.rfa, memory=memory,
                          options={"window": window, "sinks": sinks})
 
-
-def estimator_specs(names: Sequence[str]) -> list[EstimatorSpec]:
-    """The specs of ``names``, in order.
-
-    Raises CommandError for an unknown name, for a name given twice and for
-    ``softmax``, which is the reference every command measures anyway.
-    """
-    specs = []
-    for name in names:
-        if name == "softmax":
-            raise CommandError("--estimators: softmax is the exact reference, measured "
-                               "always; name only the estimators among "
-                               f"{', '.join(ESTIMATORS)}")
-        if name not in ESTIMATORS:
-            raise CommandError(f"unknown estimator {name!r}; choose from "
-                               f"{', '.join(ESTIMATORS)}")
-        if ESTIMATORS[name] in specs:
-            raise CommandError(f"--estimators: {name} is named twice")
-        specs.append(ESTIMATORS[name])
-    return specs

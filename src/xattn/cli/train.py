@@ -25,23 +25,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# The layers' estimator names. Public as xattn.torch.ESTIMATORS and xattn.flax.ESTIMATORS,
+# but those import their framework, and the parser must not: private until the package
+# gives them a framework-free public name.
 from xattn._layers import ESTIMATORS
-from xattn.cli.common import CommandError, output_dir
+from xattn.cli.common import CommandError, output_dir, progress_bar
+from xattn.cli.measure import DEVICES
 from xattn.cli.memory import (
     dataset_bytes,
     host_memory_available,
     require_memory,
     training_step_bytes,
 )
-from xattn.cli.options import MAX_SEED, int_at_least, name_list, positive_int, seed_list
-from xattn.cli.tasks import TASKS, Task, get_task
-from xattn.cli.train_core import (
-    RunResult,
-    RunSpec,
-    attention_options,
-    progress_bar,
-    train_run,
+from xattn.cli.options import (
+    MAX_SEED,
+    add_out_option,
+    add_progress_options,
+    int_at_least,
+    name_list,
+    positive_int,
+    seed_list,
 )
+from xattn.cli.tasks import TASKS, Task, get_task
+from xattn.cli.train_core import RunResult, RunSpec, attention_options, train_run
 from xattn.cli.train_report import read_results, write_outputs, write_results
 
 __all__ = ["DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS", "RESUME_KEYS", "SETTINGS",
@@ -49,7 +55,7 @@ __all__ = ["DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS", "RESUME_KEYS", "
            "dataset_sizes", "grid_pools", "load_framework", "plan_jobs", "previous_runs", "run",
            "run_jobs"]
 
-FRAMEWORKS = {"torch": "torch", "flax": "flax"}  # framework -> extra to install
+FRAMEWORKS = ("torch", "flax")  # each also the name of the extra that installs it
 EXIT_INTERRUPTED = 130
 
 
@@ -76,6 +82,7 @@ SETTINGS = {
     "digits": TaskSettings(steps=600, quick_steps=200, batch_size=32, peak_lr=3e-3,
                            train_size=0, test_size=0, quick_train_size=0),
 }
+#: RFA features and LARA proposals of every run unless ``--samples`` says otherwise.
 DEFAULT_SAMPLES = 16
 
 
@@ -97,12 +104,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "Ctrl-C nor a crash loses a finished run; --resume then runs only the missing "
         "ones. The memory the runs need is estimated first and too large a size is "
         "refused before any work.")
-    parser.add_argument("--framework", default="torch", metavar="torch|flax",
-                        help="torch or flax (default: torch)")
-    parser.add_argument("--task", type=name_list, default=list(TASKS), metavar="LIST",
+    parser.add_argument("--framework", default="torch", choices=FRAMEWORKS,
+                        metavar="|".join(FRAMEWORKS),
+                        help=f"{' or '.join(FRAMEWORKS)} (default: torch)")
+    parser.add_argument("--task", type=name_list, choices=TASKS, default=list(TASKS),
+                        metavar="LIST",
                         help=f"comma-separated tasks among {', '.join(TASKS)} (default: all)")
-    parser.add_argument("--estimators", type=name_list, default=list(ESTIMATORS),
-                        metavar="LIST", help="comma-separated estimators among "
+    parser.add_argument("--estimators", type=name_list, choices=ESTIMATORS,
+                        default=list(ESTIMATORS), metavar="LIST",
+                        help="comma-separated estimators among "
                         f"{', '.join(ESTIMATORS)} (default: all); on digits, lara runs "
                         "with 2-D (8x8 image) and 1-D segments")
     parser.add_argument("--seeds", type=seed_list, default=None, metavar="LIST",
@@ -121,7 +131,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="batch size (default: 32)")
     parser.add_argument("--quick", action="store_true",
                         help="one seed and fewer steps and examples (a few minutes)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+    parser.add_argument("--device", default="cpu", choices=DEVICES,
                         help="device (default: cpu)")
     parser.add_argument("--threads", type=int_at_least(0), default=1, metavar="N",
                         help="CPU threads per run (default: 1, which is about as fast for "
@@ -130,17 +140,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=positive_int, default=1, metavar="N",
                         help="runs at a time, each in its own process (default: 1; on a "
                         "free machine up to the number of cores, with --threads 1)")
-    parser.add_argument("--out", default="xattn-out", metavar="DIR",
-                        help="output directory (default: xattn-out)")
+    add_out_option(parser)
     parser.add_argument("--resume", action="store_true",
                         help="take over the runs already in DIR/train.json (from a run "
                         "stopped by Ctrl-C, or with fewer seeds) and run only the missing "
                         "ones; the settings must be the same")
-    progress = parser.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
-                          help="always show the progress bars (default: on a terminal)")
-    progress.add_argument("--no-progress", dest="progress", action="store_false",
-                          help="never show the progress bars")
+    add_progress_options(parser, "the progress bars")
     parser.set_defaults(run=run)
     return parser
 
@@ -155,8 +160,7 @@ def load_framework(framework: str, threads: int) -> Any:
         module = importlib.import_module(f"xattn.cli.train_{framework}")
     except ImportError as error:
         raise CommandError(f"--framework {framework} needs {error.name or framework}, which "
-                           f"is not installed (pip install 'xattn[{FRAMEWORKS[framework]}]')"
-                           ) from None
+                           f"is not installed (pip install 'xattn[{framework}]')") from None
     if framework == "torch" and threads:
         import torch
         torch.set_num_threads(threads)
@@ -268,14 +272,12 @@ def _execute(job: Job, device: str, progress: bool | None,
     module = _WORKER["module"]
     train, test = job.spec.task.datasets(job.train_size, job.test_size)
     trainer = module.Trainer(job.spec, device=device)
-    bar = progress_bar(job.spec.steps, job.label, progress, position)
-    try:
-        return train_run(job.spec, trainer, train, test, bar)
-    except FloatingPointError as problem:
-        return f"stopped, {problem}"
-    finally:
-        if bar is not None:
-            bar.close()
+    with progress_bar(job.spec.steps, job.label, progress, unit="step",
+                      position=position) as bar:
+        try:
+            return train_run(job.spec, trainer, train, test, bar)
+        except FloatingPointError as problem:
+            return f"stopped, {problem}"
 
 
 def _execute_in_worker(job: Job, device: str, progress: bool | None) -> RunResult | str:
@@ -374,19 +376,12 @@ def previous_runs(path: Path, config: dict[str, Any],
 
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn train``."""
-    unknown = [name for name in args.estimators if name not in ESTIMATORS]
-    if unknown:
-        raise CommandError(f"unknown estimator {unknown[0]!r}; choose from "
-                           f"{', '.join(ESTIMATORS)}")
     tasks = []
     for name in dict.fromkeys(args.task):
         try:
             tasks.append(get_task(name, args.length))
-        except ValueError as problem:
+        except ValueError as problem:  # a length the task cannot use
             raise CommandError(str(problem)) from None
-    if args.framework not in FRAMEWORKS:
-        raise CommandError(f"unknown framework {args.framework!r}; choose from "
-                           f"{', '.join(FRAMEWORKS)}")
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     # sizes are checked on the plan with 2-D LARA segments (the larger one), before any work
     check_jobs(plan_jobs(tasks, seeds, args, has_grid=True), args.jobs, args.device,

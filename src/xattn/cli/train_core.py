@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -18,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from xattn.cli.common import advance
 from xattn.cli.tasks import Dataset, Task
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "attention_options",
     "batches",
     "learning_rate",
-    "progress_bar",
     "train_run",
 ]
 
@@ -222,9 +221,7 @@ def train_run(spec: RunSpec, trainer: Trainer, train: Dataset, test: Dataset,
             raise FloatingPointError(f"training loss is {loss} at step {step + 1}")
         losses.append(loss)
         since_eval.append(loss)
-        if progress is not None:
-            progress.set_postfix_str(f"loss {loss:.3f}", refresh=False)
-            progress.update(1)
+        advance(progress, f"loss {loss:.3f}")
         if step + 1 in eval_at:
             last = step + 1 == spec.steps
             accuracy = trainer.accuracy(test if last else curve_test)
@@ -242,16 +239,3 @@ def train_run(spec: RunSpec, trainer: Trainer, train: Dataset, test: Dataset,
                      peak_memory_method=trainer.memory_method, wall_s=time.perf_counter() - started,
                      curve=curve, sampled_test_accuracy=sampled)
 
-
-def progress_bar(total: int, description: str, enabled: bool | None,
-                 position: int | None = None) -> Any:
-    """A tqdm bar on stderr (on a terminal unless ``enabled`` says otherwise), or None;
-    ``position``: its line, for bars of parallel runs."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the bar is a nicety: run without it
-        return None
-    if enabled is False:
-        return None
-    return tqdm(total=total, desc=description, file=sys.stderr, leave=False,
-                disable=None if enabled is None else False, unit="step", position=position)

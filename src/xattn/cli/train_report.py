@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 import xattn
-from xattn.cli.common import format_bytes, write_json
+from xattn.cli.common import format_bytes, format_table, write_json
 from xattn.cli.figures import new_figure, save_figure
 from xattn.cli.options import MAX_SEED
 from xattn.cli.tasks import Task
@@ -67,17 +67,19 @@ def summarize(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     return rows
 
 
+_COLUMNS = (("task", "<8"), ("attention", "<9"), ("test accuracy", ">17"),
+            ("train loss", ">11"), ("ms/step", ">8"), ("peak MiB", ">9"))
+
+
 def _print_table(rows: list[dict[str, Any]], memory_method: str) -> None:
-    header = (f"{'task':<8} {'attention':<9} {'test accuracy':>17} {'train loss':>11} "
-              f"{'ms/step':>8} {'peak MiB':>9}")
-    print(header)
-    print("-" * len(header))
+    cells = []
     for row in rows:
         spread = (f" +- {row['test_accuracy_std']:.3f}" if len(row["seeds"]) > 1
                   else " " * 9)
-        print(f"{row['task']:<8} {row['name']:<9} {row['test_accuracy_mean']:>8.3f}{spread} "
-              f"{row['final_train_loss_mean']:>11.3f} {row['ms_per_step']:>8.1f} "
-              f"{format_bytes(row['peak_memory_bytes']):>9}")
+        cells.append([row["task"], row["name"], f"{row['test_accuracy_mean']:>8.3f}{spread}",
+                      f"{row['final_train_loss_mean']:.3f}", f"{row['ms_per_step']:.1f}",
+                      format_bytes(row["peak_memory_bytes"])])
+    print(format_table(_COLUMNS, cells))
     print("test accuracy: mean +- std over seeds, on the held-out split, attention in its "
           "evaluation mode (rfa: fixed features; ra: biased, deterministic; lara: "
           "deterministic); train loss: mean over the last 10% of the steps; ms/step: "
