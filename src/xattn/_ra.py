@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 
 from xattn._array import (
     Array,
+    AttentionInputs,
     check_bool,
     check_positive_int,
     prepare_attention,
@@ -128,6 +129,131 @@ def _gather_keys(xp: Any, k_hat: Array, component: Array, key_positions: Array,
     # not xpx.one_hot: it compares with an unchunked arange(M), one Dask block of all keys
     one_hot = xp.astype(component[..., None] == key_positions, k_hat.dtype)  # (..., R, M)
     return one_hot @ k_hat
+
+
+class _Keys(NamedTuple):
+    """The key side of RA, shared by every query: the scaled keys and values."""
+
+    xp: Any
+    root_scale: float
+    k_hat: Array  # (..., M, D)
+    k_hat_t: Array  # (..., D, M)
+    k_hat_t_extended: Array  # (..., D + 1, M): the columns [k^_m, -|k^_m|^2 / 2]
+    v: Array  # (..., M, Dv)
+    key_positions: Array  # (M,), chunked like the keys on Dask
+    key_mask: Array | None
+    batch: tuple[int, ...]
+
+
+def _key_side(inputs: AttentionInputs) -> _Keys:
+    r""":math:`\hat k = \sqrt{s}\,k`, and the columns :math:`[\hat k_m, -\lVert \hat k_m
+    \rVert^2/2]`, so that :math:`[\omega, 1]` times them is :math:`\omega \cdot \hat k_m -
+    \lVert \hat k_m \rVert^2/2` in the matrix product itself (no separate pass over the
+    (..., rows, M) logits)."""
+    xp = inputs.xp
+    root_scale = math.sqrt(inputs.scale)
+    k_hat = inputs.k * root_scale
+    k_hat_t = xp.matrix_transpose(k_hat)
+    key_half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1)[..., None, :]  # (..., 1, M)
+    return _Keys(xp, root_scale, k_hat, k_hat_t,
+                 xp.concat([k_hat_t, -key_half_sq_norm], axis=-2), inputs.v,
+                 sequence_positions(inputs.k, axis=-2), inputs.key_mask, inputs.batch_shape)
+
+
+def _draw_randomness(inputs: AttentionInputs, generator: Any, num_draws: int, *,
+                     biased: bool, noise_scale: float) -> tuple[Array | None, Array | None]:
+    r"""Every random number of the call, drawn up front: one uniform in (0, 1] per query
+    and sample for the mixture component (unbiased RA), (*batch, N, S), and the noise
+    :math:`\sigma \epsilon`, (*batch, N, S, D) (None when deterministic)."""
+    xp, work, device = inputs.xp, inputs.compute_dtype, inputs.device
+    shape = (*inputs.batch_shape, inputs.num_queries, num_draws)
+    uniforms = noise = None
+    if not biased:  # one uniform per query and sample, turned into (0, 1]
+        assert generator is not None  # deterministic requires biased (checked above)
+        uniforms = 1.0 - generator.uniform(xp, shape, dtype=work, device=device)
+    if generator is not None:
+        noise = generator.normal(xp, (*shape, inputs.q.shape[-1]), dtype=work, device=device)
+        if noise_scale != 1.0:  # omega = mu + sigma eps; f_n keeps the unit-covariance form
+            noise = noise_scale * noise
+    return uniforms, noise
+
+
+class _Mixture(NamedTuple):
+    """The mixture of a chunk of queries (eq. 29): its unnormalized weights and their
+    sums; biased RA keeps the mixture mean, unbiased RA the cumulative weights and the last
+    allowed key of each query (for the inverse CDF)."""
+
+    allowed: Array | None  # (..., B, M), None: every key
+    total: Array  # (..., B, 1)
+    mean: Array | None  # (..., B, D), biased
+    cumulative: Array | None  # (..., B, M), unbiased: total * CDF
+    last_key: Array | None  # (..., B, 1), unbiased with a mask
+
+
+def _mixture(keys: _Keys, q_chunk: Array, query_positions: Array | None, *,
+             biased: bool) -> _Mixture:
+    r"""Mixture weights :math:`\pi_{nm} = \mathrm{softmax}_m(\hat q_n \cdot \hat k_m)` over
+    the allowed keys (eq. 29), kept as :math:`e^{\hat q_n \cdot \hat k_m - \max}` and their
+    sum; biased RA: the mean :math:`\hat q_n + \sum_m \pi_{nm} \hat k_m` (eq. 31)."""
+    xp = keys.xp
+    allowed = _allowed_keys(xp, keys.key_mask, query_positions, keys.key_positions)
+    terms, total = _softmax_terms(xp, q_chunk @ keys.k_hat_t, allowed)
+    if biased:  # one Gaussian at the mixture mean: q_n + sum_m pi_nm k_m   (eq. 31)
+        return _Mixture(allowed, total, q_chunk + _normalized(xp, terms @ keys.k_hat, total),
+                        None, None)
+    cumulative = _cumulative_sum(xp, terms)  # total * CDF, (..., B, M)
+    last_key = None
+    if allowed is not None:  # the last allowed key of each query, (..., B, 1)
+        last_key = xp.max(xp.where(allowed, keys.key_positions, 0), axis=-1)[..., None]
+    return _Mixture(allowed, total, None, cumulative, last_key)
+
+
+def _proposal_samples(keys: _Keys, q_chunk: Array, mixture: _Mixture, uniforms: Array | None,
+                      noise: Array | None, *, group: int) -> Array:
+    r"""The samples :math:`\omega_{ns}` of a chunk of B queries and a group of G samples,
+    (..., B G, D), query-major. Unbiased (eq. 30): :math:`\omega = \hat q_n + \hat k_z +
+    \epsilon` with :math:`z \sim \pi_n` by inverse CDF; biased: :math:`\omega` = the
+    mixture mean :math:`+ \epsilon`; deterministic: no noise."""
+    xp, batch = keys.xp, keys.batch
+    size, head_dim = q_chunk.shape[-2], q_chunk.shape[-1]
+    rows = (*batch, size * group)  # query-major: row = (query, sample)
+    if mixture.mean is not None:
+        proposal = xp.broadcast_to(mixture.mean[..., None, :], (*batch, size, group, head_dim))
+    else:
+        # z_ns ~ Categorical(pi_n) by inverse CDF: the cumulative weights below u
+        # (both sides times the total: no division of the (..., B, M) weights)
+        assert uniforms is not None and mixture.cumulative is not None  # unbiased
+        threshold = uniforms * mixture.total
+        component = xp.count_nonzero(mixture.cumulative[..., None, :] < threshold[..., None],
+                                     axis=-1)  # (..., B, G)
+        # clipped to the last allowed key (rounding can leave the CDF just below u)
+        component = (xp.clip(component, max=keys.k_hat.shape[-2] - 1)
+                     if mixture.last_key is None else xp.minimum(component, mixture.last_key))
+        k_z = _gather_keys(xp, keys.k_hat, xp.reshape(component, rows), keys.key_positions,
+                           batch)  # (..., B G, D)
+        # omega_ns = q_n + k_z + eps   (eq. 30)
+        proposal = q_chunk[..., None, :] + xp.reshape(k_z, (*rows[:-1], size, group, head_dim))
+    omega = proposal if noise is None else proposal + noise
+    return xp.reshape(omega, (*rows, head_dim))  # (..., B G, D): one GEMM below
+
+
+def _sample_estimates(keys: _Keys, omega: Array, query_positions: Array | None, *,
+                      group: int) -> Array:
+    r""":math:`f_n(\omega) = \sum_m \mathrm{softmax}_m(\omega \cdot \hat k_m - \lVert
+    \hat k_m \rVert^2/2)\, v_m` (eq. 6; :math:`\xi(\hat q_n, \omega)` cancels) for each
+    (query, sample) row of ``omega``, (..., B, G, Dv), over the keys the query may see."""
+    xp, batch = keys.xp, keys.batch
+    size = omega.shape[-2] // group
+    row_positions = None
+    if query_positions is not None:  # the query position of every (query, sample) row
+        row_positions = xp.reshape(xp.broadcast_to(query_positions[:, None], (size, group)),
+                                   (size * group,))
+    row_allowed = _allowed_keys(xp, keys.key_mask, row_positions, keys.key_positions)
+    omega_extended = xp.concat([omega, xp.ones_like(omega[..., :1])], axis=-1)
+    key_terms, key_total = _softmax_terms(xp, omega_extended @ keys.k_hat_t_extended,
+                                          row_allowed)  # (..., B G, M), (..., B G, 1)
+    estimates = _normalized(xp, key_terms @ keys.v, key_total)  # (..., B G, Dv)
+    return xp.reshape(estimates, (*batch, size, group, keys.v.shape[-1]))
 
 
 def ra(
@@ -293,101 +419,39 @@ def ra(
         )
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
                                check_finite=check_finite)
-    xp, work, device = inputs.xp, inputs.compute_dtype, inputs.device
-    num_queries, num_keys = inputs.num_queries, inputs.num_keys
-    batch = inputs.batch_shape
-    head_dim, value_dim = inputs.q.shape[-1], inputs.v.shape[-1]
-
-    root_scale = math.sqrt(inputs.scale)
-    q_hat, k_hat, v = inputs.q * root_scale, inputs.k * root_scale, inputs.v
-    k_hat_t = xp.matrix_transpose(k_hat)  # (..., D, M)
-    # [k^_m, -|k^_m|^2 / 2] as columns: [omega, 1] @ this = omega . k^_m - |k^_m|^2 / 2 in
-    # the matrix product itself (no separate pass over the (..., rows, M) logits)
-    key_half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1)[..., None, :]  # (..., 1, M)
-    k_hat_t_extended = xp.concat([k_hat_t, -key_half_sq_norm], axis=-2)  # (..., D + 1, M)
-    key_positions = sequence_positions(inputs.k, axis=-2)  # chunked like the keys (Dask)
-    key_mask = inputs.key_mask
-
+    keys = _key_side(inputs)
     generator = None if deterministic else as_generator(rng)
     if inputs.is_empty:
         return inputs.empty_result()
     num_draws = 1 if deterministic else num_samples  # deterministic: the samples coincide
-    uniforms = None
-    if not biased:  # one uniform per query and sample, turned into (0, 1]
-        assert generator is not None  # deterministic requires biased (checked above)
-        uniforms = 1.0 - generator.uniform(xp, (*batch, num_queries, num_draws), dtype=work,
-                                           device=device)
-    noise = None
-    if not deterministic:
-        assert generator is not None  # None only when deterministic
-        noise = generator.normal(xp, (*batch, num_queries, num_draws, head_dim), dtype=work,
-                                 device=device)
-        if noise_scale != 1.0:  # omega = mu + sigma eps; f_n keeps the unit-covariance form
-            noise = noise_scale * noise
+    uniforms, noise = _draw_randomness(inputs, generator, num_draws, biased=biased,
+                                       noise_scale=noise_scale)
+    q_hat = inputs.q * keys.root_scale
 
     # steps of ~chunk_size (query, sample) rows: whole queries, or samples of one query
     queries_per_step = max(1, chunk_size // num_draws)
     samples_per_step = min(num_draws, chunk_size)
     outputs = []
-    for start in range(0, num_queries, queries_per_step):
-        stop = min(start + queries_per_step, num_queries)
-        size = stop - start
+    for start in range(0, inputs.num_queries, queries_per_step):
+        stop = min(start + queries_per_step, inputs.num_queries)
         q_chunk = q_hat[..., start:stop, :]  # (..., B, D)
-        query_positions = xp.arange(start, stop, device=device) if causal else None
-        allowed = _allowed_keys(xp, key_mask, query_positions, key_positions)  # (..., B, M)
-        # mixture weights pi_nm = softmax_m(q_n . k_m) over the allowed keys (eq. 29),
-        # kept as exp(q_n . k_m - max) and their sum, (..., B, M) and (..., B, 1)
-        mixture_terms, mixture_total = _softmax_terms(xp, q_chunk @ k_hat_t, allowed)
-        if biased:  # one Gaussian at the mixture mean: q_n + sum_m pi_nm k_m   (eq. 31)
-            mixture_mean = q_chunk + _normalized(xp, mixture_terms @ k_hat, mixture_total)
-        else:
-            cumulative = _cumulative_sum(xp, mixture_terms)  # total * CDF, (..., B, M)
-            if allowed is not None:  # the last allowed key of each query, (..., B, 1)
-                last_key = xp.max(xp.where(allowed, key_positions, 0), axis=-1)[..., None]
-
+        query_positions = (inputs.xp.arange(start, stop, device=inputs.device) if causal
+                           else None)
+        mixture = _mixture(keys, q_chunk, query_positions, biased=biased)
         total = None  # sum over the samples of f_n(omega_ns), (..., B, Dv)
         for sample_start in range(0, num_draws, samples_per_step):
             sample_stop = min(sample_start + samples_per_step, num_draws)
             group = sample_stop - sample_start
-            rows = (*batch, size * group)  # query-major: row = (query, sample)
-            if biased:
-                proposal = xp.broadcast_to(mixture_mean[..., None, :],
-                                           (*batch, size, group, head_dim))
-            else:
-                # z_ns ~ Categorical(pi_n) by inverse CDF: the cumulative weights below u
-                # (both sides times the total: no division of the (..., B, M) weights)
-                assert uniforms is not None  # drawn above when not biased
-                threshold = uniforms[..., start:stop, sample_start:sample_stop] * mixture_total
-                component = xp.count_nonzero(cumulative[..., None, :] < threshold[..., None],
-                                             axis=-1)  # (..., B, G)
-                # clipped to the last allowed key (rounding can leave the CDF just below u)
-                component = (xp.clip(component, max=num_keys - 1) if allowed is None
-                             else xp.minimum(component, last_key))  # (..., B, G)
-                k_z = _gather_keys(xp, k_hat, xp.reshape(component, rows), key_positions,
-                                   batch)  # (..., B G, D)
-                # omega_ns = q_n + k_z + eps   (eq. 30)
-                proposal = q_chunk[..., None, :] + xp.reshape(k_z, (*rows[:-1], size, group,
-                                                                   head_dim))
-            omega = proposal
-            if noise is not None:
-                omega = omega + noise[..., start:stop, sample_start:sample_stop, :]
-            omega = xp.reshape(omega, (*rows, head_dim))  # (..., B G, D): one GEMM below
-            omega_extended = xp.concat([omega, xp.ones_like(omega[..., :1])], axis=-1)
-            row_positions = None
-            if causal:  # the query position of every (query, sample) row
-                assert query_positions is not None  # an arange when causal
-                row_positions = xp.reshape(xp.broadcast_to(query_positions[:, None],
-                                                           (size, group)), (size * group,))
-            row_allowed = _allowed_keys(xp, key_mask, row_positions, key_positions)
-            # f_n(omega) = sum_m softmax_m(omega . k_m - |k_m|^2 / 2) v_m   (eq. 6)
-            key_terms, key_total = _softmax_terms(xp, omega_extended @ k_hat_t_extended,
-                                                  row_allowed)  # (..., B G, M), (..., B G, 1)
-            estimates = _normalized(xp, key_terms @ v, key_total)  # (..., B G, Dv)
-            estimates = xp.reshape(estimates, (*batch, size, group, value_dim))
-            step_total = xp.sum(estimates, axis=-2)
+            omega = _proposal_samples(
+                keys, q_chunk, mixture,
+                None if uniforms is None else uniforms[..., start:stop, sample_start:sample_stop],
+                None if noise is None else noise[..., start:stop, sample_start:sample_stop, :],
+                group=group)
+            estimates = _sample_estimates(keys, omega, query_positions, group=group)
+            step_total = inputs.xp.sum(estimates, axis=-2)
             total = step_total if total is None else total + step_total
         assert total is not None  # num_draws >= 1: the sample loop ran
         outputs.append(total if num_draws == 1 else total / num_draws)  # mean over samples
 
-    out = join(xp, outputs, axis=-2)
+    out = join(inputs.xp, outputs, axis=-2)
     return inputs.finish(out)
