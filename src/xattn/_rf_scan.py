@@ -26,9 +26,9 @@ Results are *partials* ``(shift, sums, weight)``: ``sums[..., :Dv]`` and
 ``weight`` bounds the absolute denominator (equal to it for positive maps). Partials of
 disjoint key sets add up after rescaling to a common shift (:func:`combine_partials`).
 
-The output is assembled block by block in :class:`RowPieces`: written into the result as
-the blocks are made where arrays can be written in place (NumPy, CuPy), concatenated
-once at the end elsewhere.
+The output is assembled block by block in :class:`~xattn._primitives.RowPieces`:
+written into the result as the blocks are made where arrays can be written in place
+(NumPy, CuPy), concatenated once at the end elsewhere.
 
 NaN and infinity: a non-finite key or value :math:`m` makes its logits NaN (values are
 zeroed and their non-finiteness moved into the logits, :func:`value_columns`), which
@@ -44,21 +44,18 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import array_api_compat
-import array_api_extra as xpx
 
-from xattn._array import Array, one_chunk_along, stream_bounds, written_in_place
-from xattn._primitives import finite_shift, merge_maxima, nonzero_divisor
+from xattn._array import Array, one_chunk_along, stream_bounds
+from xattn._primitives import finite_rows, finite_shift, merge_maxima, nonzero_divisor
 from xattn.features import log_positive_features
 
 __all__ = [
     "PAIR_BLOCK",
     "FeatureMap",
     "PositiveMap",
-    "RowPieces",
     "TrigonometricMap",
     "combine_partials",
     "finish_partial",
-    "finite_rows",
     "scan_partials",
     "state_over_keys",
     "value_columns",
@@ -117,66 +114,6 @@ class FeatureMap(Protocol):
         """A block of aligned queries and keys (key ``i`` allowed for query ``j`` iff
         ``i <= j``) after the keys of ``state``; returns its partial and the new state."""
         ...
-
-
-class RowPieces:
-    """The rows (axis -2) of a result, put a block of rows at a time.
-
-    A block may be put again (the same rows), replacing what was there; :meth:`get`
-    returns what a block holds. On NumPy and CuPy the blocks are written into one result
-    allocated at the first block (:func:`array_api_extra.at`), so the result is held once
-    and :meth:`result` copies nothing; elsewhere they are kept as they are and joined by
-    one concatenation in :meth:`result`, which holds the result twice for that moment.
-    A result of one block is that block, on every library.
-    """
-
-    def __init__(self, num_rows: int) -> None:
-        self.num_rows = num_rows
-        self._blocks: dict[int, Array] = {}
-        self._result: Array | None = None
-
-    def put(self, start: int, rows: Array) -> None:
-        """Rows ``start : start + rows.shape[-2]`` of the result (a block of the layout
-        that every put uses)."""
-        stop = start + rows.shape[-2]
-        if self._result is None:
-            if stop - start == self.num_rows or not written_in_place(rows):
-                self._blocks[start] = rows  # replaces (and releases) an earlier put
-                return
-            xp = array_api_compat.array_namespace(rows)
-            self._result = xp.empty((*rows.shape[:-2], self.num_rows, rows.shape[-1]),
-                                    dtype=rows.dtype, device=array_api_compat.device(rows))
-        index = (..., slice(start, stop), slice(None))
-        self._result = xpx.at(self._result, index).set(rows, copy=False)
-
-    def get(self, start: int, stop: int) -> Array:
-        """What rows ``start:stop`` hold (a view on NumPy: read it before putting them
-        again)."""
-        if self._result is not None:
-            return self._result[..., start:stop, :]
-        return self._blocks[start]
-
-    def result(self) -> Array:
-        """All rows, in order."""
-        if self._result is not None:
-            return self._result
-        blocks = [self._blocks[start] for start in sorted(self._blocks)]
-        self._blocks = {}
-        if len(blocks) == 1:
-            return blocks[0]
-        return array_api_compat.array_namespace(blocks[0]).concat(blocks, axis=-2)
-
-
-def finite_rows(xp: Any, x: Array) -> tuple[Array, Array]:
-    """``x`` (..., L, F) with non-finite entries replaced by 0, and its per-row poison.
-
-    The poison (..., L) is 0 for a finite row and NaN for a row holding NaN or infinity.
-    Added to the logits of a key, it moves the key's non-finiteness to exactly the rows
-    that attend it, with no ``inf - inf`` or ``0 * inf`` on the way.
-    """
-    finite = xp.isfinite(x)
-    poison = xp.sum(xp.where(finite, xp.zeros_like(x), xp.full_like(x, xp.nan)), axis=-1)
-    return xp.where(finite, x, xp.zeros_like(x)), poison
 
 
 def value_columns(xp: Any, v: Array) -> tuple[Array, Array]:

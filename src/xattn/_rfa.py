@@ -17,7 +17,7 @@ evaluated with the key norms shifted by their maximum and a guarded denominator.
 Keys and queries are streamed in chunks (key statistics with a running per-sample maximum,
 read-out chunk by chunk), so the working memory besides the output does not grow with the
 sequence lengths; the output's pieces are written into it where arrays can be written
-(NumPy, CuPy) and concatenated once elsewhere (:class:`xattn._rf_scan.RowPieces`).
+(NumPy, CuPy) and concatenated once elsewhere (:class:`xattn._primitives.RowPieces`).
 Causal mode and the exact band and sinks of ``window=`` / ``sinks=`` are computed by
 :mod:`xattn._rf_scan` and :mod:`xattn._window`.
 """
@@ -31,25 +31,28 @@ from typing import Any
 from xattn._array import (
     Array,
     array_namespace,
-    check_bool,
-    check_choice,
-    check_positive_int,
     concrete_count,
     prepare_attention,
     stream_bounds,
 )
+from xattn._options import (
+    DEFAULT_CHUNK_SIZE,
+    check_bool,
+    check_choice,
+    check_positive_int,
+    check_window,
+)
+from xattn._primitives import RowPieces, finite_rows
 from xattn._rf_scan import (
     PAIR_BLOCK,
     FeatureMap,
     PositiveMap,
-    RowPieces,
     TrigonometricMap,
     finish_partial,
-    finite_rows,
     scan_partials,
     state_over_keys,
 )
-from xattn._window import check_window, windowed_rfa
+from xattn._window import windowed_rfa
 from xattn.features import (
     FEATURE_MAPS,
     SAMPLE_NORMS,
@@ -125,7 +128,7 @@ def rfa(
     causal: bool = False,
     rng: Any = None,
     block_size: int = 128,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     sample_norm: str = "chi",
     check_finite: bool = False,
     window: int | None = None,
@@ -261,8 +264,8 @@ def rfa(
     block_size : int
         Positions per block in causal mode and with ``window`` or ``sinks``.
     chunk_size : int
-        Keys and queries per streamed chunk (without ``causal``, ``window`` and ``sinks``).
-        The result does not depend on it beyond rounding.
+        Keys and queries per streamed chunk (without ``causal``, ``window`` and ``sinks``;
+        default 1024). The result does not depend on it beyond rounding.
     sample_norm : {"chi", "sqrt_dim"}
         Row norms of orthogonal samples (see :func:`xattn.features.sample_omega`).
     check_finite : bool

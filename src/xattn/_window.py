@@ -31,50 +31,23 @@ either, without an epsilon.
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import array_api_compat
 
 from xattn._array import Array, AttentionInputs
-from xattn._primitives import finite_shift, join
+from xattn._primitives import RowPieces, finite_rows, finite_shift, join
 from xattn._rf_scan import (
     FeatureMap,
     Partial,
-    RowPieces,
     combine_partials,
     finish_partial,
-    finite_rows,
     scan_partials,
     state_over_keys,
     value_columns,
 )
 
-__all__ = ["check_window", "windowed_rfa"]
-
-
-def _check_count(value: Any, name: str) -> int:
-    """``value`` as an int if it is an integer >= 0 (bools are not), else raise."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int >= 0, got {type(value).__name__} "
-                        f"{value!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
-
-
-def check_window(window: Any, sinks: Any, num_keys: int) -> tuple[int, int]:
-    """Validate ``window`` (None or an int >= 0; 0 and None mean no band) and ``sinks``
-    (an int, 0 <= sinks <= M); returns them as ints."""
-    window = 0 if window is None else _check_count(window, "window")
-    sinks = _check_count(sinks, "sinks")
-    if sinks > num_keys:
-        raise ValueError(f"sinks must be <= M = {num_keys} (the number of keys), got {sinks}")
-    return window, sinks
+__all__ = ["windowed_rfa"]
 
 
 def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, window: int,
@@ -127,11 +100,11 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
 
     Without ``causal`` the keys after the band, ``m >= n + w + 1``, are summed by a pass
     from the last block back before the forward pass: the numerators of that pass wait in
-    the output's own rows (:class:`xattn._rf_scan.RowPieces`), its shifts, denominators
+    the output's own rows (:class:`xattn._primitives.RowPieces`), its shifts, denominators
     and weights in three columns beside them, and each block of the forward pass
     replaces its rows with the finished output. Memory is the output, those three numbers
     per query and a working set per block (the result of every block is joined as
-    :class:`~xattn._rf_scan.RowPieces` does).
+    :class:`~xattn._primitives.RowPieces` does).
     """
     q, k, v = inputs.q, inputs.k, inputs.v
     num_queries, num_keys = q.shape[-2], k.shape[-2]
