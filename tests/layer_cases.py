@@ -27,7 +27,7 @@ BAD_OPTION_VALUES = {
     "lara": {"num_samples": [0, 2.5, 2.0, -1, (2, 2)], "grid": [(0, 4), "8x8", (2.5, 4)],
              "proposal": ["uniform"],
              "weighting": ["uniform"], "beta": ["2", math.nan],
-             "noise_scale": [-0.5, True, math.inf], "scale": [-2.0]},
+             "noise_scale": [-0.5, True, math.inf], "scale": [-2.0], "chunk_size": [0, 1.5]},
 }
 BAD_OPTION_CASES = [(estimator, option, value)
                     for estimator, options in BAD_OPTION_VALUES.items()
@@ -71,6 +71,7 @@ PASS_THROUGH_CASES = [
     ("ra", {"num_samples": 2, "noise_scale": 0.5}),
     ("ra", {"num_samples": 2, "noise_scale": 0.0}),
     ("lara", {"num_samples": 4, "noise_scale": 0.25}),
+    ("lara", {"num_samples": 4, "chunk_size": 3}),
     ("lara", {"num_samples": (2, 2), "grid": (3, 4), "proposal": "key_attention"}),
 ]
 

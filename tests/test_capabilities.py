@@ -8,7 +8,9 @@ fails when the committed page differs. Each cell of the page is one of
   and checks the result (against the NumPy result of the same call and seed, plus the
   property that defines the feature);
 * ``no``: the estimator does not offer the feature; :func:`test_unsupported` checks that
-  asking for it raises a clear ``TypeError`` naming the keyword;
+  asking for it raises a clear error naming the keyword: ``TypeError`` for a keyword the
+  estimator does not take, ``ValueError`` for LARA's ``causal=True`` (the keyword exists,
+  True is not supported yet);
 * ``untested``: a GPU backend, which no CI run of this project exercises yet (the same
   tests run there with ``XATTN_BACKENDS=cupy,torch-cuda,jax-gpu`` and skip without a
   GPU);
@@ -39,13 +41,16 @@ BACKENDS = {"numpy": "NumPy", "array_api_strict": "array-api-strict",
             "torch": "torch CPU", "torch-cuda": "torch CUDA", "jax": "JAX CPU",
             "jax-gpu": "JAX GPU", "dask": "Dask", "cupy": "CuPy"}
 
-#: Features an estimator does not offer (asking for them raises TypeError).
+#: Features an estimator does not offer (asking for them raises UNSUPPORTED_ERROR's error,
+#: TypeError where it lists none).
 UNSUPPORTED = {
     ("lara", "causal"): {"causal": True},
     ("softmax_attention", "query mask"): {"query_mask": "mask"},
     ("rfa", "query mask"): {"query_mask": "mask"},
     ("ra", "query mask"): {"query_mask": "mask"},
 }
+#: Unsupported features asked for by a keyword the estimator takes: a ValueError.
+UNSUPPORTED_ERROR = {("lara", "causal"): ValueError}
 
 #: (backend, feature) pairs for which the library has no mechanism, with the reason.
 NOT_APPLICABLE = {
@@ -96,8 +101,9 @@ def render_page() -> str:
         "`tests/test_capabilities.py` (`python docs/_scripts/capabilities.py`), and the test",
         "suite fails when it is out of date. Every **yes** is a test case,",
         "`test_supported[<backend>-<estimator>-<feature>]`, run on every CPU backend;",
-        "**no** means that the estimator does not offer the feature and raises a `TypeError`",
-        "naming the keyword (also tested); **untested** marks GPU backends, which no CI run",
+        "**no** means that the estimator does not offer the feature and raises an error",
+        "naming the keyword (also tested: a `TypeError`, or a `ValueError` for `lara`'s",
+        "`causal=True`); **untested** marks GPU backends, which no CI run",
         "of this project exercises yet (the same tests run on a GPU machine with",
         "`XATTN_BACKENDS=cupy,torch-cuda,jax-gpu`); **—** means that the library has no",
         "such mechanism.",
@@ -299,7 +305,7 @@ def test_unsupported(estimator, feature):
     options = {key: (np.ones((SHAPE["batch"], SHAPE["n"]), dtype=bool) if value == "mask"
                      else value) for key, value in UNSUPPORTED[(estimator, feature)].items()}
     (keyword,) = options
-    with pytest.raises(TypeError, match=keyword):
+    with pytest.raises(UNSUPPORTED_ERROR.get((estimator, feature), TypeError), match=keyword):
         _call(estimator, q, k, v, **options)
 
 

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from xattn.features import random_features, sample_omega
+from xattn.features import positive_key_statistics, random_features, sample_omega
 
 MAPS = ("positive", "hyperbolic", "trigonometric")
 
@@ -168,3 +168,12 @@ def test_bad_sample_arguments():
         sample_omega(0, 4, 4, xp=np, dtype=np.float64, norm="unit")
     with pytest.raises(ValueError, match="feature_map"):
         random_features(np, np.ones((1, 2)), np.ones((3, 2)), "cosine")
+
+
+@pytest.mark.parametrize("chunk_size,error", [(0, ValueError), (2.5, TypeError),
+                                              (True, TypeError)])
+def test_bad_chunk_size_whatever_the_number_of_keys(chunk_size, error):
+    """chunk_size is checked even when it would not split the keys (3 keys here)."""
+    with pytest.raises(error, match="chunk_size must be"):
+        positive_key_statistics(np, np.ones((3, 2)), np.ones((3, 2)), np.ones((4, 2)),
+                                chunk_size=chunk_size)

@@ -7,6 +7,7 @@ import inspect
 import numpy as np
 import pytest
 
+import xattn
 from layer_cases import (
     BAD_GRID_OPTIONS,
     BAD_OPTION_CASES,
@@ -205,8 +206,11 @@ def test_bad_arguments():
         layer(x, mask=jnp.ones((2, 1, 1, 5), dtype=bool))
     with pytest.raises(TypeError, match="mask must be boolean"):
         layer(x, mask=jnp.ones((2, 1, 1, 12)))
-    with pytest.raises(ValueError, match="'lara' has no causal mode"):
+    with pytest.raises(ValueError, match="'lara' has no causal mode") as from_layer:
         layer(x, is_causal=True)
+    with pytest.raises(ValueError) as from_function:  # the function's own error
+        xattn.lara(*(np.ones((1, 4, 2)),) * 3, num_samples=2, causal=True)
+    assert str(from_layer.value) == str(from_function.value)
     with pytest.raises(ValueError, match="inputs_q must have 16 features"):
         layer(x[..., :8])
     with pytest.raises(ValueError, match="inputs_k cannot be None"):

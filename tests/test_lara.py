@@ -488,6 +488,10 @@ def test_bad_input(rng):
     with pytest.raises(ValueError, match="weighting must be one of"):
         lara_weights(np.ones(2) / 2, np.ones((3, 2)), weighting="mis")
     with pytest.raises(ValueError, match="beta must be finite"):
+        lara_weights(np.ones(2) / 2, np.ones((3, 2)), beta=float("inf"))
+    with pytest.raises(TypeError, match="beta must be a real number"):
+        lara_weights(np.ones(2) / 2, np.ones((3, 2)), beta="2")
+    with pytest.raises(ValueError, match="beta must be finite"):
         xattn.lara(q, k, v, num_samples=2, beta=float("nan"))
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         xattn.lara(q, k, v, num_samples=2, deterministic=1)
@@ -565,6 +569,20 @@ def test_one_row_grid_equals_1d_lara(backend, rng, grid, pools, num_samples):
         two_d = run_lara(backend, *arrays, num_samples=pools, grid=grid, **options)
         one_d = run_lara(backend, *arrays, num_samples=num_samples, **options)
         backend.check(two_d, backend.to_numpy(one_d), dtype=xp.float64, rtol=1e-12)
+
+
+def test_causal_is_refused(rng):
+    """causal=False is the default; causal=True is a ValueError (not supported yet), the
+    error the layers raise for causal masking with estimator='lara'; a non-bool causal is
+    a TypeError."""
+    q, k, v = (rng.normal(size=(2, 6, 4)) for _ in range(3))
+    np.testing.assert_array_equal(xattn.lara(q, k, v, num_samples=2, rng=0, causal=False),
+                                  xattn.lara(q, k, v, num_samples=2, rng=0))
+    with pytest.raises(ValueError, match=r"^estimator 'lara' has no causal mode \(causal=True "
+                                         r"is not supported yet"):
+        xattn.lara(q, k, v, num_samples=2, causal=True)
+    with pytest.raises(TypeError, match=r"^causal must be a bool"):
+        xattn.lara(q, k, v, num_samples=2, causal=1)
 
 
 def test_grid_bad_input(rng):

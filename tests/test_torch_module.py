@@ -7,6 +7,7 @@ import copy
 import numpy as np
 import pytest
 
+import xattn
 from layer_cases import (
     BAD_GRID_OPTIONS,
     BAD_OPTION_CASES,
@@ -313,8 +314,11 @@ def test_bad_arguments():
         layer(x, x, x, attn_mask=torch.zeros(8, 12, 12, dtype=torch.bool))
     with pytest.raises(ValueError, match="attn_mask is not supported except as the causal"):
         layer(x, x, x, attn_mask=torch.eye(12, dtype=torch.bool))
-    with pytest.raises(ValueError, match="'lara' has no causal mode"):
+    with pytest.raises(ValueError, match="'lara' has no causal mode") as from_layer:
         layer(x, x, x, is_causal=True)
+    with pytest.raises(ValueError) as from_function:  # the function's own error
+        xattn.lara(*(np.ones((1, 4, 2)),) * 3, num_samples=2, causal=True)
+    assert str(from_layer.value) == str(from_function.value)
     with pytest.raises(ValueError, match="query must have 16 features"):
         layer(x[..., :8], x, x)
     with pytest.raises(ValueError, match="redraw_features needs estimator='rfa'"):

@@ -1,14 +1,15 @@
-"""Namespace, device, dtype and validation helpers shared by every estimator.
+"""Namespace, device, dtype and array-validation helpers shared by every estimator.
 
 This is the only module (with :mod:`xattn.random`) that knows about concrete array
 libraries. Everything here is thin: it resolves the Array API namespace of the inputs
 with :func:`array_api_compat.array_namespace`, checks shapes and dtypes with messages
-that name the argument, and picks the dtype in which an estimator computes.
+that name the argument, and picks the dtype in which an estimator computes. The checks
+of the scalar options (flags, counts, choices, the score scale) are in
+:mod:`xattn._options`.
 """
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +18,11 @@ import array_api_compat
 import array_api_extra as xpx
 import numpy as np
 
+from xattn._options import check_bool, check_scale
+
 __all__ = [
     "AttentionInputs",
     "array_namespace",
-    "check_bool",
-    "check_choice",
-    "check_positive_int",
-    "check_scale",
     "compute_dtype",
     "concrete_count",
     "host_to_device",
@@ -87,51 +86,6 @@ def array_namespace(*arrays: Any, names: tuple[str, ...] | None = None) -> Any:
             f"all arrays must come from one array library, but {libraries}; "
             "convert them to one library first"
         ) from None
-
-
-def check_positive_int(value: Any, name: str) -> int:
-    """Return ``value`` as an int if it is an integer >= 1, else raise."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
-
-
-def check_bool(value: Any, name: str) -> bool:
-    """Return ``value`` as a Python bool if it is a bool or a NumPy bool, else raise.
-
-    NumPy bools (``np.True_``) are accepted, as NumPy's own functions accept them; any
-    other type, ints included, is a ``TypeError``.
-    """
-    if not isinstance(value, bool | np.bool_):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
-    """Return ``value`` if it is one of the strings ``choices``, else raise.
-
-    A value that is not a ``str`` is a ``TypeError``; a string not among ``choices`` is a
-    ``ValueError``. Both messages name the argument and list the choices.
-    """
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {', '.join(map(repr, choices))}; "
-                        f"got {type(value).__name__} {value!r}")
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-    return value
-
-
-def check_scale(scale: Any, head_dim: int) -> float:
-    """``scale=None`` means ``1/sqrt(D)``; otherwise a positive finite Python number."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, int | float | np.floating | np.integer):
-        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
-    return float(scale)
 
 
 def is_real_floating(xp: Any, dtype: Any) -> bool:

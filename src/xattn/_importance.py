@@ -20,7 +20,8 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._array import Array, array_namespace, check_choice
+from xattn._array import Array, array_namespace
+from xattn._options import check_choice, check_finite_real
 from xattn._primitives import finite_shift, masked_softmax, merge_maxima, nonzero_divisor
 
 __all__ = ["WEIGHTINGS", "WEIGHT_FLOOR", "QuerySoftmax", "balance_heuristic",
@@ -115,6 +116,7 @@ def lara_weights(proposal_weights: Array, query_affinity: Array, *,
     array([1., 1.])
     """
     check_choice(weighting, "weighting", WEIGHTINGS)
+    check_finite_real(beta, "beta")  # as lara checks it
     xp = array_namespace(proposal_weights, query_affinity,
                          names=("proposal_weights", "query_affinity"))
     weights = proposal_weights[..., None, :]

@@ -23,27 +23,27 @@ weights from the balance heuristic plus a query-specific correction (Appendix G.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
-from xattn._array import (
-    Array,
-    AttentionInputs,
-    check_bool,
-    check_choice,
-    check_positive_int,
-    prepare_attention,
-)
+from xattn._array import Array, AttentionInputs, prepare_attention
 from xattn._importance import (
     WEIGHTINGS,
     QuerySoftmax,
     balance_heuristic,
     importance_weights,
 )
+from xattn._options import (
+    check_bool,
+    check_choice,
+    check_finite_real,
+    check_lara_causal,
+    check_noise_scale,
+    check_positive_int,
+    check_segments,
+)
 from xattn._primitives import join, masked_softmax
-from xattn._ra import check_noise_scale
 from xattn._rf_scan import stream_bounds
-from xattn._segments import check_segments, segment_means
+from xattn._segments import segment_means
 from xattn.features import merge_key_statistics, positive_key_statistics, weighted_readout
 from xattn.random import as_generator
 
@@ -70,14 +70,6 @@ def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmark
     attention = masked_softmax(xp, key_landmarks @ xp.matrix_transpose(key_landmarks),
                                 nonempty, axis=-1)
     return query_landmarks + attention @ key_landmarks
-
-
-def _check_beta(beta: Any) -> float:
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
-        raise TypeError(f"beta must be a real number, got {type(beta).__name__} {beta!r}")
-    if not math.isfinite(beta):
-        raise ValueError(f"beta must be finite, got {beta}")
-    return float(beta)
 
 
 def _proposals(inputs: AttentionInputs, proposal: str, num_samples: int,
@@ -206,6 +198,7 @@ def lara(
     scale: float | None = None,
     key_mask: Array | None = None,
     query_mask: Array | None = None,
+    causal: bool = False,
     rng: Any = None,
     chunk_size: int = 1024,
     check_finite: bool = False,
@@ -297,6 +290,11 @@ def lara(
         masked entries changes nothing. A segment with no allowed entry (possible when
         fewer than C entries are allowed) has a zero mean; it still yields a proposal,
         never NaN.
+    causal : bool
+        False (the default) only. True is not supported yet: LARA's segment proposals
+        and its query-softmax weights look ahead (every output row depends on every query
+        and key), so ``causal=True`` raises ``ValueError``, the error the layers raise for
+        causal masking with ``estimator="lara"``.
     rng : None, int, xattn.random.Generator or native generator
         Source of the noise :math:`\epsilon_c \sim N(0, I)` (before ``noise_scale``),
         drawn with shape
@@ -331,11 +329,12 @@ def lara(
     ValueError
         If ``num_samples < 1``, ``num_samples > N`` or ``chunk_size < 1``, or
         ``proposal`` / ``weighting`` is not one of the names above; with ``grid``, if N or
-        M is not H W or a pool size exceeds its grid side.
+        M is not H W or a pool size exceeds its grid side; if ``causal=True`` (not
+        supported yet).
     TypeError
         If ``num_samples`` is not an int (a pair ``(c_h, c_w)`` without ``grid``, or an
-        int with ``grid``), ``grid`` is not a pair of ints, or ``proposal`` /
-        ``weighting`` is not a string.
+        int with ``grid``), ``grid`` is not a pair of ints, ``proposal`` /
+        ``weighting`` is not a string, or a flag is not a bool.
 
     See Also
     --------
@@ -386,8 +385,9 @@ def lara(
                                               inputs.num_keys, shapes)
     check_choice(proposal, "proposal", PROPOSALS)
     check_choice(weighting, "weighting", WEIGHTINGS)
-    beta = _check_beta(beta)
+    beta = check_finite_real(beta, "beta")
     deterministic = check_bool(deterministic, "deterministic")
+    check_lara_causal(causal)
     noise_scale = check_noise_scale(noise_scale)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     if inputs.is_empty:  # N = 0 or an empty batch: an empty result, whatever C

@@ -2,9 +2,10 @@
 :mod:`xattn.flax`.
 
 In the style of einops' layer mixins, :class:`LayerCore` holds everything that does not
-depend on the framework: the estimator registry and the option checks, the ``num_features``
-default, the construction-time probe of the option values, the redraw guard and schedule of
-the RFA features, the dtype rule of ``omega`` and the train/eval switch of the estimators.
+depend on the framework: the calls of the estimators (the layer options, their defaults and
+their checks are in :mod:`xattn._options`), the ``num_features`` default, the
+construction-time probe of the option values, the redraw guard and schedule of the RFA
+features, the dtype rule of ``omega`` and the train/eval switch of the estimators.
 A framework layer inherits from it and from its framework's module class, calls
 :meth:`LayerCore._setup_estimator` in its constructor, and keeps only the framework hooks:
 parameters, where the features live, where randomness comes from, and the input layout.
@@ -23,9 +24,17 @@ import array_api_compat
 import numpy as np
 
 import xattn
-from xattn._array import Array, check_bool, check_choice, check_positive_int, compute_dtype
+from xattn._array import Array, compute_dtype
+from xattn._options import (
+    DEFAULT_LARA_SAMPLES,
+    ESTIMATOR_OPTIONS,
+    ESTIMATORS,
+    check_bool,
+    check_choice,
+    check_estimator,
+    lara_num_samples,
+)
 from xattn._rfa import default_num_features
-from xattn._segments import check_segments, pair_of_ints
 from xattn.features import SAMPLE_NORMS, sample_omega
 
 __all__ = [
@@ -35,84 +44,18 @@ __all__ = [
     "PROBE_LENGTH",
     "LayerCore",
     "attend",
-    "check_estimator",
-    "check_sizes",
     "draw_features",
     "fill_docstring",
     "module_docstring",
 ]
 
 
-ESTIMATORS = ("softmax", "rfa", "ra", "lara")
-"""Estimator names the layers accept."""
-
-# Options each estimator takes through the layers' ``**estimator_options``. Keywords the
-# layer sets itself (masks, causal, rng, omega, the train/eval switches) are not among them.
-ESTIMATOR_OPTIONS = {
-    "softmax": ("scale", "chunk_size"),
-    "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
-            "block_size", "chunk_size", "window", "sinks"),
-    "ra": ("num_samples", "noise_scale", "scale", "chunk_size"),
-    "lara": ("num_samples", "grid", "proposal", "weighting", "beta", "noise_scale", "scale"),
-}
 # RFA options used when drawing the features rather than when calling the estimator.
 _FEATURE_OPTIONS = ("num_features", "orthogonal", "sample_norm")
-# Sample counts: checked here, since the probe of a short input would cap LARA's count.
-_COUNT_OPTIONS = {"rfa": "num_features", "ra": "num_samples"}
-
-DEFAULT_LARA_SAMPLES = 16
-"""Default number of LARA proposals C (capped at the query length); with ``grid=(H, W)``,
-``(4, 4)`` capped at ``(H, W)``."""
 
 PROBE_LENGTH = 3
 """Sequence length of the construction-time probe: short, so that the probe costs
 microseconds whatever the sample counts (RA's cost grows with length² x samples)."""
-
-
-def check_sizes(**sizes: Any) -> None:
-    """Each size must be an int >= 1 (``None`` means "the default" and passes)."""
-    for name, value in sizes.items():
-        if value is not None:
-            check_positive_int(value, name)
-
-
-def check_estimator(estimator: Any, options: dict[str, Any], redraw_interval: Any) -> None:
-    """Reject an unknown estimator name, options it does not take, a sample count that is
-    not an int >= 1, or a bad redraw interval (an int >= 1, or None to keep the features
-    until redrawn by hand)."""
-    if redraw_interval is not None:
-        check_positive_int(redraw_interval, "redraw_interval")
-    if not isinstance(estimator, str):
-        raise TypeError(f"estimator must be a str, one of {list(ESTIMATORS)}; got "
-                        f"{type(estimator).__name__} {estimator!r}")
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
-    allowed = ESTIMATOR_OPTIONS[estimator]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise TypeError(
-            f"estimator {estimator!r} does not take the option(s) {unknown}; its options are "
-            f"{list(allowed)} (masks, causal mode, rng, omega and the train/eval switches "
-            "are set by the layer)"
-        )
-    if estimator in _COUNT_OPTIONS and _COUNT_OPTIONS[estimator] in options:
-        check_positive_int(options[_COUNT_OPTIONS[estimator]], _COUNT_OPTIONS[estimator])
-    if estimator == "lara":  # C, or the pair (c_h, c_w) with grid=(H, W)
-        grid = options.get("grid")
-        tokens = math.prod(grid) if pair_of_ints(grid) else 0
-        check_segments(_lara_num_samples(options), grid, tokens, tokens, "the layer's grid")
-
-
-def _lara_num_samples(options: dict[str, Any]) -> Any:
-    """LARA's ``num_samples`` option, or its default: :data:`DEFAULT_LARA_SAMPLES`, or
-    ``(4, 4)`` capped at the grid ``(H, W)``."""
-    if "num_samples" in options:
-        return options["num_samples"]
-    grid = options.get("grid")
-    if pair_of_ints(grid):
-        side = math.isqrt(DEFAULT_LARA_SAMPLES)
-        return (min(side, grid[0]), min(side, grid[1]))
-    return DEFAULT_LARA_SAMPLES
 
 
 def draw_features(rng: Any, num_features: int, head_dim: int, options: dict[str, Any], *,
@@ -149,18 +92,16 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
             return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, rng=rng, **options)
         return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, biased=True,
                         deterministic=True, **options)
-    if causal:
-        raise ValueError("estimator 'lara' has no causal mode; use 'rfa', 'ra' or "
-                         "'softmax' with is_causal=True")
     call_options = dict(options)
-    num_samples = _lara_num_samples(call_options)
+    num_samples = lara_num_samples(call_options)
     call_options.pop("num_samples", None)
     if call_options.get("grid") is None:  # C capped at the query length (at least 1)
         num_samples = min(num_samples, max(q.shape[-2], 1))
+    # causal=True raises lara's own error (the same for the layers and the function)
     if training:
-        return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask, rng=rng,
-                          **call_options)
-    return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask,
+        return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask, causal=causal,
+                          rng=rng, **call_options)
+    return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask, causal=causal,
                       deterministic=True, **call_options)
 
 
@@ -206,7 +147,7 @@ class LayerCore:
         options = self.estimator_options
         length = PROBE_LENGTH
         if options.get("grid") is not None:  # the smallest grid that holds the c_h x c_w bins
-            pools = tuple(_lara_num_samples(options))
+            pools = tuple(lara_num_samples(options))
             options = {**options, "grid": pools, "num_samples": pools}
             length = math.prod(pools)
         probe = np.zeros((1, length, self.head_dim), dtype=np.float32)
@@ -295,7 +236,7 @@ _ESTIMATOR_OPTIONS_DOC = """\
       ``grid``, a pair ``(c_h, c_w)``, default ``(4, 4)`` capped at the grid), ``grid``
       (``(H, W)``: the tokens are an H x W image in row-major order, segmented into the
       bins of 2-D adaptive average pooling, so every sequence must have H W tokens),
-      ``proposal``, ``weighting``, ``beta``, ``noise_scale``, ``scale``;
+      ``proposal``, ``weighting``, ``beta``, ``noise_scale``, ``scale``, ``chunk_size``;
     * ``"ra"``: ``num_samples``, ``noise_scale``, ``scale``, ``chunk_size``;
     * ``"softmax"``: ``scale``, ``chunk_size``.
 

@@ -30,7 +30,6 @@ paper's evaluation mode.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, NamedTuple
 
 import array_api_compat
@@ -38,25 +37,14 @@ import array_api_compat
 from xattn._array import (
     Array,
     AttentionInputs,
-    check_bool,
-    check_positive_int,
     prepare_attention,
     sequence_positions,
 )
+from xattn._options import check_bool, check_noise_scale, check_positive_int
 from xattn._primitives import finite_shift, join, nonzero_divisor
 from xattn.random import as_generator
 
-__all__ = ["check_noise_scale", "ra"]
-
-
-def check_noise_scale(noise_scale: Any) -> float:
-    """Return ``noise_scale`` as a float if it is a finite real number >= 0, else raise."""
-    if isinstance(noise_scale, bool) or not isinstance(noise_scale, numbers.Real):
-        raise TypeError(f"noise_scale must be a real number >= 0, got "
-                        f"{type(noise_scale).__name__} {noise_scale!r}")
-    if not math.isfinite(noise_scale) or noise_scale < 0:
-        raise ValueError(f"noise_scale must be a finite number >= 0, got {noise_scale}")
-    return float(noise_scale)
+__all__ = ["ra"]
 
 def _allowed_keys(xp: Any, key_mask: Array | None, query_positions: Array | None,
                   key_positions: Array) -> Array | None:

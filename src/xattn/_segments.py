@@ -20,13 +20,12 @@ A segment without an allowed entry has a zero mean (and size 0), never NaN.
 
 from __future__ import annotations
 
-import numbers
-from typing import Any, TypeGuard
+from typing import Any
 
 from xattn._array import Array, index_sizes, one_chunk_along
 from xattn._primitives import join, nonzero_divisor
 
-__all__ = ["adaptive_bins", "check_segments", "pair_of_ints", "segment_means"]
+__all__ = ["adaptive_bins", "segment_means"]
 
 
 def adaptive_bins(length: int, parts: int) -> list[tuple[int, int]]:
@@ -42,60 +41,6 @@ def adaptive_bins(length: int, parts: int) -> list[tuple[int, int]]:
     [(0, 3), (2, 5), (4, 7)]
     """
     return [((i * length) // parts, -((-(i + 1) * length) // parts)) for i in range(parts)]
-
-
-def pair_of_ints(value: Any) -> TypeGuard[tuple[Any, ...] | list[Any]]:
-    """True if ``value`` is a tuple or list of two ints (bools excluded): a grid
-    ``(H, W)`` or a pair of pool sizes ``(c_h, c_w)``."""
-    return (isinstance(value, tuple | list) and len(value) == 2
-            and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in value))
-
-
-def check_segments(num_samples: Any, grid: Any, num_queries: int, num_keys: int,
-                   shapes: str) -> tuple[int, tuple[int, int] | None, tuple[int, int] | None]:
-    """Validate LARA's ``num_samples`` and ``grid``; return ``(C, grid, pools)``.
-
-    Without ``grid``, ``num_samples`` is an int C (``pools`` and ``grid`` are None). With
-    ``grid=(H, W)`` it is a pair ``(c_h, c_w)``, ``1 <= c_h <= H``, ``1 <= c_w <= W``,
-    ``C = c_h * c_w``, and the queries and keys must number ``N = M = H * W``.
-    ``shapes`` describes q and k for the messages.
-    """
-    if grid is None:
-        if isinstance(num_samples, tuple | list):
-            raise TypeError(f"num_samples must be an int >= 1 (C segments); the pair form "
-                            f"(c_h, c_w) needs grid=(H, W), got num_samples={num_samples!r} "
-                            "without grid")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, numbers.Integral):
-            raise TypeError(f"num_samples must be an int >= 1, got "
-                            f"{type(num_samples).__name__} {num_samples!r}")
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        count = int(num_samples)
-        if 0 < num_queries < count:
-            raise ValueError(f"num_samples (C = {count}) must be <= the number of queries "
-                             f"N = {num_queries} ({shapes})")
-        return count, None, None
-    if not pair_of_ints(grid):
-        raise TypeError(f"grid must be a pair (H, W) of ints, got {type(grid).__name__} "
-                        f"{grid!r}")
-    height, width = (int(x) for x in grid)
-    if height < 1 or width < 1:
-        raise ValueError(f"grid (H, W) must hold positive ints, got {grid!r}")
-    if not pair_of_ints(num_samples):
-        raise TypeError(f"with grid=(H, W), num_samples must be a pair (c_h, c_w) of ints "
-                        f"(c_h * c_w segments, the bins of 2-D adaptive average pooling), got "
-                        f"{type(num_samples).__name__} {num_samples!r}")
-    pool_h, pool_w = (int(x) for x in num_samples)
-    if not (1 <= pool_h <= height and 1 <= pool_w <= width):
-        raise ValueError(f"num_samples (c_h, c_w) = {(pool_h, pool_w)} must satisfy "
-                         f"1 <= c_h <= H and 1 <= c_w <= W for grid (H, W) = "
-                         f"{(height, width)}")
-    tokens = height * width
-    if num_queries != tokens or num_keys != tokens:
-        raise ValueError(f"grid (H, W) = {(height, width)} needs N = M = H * W = {tokens} "
-                         f"queries and keys in row-major order; got N = {num_queries}, "
-                         f"M = {num_keys} ({shapes})")
-    return pool_h * pool_w, (height, width), (pool_h, pool_w)
 
 
 def _grid_membership(xp: Any, grid: tuple[int, int], pools: tuple[int, int], *, dtype: Any,

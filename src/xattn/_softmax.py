@@ -5,12 +5,11 @@ from __future__ import annotations
 from xattn._array import (
     Array,
     AttentionInputs,
-    check_bool,
-    check_positive_int,
     prepare_attention,
     sequence_positions,
     stream_bounds,
 )
+from xattn._options import check_bool, check_positive_int
 from xattn._primitives import causal_allowed, join, merge_maxima, nonzero_divisor
 
 __all__ = ["softmax_attention"]

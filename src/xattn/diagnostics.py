@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from xattn._array import Array, array_namespace, check_positive_int
+from xattn._array import Array, array_namespace
+from xattn._options import check_positive_int
 from xattn._primitives import nonzero_divisor
 from xattn._softmax import softmax_attention
 

@@ -22,6 +22,13 @@ No epsilon enters an exponent, so the result equals the unstabilized formula exa
 This module also holds the explicit (unstabilized) feature maps of RFA / Performer
 (:func:`random_features`: positive, hyperbolic and trigonometric) and the sample matrices
 they use (:func:`sample_omega`: iid Gaussian or block-orthogonal rows).
+
+**The namespace argument.** The estimators and the other public helpers
+(:func:`xattn.lara_weights`, :func:`xattn.balance_heuristic`, :mod:`xattn.diagnostics`)
+infer the Array API namespace from their arrays. The functions of this module are the
+building blocks the estimators call, piece by piece, on arrays they have already checked:
+they take the namespace ``xp`` as their first argument instead of inferring it, and
+:func:`sample_omega`, which makes an array from nothing, takes it as the keyword ``xp=``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import Array, check_bool, check_choice, check_positive_int, qr
+from xattn._array import Array, qr
+from xattn._options import check_bool, check_choice, check_positive_int
 from xattn._primitives import finite_shift, merge_maxima, nonzero_divisor
 from xattn.random import as_generator
 
@@ -128,10 +136,11 @@ def positive_key_statistics(
     >>> all(np.allclose(a, b) for a, b in zip(whole, chunked))
     True
     """
+    if chunk_size is not None:  # checked whatever the number of keys
+        chunk_size = check_positive_int(chunk_size, "chunk_size")
     num_keys = k_hat.shape[-2]
     if chunk_size is None or chunk_size >= num_keys:
         return _key_statistics(xp, k_hat, v, omega, key_mask)
-    chunk_size = check_positive_int(chunk_size, "chunk_size")
     statistics = None
     for start in range(0, num_keys, chunk_size):
         stop = min(start + chunk_size, num_keys)

@@ -25,16 +25,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xattn._array import check_bool
 from xattn._layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATORS,
     LayerCore,
-    check_sizes,
     draw_features,
     fill_docstring,
     module_docstring,
 )
+from xattn._options import check_bool, check_sizes
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "FeatureState", "MultiHeadAttention"]
 

@@ -44,11 +44,10 @@ import array_api_compat
 from xattn._array import (
     Array,
     array_namespace,
-    check_choice,
-    check_positive_int,
     compute_dtype,
     is_real_floating,
 )
+from xattn._options import check_choice, check_positive_int
 from xattn._primitives import logsumexp, nonzero_divisor
 from xattn.features import log_positive_features, sample_omega
 from xattn.random import as_generator

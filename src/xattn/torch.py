@@ -25,16 +25,16 @@ import array_api_compat
 import torch
 from torch import nn
 
-from xattn._array import check_bool, compute_dtype
+from xattn._array import compute_dtype
 from xattn._layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATORS,
     LayerCore,
-    check_sizes,
     draw_features,
     fill_docstring,
     module_docstring,
 )
+from xattn._options import check_bool, check_sizes
 from xattn.random import Generator, TorchGenerator
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "MultiheadAttention"]
