@@ -33,6 +33,7 @@ from xattn._importance import (
     importance_weights,
 )
 from xattn._options import (
+    DEFAULT_CHUNK_SIZE,
     check_bool,
     check_choice,
     check_finite_real,
@@ -200,7 +201,7 @@ def lara(
     query_mask: Array | None = None,
     causal: bool = False,
     rng: Any = None,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     check_finite: bool = False,
 ) -> Array:
     r"""Linear randomized attention (LARA), O((N + M) C) in time and memory.
@@ -265,7 +266,8 @@ def lara(
         Strength of the query-specific correction of ``weighting="decoupled"``.
     deterministic : bool
         Use the proposal means as samples, :math:`\omega_c = \mu_c` (the paper's
-        evaluation mode); ``rng`` is then not used.
+        evaluation mode, and the layers': Flax's ``deterministic=True``, torch's
+        ``eval()``); ``rng`` is then not used.
     noise_scale : float
         Standard deviation of the sampling noise, :math:`\omega_c = \mu_c +
         \sigma\,\epsilon_c` with :math:`\sigma` = ``noise_scale`` >= 0, while the

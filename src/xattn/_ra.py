@@ -40,7 +40,12 @@ from xattn._array import (
     prepare_attention,
     sequence_positions,
 )
-from xattn._options import check_bool, check_noise_scale, check_positive_int
+from xattn._options import (
+    DEFAULT_RA_CHUNK_SIZE,
+    check_bool,
+    check_noise_scale,
+    check_positive_int,
+)
 from xattn._primitives import finite_shift, join, nonzero_divisor
 from xattn.random import as_generator
 
@@ -257,7 +262,7 @@ def ra(
     key_mask: Array | None = None,
     causal: bool = False,
     rng: Any = None,
-    chunk_size: int = 128,
+    chunk_size: int = DEFAULT_RA_CHUNK_SIZE,
     check_finite: bool = False,
 ) -> Array:
     r"""Randomized attention (RA): unbiased (or biased) Monte Carlo softmax attention.
@@ -320,7 +325,9 @@ def ra(
         Use the single-Gaussian proposal centred at the mixture mean (biased RA).
     deterministic : bool
         Drop the noise (:math:`\varepsilon = 0`). Requires ``biased=True``: the unbiased
-        estimator has no deterministic form.
+        estimator has no deterministic form. (The layers' evaluation mode, Flax's
+        ``deterministic=True`` or torch's ``eval()``, calls ``ra`` with ``biased=True,
+        deterministic=True``.)
     noise_scale : float
         Standard deviation :math:`\sigma` >= 0 of the noise, :math:`\omega_{ns} =
         \mu_{ns} + \sigma\,\varepsilon_{ns}`, with :math:`f_n` unchanged (the
@@ -345,8 +352,9 @@ def ra(
         of shape ``(*batch, N, S, D)``. Unused (nothing is drawn) when deterministic.
     chunk_size : int
         Number of (query, sample) pairs evaluated per step (see **Cost**); 128 by
-        default. Larger steps run fewer, larger matrix products and hold
-        ``(..., chunk_size, M)`` intermediates.
+        default, less than the 1024 of the other estimators because a step holds
+        ``(..., chunk_size, M)`` intermediates, which grow with M. Larger steps run
+        fewer, larger matrix products.
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.

@@ -9,7 +9,7 @@ from xattn._array import (
     sequence_positions,
     stream_bounds,
 )
-from xattn._options import check_bool, check_positive_int
+from xattn._options import DEFAULT_CHUNK_SIZE, check_bool, check_positive_int
 from xattn._primitives import causal_allowed, join, merge_maxima, nonzero_divisor
 
 __all__ = ["softmax_attention"]
@@ -24,7 +24,7 @@ def softmax_attention(
     scale: float | None = None,
     key_mask: Array | None = None,
     causal: bool = False,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     check_finite: bool = False,
 ) -> Array:
     r"""Exact softmax attention, numerically stable and chunked over keys.
@@ -58,8 +58,8 @@ def softmax_attention(
         If True, query ``n`` attends keys ``m <= n`` only (top-left aligned, as in
         PyTorch's ``is_causal``).
     chunk_size : int
-        Number of queries per tile and of keys processed at a time. The result does not
-        depend on it beyond rounding.
+        Number of queries per tile and of keys processed at a time (default 1024). The
+        result does not depend on it beyond rounding.
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.

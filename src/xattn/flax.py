@@ -7,7 +7,11 @@ features)`` and ``__call__`` signature), so its parameters can be exchanged with
 layer.
 
 Training and evaluation follow Flax's convention: the attribute ``deterministic`` (set by
-``model.train()`` / ``model.eval()``, or overridden per call) selects the mode.
+``model.train()`` / ``model.eval()``, or overridden per call) selects the mode, as it does
+for ``flax.nnx.Dropout`` and :class:`flax.nnx.MultiHeadAttention`. ``deterministic=True``
+is evaluation mode, in which the layer draws nothing; it is not the ``deterministic``
+keyword of :func:`xattn.ra` and :func:`xattn.lara`, which only drops their noise (see
+:class:`MultiHeadAttention`).
 Randomness comes from the ``rng_collection`` stream (default ``"attention"``, which falls
 back to the ``default`` stream) of the :class:`flax.nnx.Rngs` given at construction, or
 from ``rngs=`` passed to the call. Everything works under :func:`flax.nnx.jit`.
@@ -117,8 +121,11 @@ class MultiHeadAttention(LayerCore, nnx.Module):
     use_bias, dtype, param_dtype, kernel_init, bias_init
         As in :class:`flax.nnx.LinearGeneral` (the projections).
     deterministic : bool
-        Evaluation mode (True) or training mode (False, default); ``model.eval()`` and
-        ``model.train()`` set it.
+        Evaluation mode (True) or training mode (False, default), in Flax's sense (as for
+        ``flax.nnx.Dropout``); ``model.eval()`` and ``model.train()`` set it. In
+        evaluation mode the layer draws nothing: ``"rfa"`` keeps its features, ``"ra"``
+        runs ``biased=True, deterministic=True`` and ``"lara"`` ``deterministic=True``. (The
+        estimators' own ``deterministic`` only drops the noise of the samples.)
     rng_collection : str
         Name of the RNG stream the random draws come from.
     rngs : flax.nnx.Rngs
@@ -324,7 +331,8 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         mask : bool array, shape (batch..., 1 or num_heads, 1, kv_length), optional
             True where a key is attended (a key mask, for example padding).
         deterministic : bool, optional
-            Evaluation mode; overrides the attribute ``deterministic``.
+            Evaluation mode (no random draws, see the class); overrides the attribute
+            ``deterministic``.
         rngs : flax.nnx.Rngs, flax.nnx.RngStream or JAX key, optional
             Source of this call's random draws; default: the layer's stream.
         is_causal : bool
