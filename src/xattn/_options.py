@@ -13,7 +13,9 @@ is made:
   options that is not supported (``ra(deterministic=True, biased=False)``,
   ``lara(causal=True)``).
 
-Each message names the argument and says what it accepts. The module also holds the
+Each check takes the value and the argument's name (for the message), returns the value
+as a Python type, and raises as above; each message names the argument and says what it
+accepts. The module also holds the
 defaults that several modules share (:data:`DEFAULT_CHUNK_SIZE`,
 :data:`DEFAULT_RA_CHUNK_SIZE`, the layers' :data:`DEFAULT_LARA_SAMPLES`). It imports
 nothing from xattn, so that every module can use it.
@@ -69,55 +71,16 @@ with the number of keys where the other estimators' pieces do not."""
 # -- generic checks ---------------------------------------------------------------------------
 
 def check_bool(value: Any, name: str) -> bool:
-    """Check a flag.
-
-    Parameters
-    ----------
-    value : Any
-        The value passed as ``name``.
-    name : str
-        The argument's name, for the message.
-
-    Returns
-    -------
-    bool
-        ``value`` as a Python bool. NumPy bools (``np.True_``) are accepted, as NumPy's own
-        functions accept them.
-
-    Raises
-    ------
-    TypeError
-        If ``value`` is not a bool or a NumPy bool (ints included).
-    """
+    """A flag: a bool or a NumPy bool (``np.True_``, as NumPy's own functions accept),
+    returned as a Python bool; anything else (ints included) is a TypeError."""
     if not isinstance(value, bool | np.bool_):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
 
 
 def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
-    """Check a string option with a fixed set of values.
-
-    Parameters
-    ----------
-    value : Any
-        The value passed as ``name``.
-    name : str
-        The argument's name, for the message.
-    choices : tuple of str
-        The accepted values.
-
-    Returns
-    -------
-    str
-        ``value``.
-
-    Raises
-    ------
-    TypeError
-        If ``value`` is not a ``str``.
-    ValueError
-        If ``value`` is a string not among ``choices``. Both messages list the choices.
-    """
+    """A string among ``choices``, returned as it is: TypeError if it is not a ``str``,
+    ValueError if it is another string (both messages list the choices)."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, one of {', '.join(map(repr, choices))}; "
                         f"got {type(value).__name__} {value!r}")
@@ -127,27 +90,8 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
 
 
 def check_positive_int(value: Any, name: str) -> int:
-    """Check a count or a size that must be at least 1.
-
-    Parameters
-    ----------
-    value : Any
-        The value passed as ``name``: a Python or NumPy int (bools are not).
-    name : str
-        The argument's name, for the message.
-
-    Returns
-    -------
-    int
-        ``value`` as a Python int.
-
-    Raises
-    ------
-    TypeError
-        If ``value`` is not an int (a float, even ``2.0``, a bool, a string).
-    ValueError
-        If ``value < 1``.
-    """
+    """A count or size >= 1: a Python or NumPy int, returned as a Python int; TypeError
+    for anything else (a float, even ``2.0``, a bool, a string), ValueError if < 1."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
     if value < 1:
@@ -156,28 +100,8 @@ def check_positive_int(value: Any, name: str) -> int:
 
 
 def check_nonnegative_int(value: Any, name: str) -> int:
-    """Check a count that may be 0.
-
-    Parameters
-    ----------
-    value : Any
-        The value passed as ``name``: anything with ``__index__`` (Python and NumPy ints),
-        bools excluded.
-    name : str
-        The argument's name, for the message.
-
-    Returns
-    -------
-    int
-        ``value`` as a Python int.
-
-    Raises
-    ------
-    TypeError
-        If ``value`` is not an int.
-    ValueError
-        If ``value < 0``.
-    """
+    """A count that may be 0: anything with ``__index__`` except bools, returned as a
+    Python int; TypeError for anything else, ValueError if < 0."""
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -458,20 +382,8 @@ def lara_num_samples(options: dict[str, Any]) -> Any:
 
 
 def check_sizes(**sizes: Any) -> None:
-    """Check a layer's sizes (``embed_dim=...``, ``num_heads=...``, ...).
-
-    Parameters
-    ----------
-    **sizes : Any
-        Each an int >= 1, or ``None`` (the layer's default).
-
-    Raises
-    ------
-    TypeError
-        If a size is not an int.
-    ValueError
-        If a size is < 1.
-    """
+    """A layer's sizes (``embed_dim=...``, ``num_heads=...``): each an int >= 1 or
+    ``None`` (the layer's default), as :func:`check_positive_int`."""
     for name, value in sizes.items():
         if value is not None:
             check_positive_int(value, name)

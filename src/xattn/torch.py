@@ -261,14 +261,11 @@ class MultiheadAttention(LayerCore, nn.Module):
 
     @torch.no_grad()
     def redraw_features(self) -> None:
-        """Draw new RFA samples ``features`` in place of the old and restart the count.
-
-        The training-mode :meth:`forward` calls this itself every ``redraw_interval``
-        steps; call it by hand to redraw at other times (for example with
-        ``redraw_interval=None``). The draw uses the layer's ``generator`` (or torch's
-        default generator of the device), with the feature options given at construction,
-        and lands on the device and in the dtype of the current buffer (drawn in float32
-        at least). ``steps_since_redraw`` is reset to 0.
+        """Draw new RFA samples ``features`` in place of the old; ``steps_since_redraw``
+        restarts at 0. Training-mode :meth:`forward` calls it every ``redraw_interval``
+        steps; call it by hand at other times. It draws from the layer's ``generator`` (or
+        torch's default generator) with the construction's feature options, on the device
+        and in the dtype of the buffer (drawn in float32 at least).
 
         Raises
         ------
@@ -490,13 +487,10 @@ class MultiheadAttention(LayerCore, nn.Module):
             weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
         biases = (self.in_proj_bias.split(embed_dim) if self.in_proj_bias is not None
                   else (None, None, None))
-        heads = []
-        for x, weight, bias in zip((query, key, value), weights, biases, strict=True):
-            projected = nn.functional.linear(x, weight, bias)  # (L, N, E)
-            length, batch = projected.shape[:2]
-            heads.append(projected.reshape(length, batch, self.num_heads, self.head_dim)
-                         .permute(1, 2, 0, 3))
-        return heads
+        projected = (nn.functional.linear(x, weight, bias)  # (L, N, E) each
+                     for x, weight, bias in zip((query, key, value), weights, biases, strict=True))
+        return [x.reshape(*x.shape[:2], self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+                for x in projected]
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
