@@ -10,7 +10,8 @@ Estimators (each a function of ``q (..., N, D)``, ``k (..., M, D)``, ``v (..., M
 
 Helpers of the estimators: :func:`default_num_features`,
 :class:`TrigonometricDenominatorWarning`, :func:`lara_weights`, :func:`balance_heuristic`
-and the constants :data:`PROPOSALS`, :data:`WEIGHTINGS`, :data:`WEIGHT_FLOOR`.
+and the constants :data:`ESTIMATORS` (the four names, as the layers' ``estimator=`` and
+``xattn train`` take them), :data:`PROPOSALS`, :data:`WEIGHTINGS`, :data:`WEIGHT_FLOOR`.
 
 Submodules, reachable after ``import xattn`` (loaded on first use, so that a framework is
 imported only when its layer is asked for): :mod:`xattn.random` (the random-number
@@ -27,11 +28,13 @@ from typing import Any
 
 from xattn._importance import WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara_weights
 from xattn._lara import PROPOSALS, lara
+from xattn._options import ESTIMATORS
 from xattn._ra import ra
 from xattn._rfa import TrigonometricDenominatorWarning, default_num_features, rfa
 from xattn._softmax import softmax_attention
 
 __all__ = [
+    "ESTIMATORS",
     "PROPOSALS",
     "WEIGHTINGS",
     "WEIGHT_FLOOR",

@@ -17,7 +17,7 @@ import array_api_extra as xpx
 from xattn._array import Array, written_in_place
 
 __all__ = ["MergedMaxima", "RowPieces", "causal_allowed", "finite_rows", "finite_shift", "join",
-           "logsumexp", "masked_softmax", "merge_maxima", "nonzero_divisor"]
+           "logsumexp", "masked_softmax", "merge_maxima", "nonzero_divisor", "value_columns"]
 
 
 def finite_shift(xp: Any, maxima: Array) -> Array:
@@ -201,3 +201,14 @@ def finite_rows(xp: Any, x: Array) -> tuple[Array, Array]:
     finite = xp.isfinite(x)
     poison = xp.sum(xp.where(finite, xp.zeros_like(x), xp.full_like(x, xp.nan)), axis=-1)
     return xp.where(finite, x, xp.zeros_like(x)), poison
+
+
+def value_columns(xp: Any, v: Array) -> tuple[Array, Array]:
+    """Values with a column of ones appended (the denominator) and their per-key poison.
+
+    Returns ``(columns, poison)``: ``columns`` (..., L, Dv + 1) has non-finite entries
+    replaced by 0; ``poison`` (..., L) is that of :func:`finite_rows`.
+    """
+    finite, poison = finite_rows(xp, v)
+    ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=array_api_compat.device(v))
+    return xp.concat([finite, ones], axis=-1), poison

@@ -31,10 +31,10 @@ written into the result as the blocks are made where arrays can be written in pl
 (NumPy, CuPy), concatenated once at the end elsewhere.
 
 NaN and infinity: a non-finite key or value :math:`m` makes its logits NaN (values are
-zeroed and their non-finiteness moved into the logits, :func:`value_columns`), which
-reaches the rows that attend key :math:`m` and every later state, but never a row that
-does not attend it (masked entries are selected away with ``where``, never multiplied by
-zero).
+zeroed and their non-finiteness moved into the logits,
+:func:`~xattn._primitives.value_columns`), which reaches the rows that attend key
+:math:`m` and every later state, but never a row that does not attend it (masked entries
+are selected away with ``where``, never multiplied by zero).
 """
 
 from __future__ import annotations
@@ -46,7 +46,13 @@ from typing import Any, Protocol
 import array_api_compat
 
 from xattn._array import Array, one_chunk_along, stream_bounds
-from xattn._primitives import finite_rows, finite_shift, merge_maxima, nonzero_divisor
+from xattn._primitives import (
+    finite_rows,
+    finite_shift,
+    merge_maxima,
+    nonzero_divisor,
+    value_columns,
+)
 from xattn.features import log_positive_features
 
 __all__ = [
@@ -58,7 +64,6 @@ __all__ = [
     "finish_partial",
     "scan_partials",
     "state_over_keys",
-    "value_columns",
 ]
 
 PAIR_BLOCK = 8
@@ -114,17 +119,6 @@ class FeatureMap(Protocol):
         """A block of aligned queries and keys (key ``i`` allowed for query ``j`` iff
         ``i <= j``) after the keys of ``state``; returns its partial and the new state."""
         ...
-
-
-def value_columns(xp: Any, v: Array) -> tuple[Array, Array]:
-    """Values with a column of ones appended (the denominator) and their per-key poison.
-
-    Returns ``(columns, poison)``: ``columns`` (..., L, Dv + 1) has non-finite entries
-    replaced by 0; ``poison`` (..., L) is that of :func:`finite_rows`.
-    """
-    finite, poison = finite_rows(xp, v)
-    ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=array_api_compat.device(v))
-    return xp.concat([finite, ones], axis=-1), poison
 
 
 def combine_partials(xp: Any, partials: list[Partial]) -> Partial:
@@ -254,7 +248,18 @@ class PositiveMap:
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
               state: State) -> tuple[Partial, State]:
-        """One block: key ``i`` of the block is allowed for query ``j`` iff ``i <= j``."""
+        """One block: key ``i`` of the block is allowed for query ``j`` iff ``i <= j``.
+
+        Design: the B positions are J = B / b sub-blocks of b = ``PAIR_BLOCK``, so the
+        intermediates carry a sub-block axis J besides the positions b and samples S.
+        (1) Each sub-block i gets its statistics :math:`K^i_s, A^i_s`. (2) Each
+        sub-block j gets its exclusive prefix state, the carried state merged with the
+        sub-blocks i < j, for all j at once through a (J, J) lower-triangular selection
+        (:func:`~xattn._primitives.merge_maxima`'s rule; the ``moveaxis`` pair puts S in
+        front so that the sum over i is one matrix product). (3) Each query takes its
+        prefix state and the exact pairs of its own sub-block ((..., J, b, b, S), b = 8)
+        with one shift, its largest term; the block is then folded into the state.
+        """
         xp = self.xp
         (logits,) = keys
         pair_block = self.multiple
@@ -428,6 +433,12 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     blocks ``[start, start + block_size)`` are yielded as they are computed: from the
     first with ``reverse=False``, from the last with ``reverse=True`` (the caller keeps
     what it needs of them, :func:`xattn._window.windowed_rfa`).
+
+    Design: a generator, so that a caller walks the blocks in lock-step with its own
+    work on the same positions: :func:`xattn._window.windowed_rfa` runs one scan for the
+    keys before the band and one (``reverse=True``) for those after it, and combines
+    each block's partial with the exact band of the same queries as it comes, so no
+    (N, ...) array of partials is held.
     """
     if offset < 0:
         raise ValueError(f"offset must be >= 0, got {offset}")

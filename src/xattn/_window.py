@@ -36,7 +36,7 @@ from typing import Any
 import array_api_compat
 
 from xattn._array import Array, AttentionInputs
-from xattn._primitives import RowPieces, finite_rows, finite_shift, join
+from xattn._primitives import RowPieces, finite_rows, finite_shift, join, value_columns
 from xattn._rf_scan import (
     FeatureMap,
     Partial,
@@ -44,7 +44,6 @@ from xattn._rf_scan import (
     finish_partial,
     scan_partials,
     state_over_keys,
-    value_columns,
 )
 
 __all__ = ["windowed_rfa"]

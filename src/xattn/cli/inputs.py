@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+# the estimators' own array checks (a documented internal name: see the contributing guide)
 from xattn._array import prepare_attention
 from xattn.cli import memory
 from xattn.cli.common import CommandError

@@ -25,10 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# The layers' estimator names. Public as xattn.torch.ESTIMATORS and xattn.flax.ESTIMATORS,
-# but those import their framework, and the parser must not: private until the package
-# gives them a framework-free public name.
-from xattn._layers import ESTIMATORS
+from xattn import ESTIMATORS
 from xattn.cli.common import CommandError, output_dir, progress_bar
 from xattn.cli.measure import DEVICES
 from xattn.cli.memory import (
