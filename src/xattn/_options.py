@@ -115,27 +115,9 @@ def check_nonnegative_int(value: Any, name: str) -> int:
 
 
 def check_finite_real(value: Any, name: str) -> float:
-    """Check a real number that may take any finite value (LARA's ``beta``).
-
-    Parameters
-    ----------
-    value : Any
-        The value passed as ``name``: a Python or NumPy real number, bools excluded.
-    name : str
-        The argument's name, for the message.
-
-    Returns
-    -------
-    float
-        ``value`` as a Python float.
-
-    Raises
-    ------
-    TypeError
-        If ``value`` is not a real number.
-    ValueError
-        If ``value`` is NaN or infinite.
-    """
+    """A real number that may take any finite value (LARA's ``beta``): a Python or NumPy
+    real, returned as a Python float; TypeError for anything else (bools included),
+    ValueError for NaN or infinity."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value):
@@ -144,28 +126,9 @@ def check_finite_real(value: Any, name: str) -> float:
 
 
 def check_scale(scale: Any, head_dim: int) -> float:
-    """Check the score scale of an estimator.
-
-    Parameters
-    ----------
-    scale : Any
-        ``None`` (the default, ``1/sqrt(D)``) or a positive finite Python or NumPy
-        number.
-    head_dim : int
-        ``D``, the feature dim of q and k.
-
-    Returns
-    -------
-    float
-        The scale.
-
-    Raises
-    ------
-    TypeError
-        If ``scale`` is not a number or None (a bool, a string, an array).
-    ValueError
-        If ``scale`` is not positive and finite.
-    """
+    """The score scale: ``None`` (the default, ``1/sqrt(head_dim)``) or a positive finite
+    Python or NumPy number, returned as a float; TypeError for anything else (a bool, a
+    string, an array), ValueError if it is not positive and finite."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, int | float | np.floating | np.integer):
@@ -178,25 +141,9 @@ def check_scale(scale: Any, head_dim: int) -> float:
 # -- options of the estimators ----------------------------------------------------------------
 
 def check_noise_scale(noise_scale: Any) -> float:
-    """Check RA's and LARA's ``noise_scale``, the standard deviation of the noise.
-
-    Parameters
-    ----------
-    noise_scale : Any
-        A finite real number >= 0 (Python or NumPy; bools are not).
-
-    Returns
-    -------
-    float
-        ``noise_scale`` as a Python float.
-
-    Raises
-    ------
-    TypeError
-        If ``noise_scale`` is not a real number.
-    ValueError
-        If it is negative, NaN or infinite.
-    """
+    """RA's and LARA's ``noise_scale``, the standard deviation of the noise: a finite real
+    >= 0 (Python or NumPy, bools excluded), returned as a float; TypeError for anything
+    else, ValueError if it is negative, NaN or infinite."""
     if isinstance(noise_scale, bool) or not isinstance(noise_scale, numbers.Real):
         raise TypeError(f"noise_scale must be a real number >= 0, got "
                         f"{type(noise_scale).__name__} {noise_scale!r}")
