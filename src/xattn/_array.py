@@ -10,6 +10,7 @@ of the scalar options (flags, counts, choices, the score scale) are in
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "index_sizes",
     "is_real_floating",
     "library_name",
+    "native_attention",
     "one_chunk_along",
     "prepare_attention",
     "qr",
@@ -378,3 +380,50 @@ def written_in_place(x: Array) -> bool:
     kept lazy) or array-api-strict (a test namespace, kept on the portable path).
     """
     return array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x)
+
+
+def native_attention(inputs: AttentionInputs, causal: bool) -> Array | None:
+    """Exact softmax attention by the array library's fused kernel, or None where it has
+    none: ``torch.nn.functional.scaled_dot_product_attention`` for torch tensors,
+    ``jax.nn.dot_product_attention`` for JAX arrays in float32 (it requires ``Dv = D`` and
+    forms float32 logits, so float64 stays on the portable path).
+
+    The contract of :func:`xattn.softmax_attention` holds: the masks combine (a
+    ``key_mask`` stays ``(..., 1, M)``; with ``causal`` too, one ``(..., N, M)`` boolean
+    mask is built), causal masking is top-left, and a query with no allowed key gets a
+    zero row whose gradient is finite (it attends every key inside the kernel, and its
+    row is then replaced by zeros). Inputs are in the compute dtype (float32 for half
+    precision), as on the portable path.
+    """
+    xp, q, k, v = inputs.xp, inputs.q, inputs.k, inputs.v
+    is_torch = array_api_compat.is_torch_array(q)
+    # jax.nn's kernel needs Dv = D and forms float32 logits: float64 stays portable
+    if not is_torch and not (array_api_compat.is_jax_array(q) and v.shape[-1] == q.shape[-1]
+                             and inputs.compute_dtype != xp.float64):
+        return None
+    batch, num_queries, num_keys = inputs.batch_shape, q.shape[-2], k.shape[-2]
+    q, k, v = (xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    mask = None if inputs.key_mask is None else inputs.key_mask[..., None, :]  # (..., 1, M)
+    if causal and mask is not None:  # one (..., N, M) mask: the native kernels take one
+        queries = xp.arange(num_queries, device=inputs.device)[:, None]
+        mask = mask & (queries >= xp.arange(num_keys, device=inputs.device)[None, :])
+    has_keys = None  # per query (or per batch entry): any allowed key
+    if mask is not None:
+        has_keys = xp.any(mask, axis=-1, keepdims=True)
+        mask = xp.broadcast_to(mask | ~has_keys, (*batch, mask.shape[-2], num_keys))
+    out: Array
+    if is_torch:
+        import torch
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=inputs.scale)
+    else:
+        import jax
+        shape = (math.prod(batch), 1)  # (B, T, heads = 1, H), as jax.nn wants
+        out = jax.nn.dot_product_attention(
+            xp.reshape(q, (*shape[:1], num_queries, 1, q.shape[-1])),
+            xp.reshape(k, (*shape[:1], num_keys, 1, k.shape[-1])),
+            xp.reshape(v, (*shape[:1], num_keys, 1, v.shape[-1])),
+            mask=None if mask is None else xp.reshape(mask, (*shape, *mask.shape[-2:])),
+            scale=inputs.scale, is_causal=causal and mask is None)
+        out = xp.reshape(out, (*batch, num_queries, v.shape[-1]))
+    return out if has_keys is None else xp.where(has_keys, out, xp.zeros_like(out))

@@ -5,14 +5,18 @@ from __future__ import annotations
 from xattn._array import (
     Array,
     AttentionInputs,
+    native_attention,
     prepare_attention,
     sequence_positions,
     stream_bounds,
 )
-from xattn._options import DEFAULT_CHUNK_SIZE, check_bool, check_positive_int
+from xattn._options import DEFAULT_CHUNK_SIZE, check_bool, check_choice, check_positive_int
 from xattn._primitives import causal_allowed, join, merge_maxima, nonzero_divisor
 
-__all__ = ["softmax_attention"]
+__all__ = ["IMPLEMENTATIONS", "softmax_attention"]
+
+#: The values of ``softmax_attention(..., implementation=)`` besides None (automatic).
+IMPLEMENTATIONS = ("native", "xattn")
 
 
 
@@ -26,6 +30,7 @@ def softmax_attention(
     causal: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     check_finite: bool = False,
+    implementation: str | None = None,
 ) -> Array:
     r"""Exact softmax attention, numerically stable and chunked over keys.
 
@@ -63,6 +68,16 @@ def softmax_attention(
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.
+    implementation : {None, "native", "xattn"}
+        ``"native"``: the array library's fused kernel,
+        :func:`torch.nn.functional.scaled_dot_product_attention` for torch tensors and
+        :func:`jax.nn.dot_product_attention` for float32 JAX arrays with ``Dv = D`` (it
+        forms float32 logits); ``ValueError`` where there is none. ``"xattn"``: the
+        portable tiled loop above. ``None`` (default): the native kernel where there is
+        one, else the portable loop. Both keep the same contract (masks, top-left causal
+        masking, zero rows for queries without allowed keys, with finite gradients; half
+        precision computed in float32) and agree to rounding. ``chunk_size`` applies to
+        the portable loop.
 
     Returns
     -------
@@ -99,8 +114,19 @@ def softmax_attention(
                                check_finite=check_finite)
     causal = check_bool(causal, "causal")
     chunk_size = check_positive_int(chunk_size, "chunk_size")
+    if implementation is not None:
+        check_choice(implementation, "implementation", IMPLEMENTATIONS)
     if inputs.is_empty:
         return inputs.empty_result()
+    if implementation != "xattn":  # delegate to the library's fused kernel where it has one
+        out = native_attention(inputs, causal)
+        if out is not None:
+            return inputs.finish(out)
+        if implementation == "native":
+            raise ValueError(
+                "implementation='native': no fused attention kernel for these inputs (torch "
+                "tensors, and float32 JAX arrays with Dv = D, have one); use "
+                "implementation=None or 'xattn'")
     xp = inputs.xp
     tiles = [_attend_tile(inputs, start, stop, causal, chunk_size)
              for start, stop in stream_bounds(inputs.q, -2, chunk_size)]
