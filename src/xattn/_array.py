@@ -382,7 +382,8 @@ def written_in_place(x: Array) -> bool:
     return array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x)
 
 
-def native_attention(inputs: AttentionInputs, causal: bool) -> Array | None:
+def native_attention(inputs: AttentionInputs, causal: bool, *,
+                     automatic: bool = False) -> Array | None:
     """Exact softmax attention by the array library's fused kernel, or None where it has
     none: ``torch.nn.functional.scaled_dot_product_attention`` for torch tensors,
     ``jax.nn.dot_product_attention`` for JAX arrays in float32 (it requires ``Dv = D`` and
@@ -394,6 +395,10 @@ def native_attention(inputs: AttentionInputs, causal: bool) -> Array | None:
     zero row whose gradient is finite (it attends every key inside the kernel, and its
     row is then replaced by zeros). Inputs are in the compute dtype (float32 for half
     precision), as on the portable path.
+
+    ``automatic`` (the choice of ``implementation=None``) also returns None for JAX on a
+    CPU backend, where XLA's kernel forms the whole (N, M) score matrix and measured about
+    twice the time of the portable loop (``benchmarks/bench_native_softmax.py``).
     """
     xp, q, k, v = inputs.xp, inputs.q, inputs.k, inputs.v
     is_torch = array_api_compat.is_torch_array(q)
@@ -401,6 +406,10 @@ def native_attention(inputs: AttentionInputs, causal: bool) -> Array | None:
     if not is_torch and not (array_api_compat.is_jax_array(q) and v.shape[-1] == q.shape[-1]
                              and inputs.compute_dtype != xp.float64):
         return None
+    if not is_torch and automatic:
+        import jax
+        if jax.default_backend() == "cpu":
+            return None
     batch, num_queries, num_keys = inputs.batch_shape, q.shape[-2], k.shape[-2]
     q, k, v = (xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     mask = None if inputs.key_mask is None else inputs.key_mask[..., None, :]  # (..., 1, M)
