@@ -71,7 +71,7 @@ def softmax_attention(
     implementation : {None, "native", "xattn"}
         ``"native"``: the array library's fused kernel,
         :func:`torch.nn.functional.scaled_dot_product_attention` for torch tensors and
-        :func:`jax.nn.dot_product_attention` for float32 JAX arrays with ``Dv = D`` (it
+        ``jax.nn.dot_product_attention`` for float32 JAX arrays with ``Dv = D`` (it
         forms float32 logits); ``ValueError`` where there is none. ``"xattn"``: the
         portable tiled loop above. ``None`` (default): the native kernel where there is
         one, else the portable loop; on JAX's CPU backend the portable loop, which
