@@ -224,8 +224,8 @@ def test_bench_small(tmp_path, capsys):
                          "--samples", "24,ra=1", "--out", tmp_path, "--no-progress")
     assert code == 0, err
     payload = load_json(tmp_path / "bench.json")
-    assert set(payload["results"]) == {"softmax", "rfa", "ra", "lara"}
-    assert payload["samples"] == {"softmax": None, "rfa": 24, "ra": 1, "lara": 24}
+    assert set(payload["results"]) == {"softmax (xattn)", "rfa", "ra", "lara"}  # no native
+    assert payload["samples"] == {"softmax (xattn)": None, "rfa": 24, "ra": 1, "lara": 24}
     assert [row["samples"] for row in payload["results"]["lara"]] == [16, 24]  # C <= N
     for rows in payload["results"].values():
         assert [row["length"] for row in rows] == [16, 32]
@@ -333,7 +333,7 @@ def test_bench_samples_each_estimator_once(tmp_path, capsys, spec, expected):
                        "--head-dim", 4, "--samples", spec, "--out", tmp_path, "--no-progress")
     assert code == 0, err
     payload = load_json(tmp_path / "bench.json")
-    assert payload["samples"] == {"softmax": None, **expected}
+    assert payload["samples"] == {"softmax (xattn)": None, **expected}
 
 
 def test_compare_draws_are_bounded_up_front(tmp_path, capsys, monkeypatch):
@@ -357,7 +357,7 @@ def test_bench_measures_each_estimator_once_per_length(tmp_path, capsys):
                          "--head-dim", 4, "--samples", 4, "--out", tmp_path, "--no-progress")
     assert code == 0, err
     payload = load_json(tmp_path / "bench.json")
-    assert list(payload["results"]) == ["softmax", "lara", "rfa"]
+    assert list(payload["results"]) == ["softmax (xattn)", "lara", "rfa"]
     assert payload["lengths"] == [8, 16]
     for rows in payload["results"].values():
         assert [row["length"] for row in rows] == [8, 16]
@@ -655,8 +655,53 @@ def test_bench_reports_peak_memory_and_how(tmp_path, capsys, backend, method):
             assert isinstance(row["peak_memory_bytes"], int) and row["peak_memory_bytes"] > 0
     if backend != "dask":  # Dask's first call also counts its one-time graph machinery
         # exact softmax holds N x chunk scores: its peak grows with N
-        softmax = [row["peak_memory_bytes"] for row in payload["results"]["softmax"]]
+        softmax = [row["peak_memory_bytes"] for row in payload["results"]["softmax (xattn)"]]
         assert softmax[1] > softmax[0]
+
+
+@pytest.mark.parametrize("backend,kernel", [
+    ("torch", "softmax (torch SDPA)"), ("jax", "softmax (jax.nn.dot_product_attention)")])
+def test_bench_measures_the_frameworks_fused_kernel(tmp_path, capsys, backend, kernel):
+    """On torch and JAX the fused kernel is a row of its own, named after it; the headline
+    crossover is against the faster exact row at each length, and each exact row has its
+    own crossover too."""
+    needs(backend)
+    code, out, err = run(capsys, "bench", "--backend", backend, "--lengths", "16,32",
+                         "--head-dim", 8, "--estimators", "rfa", "--samples", 8,
+                         "--out", tmp_path, "--no-progress")
+    assert code == 0, err
+    payload = load_json(tmp_path / "bench.json")
+    assert list(payload["results"]) == ["softmax (xattn)", kernel, "rfa"]
+    assert all(row["time_s"] > 0 for row in payload["results"][kernel])
+    assert set(payload["crossover_length_by_reference"]) == {"softmax (xattn)", kernel}
+    fastest = cli.bench.fastest_rows([payload["results"]["softmax (xattn)"],
+                                      payload["results"][kernel]])
+    assert payload["crossover_length"] == {
+        "rfa": cli.crossover_length(fastest, payload["results"]["rfa"])}
+    assert kernel in out
+
+
+def test_bench_skips_the_fused_kernel_where_it_does_not_fit(tmp_path, capsys, monkeypatch):
+    """JAX's kernel forms the (N, M) scores on a CPU: at lengths where its estimate exceeds
+    the memory available, its row is skipped with the figure, and the others still run."""
+    needs("jax")
+    load_backend = cli.bench.load_backend
+
+    def small_machine(*args):
+        backend = load_backend(*args)
+        backend.memory_available = lambda: 100 * 2**20  # the 4096^2 scores need 128 MiB
+        return backend
+
+    monkeypatch.setattr(cli.bench, "load_backend", small_machine)
+    code, _, err = run(capsys, "bench", "--backend", "jax", "--lengths", "64,4096",
+                       "--head-dim", 4, "--estimators", "rfa", "--samples", 4,
+                       "--out", tmp_path, "--no-progress")
+    assert code == 0, err
+    rows = load_json(tmp_path / "bench.json")["results"]
+    native = rows["softmax (jax.nn.dot_product_attention)"]
+    assert native[0]["time_s"] > 0
+    assert native[1]["time_s"] is None and "more than the 100.0 MiB" in native[1]["skipped"]
+    assert all(row["time_s"] > 0 for row in rows["softmax (xattn)"] + rows["rfa"])
 
 
 @pytest.mark.parametrize("mebibytes", [1, 8])

@@ -1,8 +1,10 @@
-"""``xattn bench``: time and peak memory against sequence length, crossover with softmax."""
+"""``xattn bench``: time and peak memory against sequence length, crossover with exact
+softmax attention (the framework's fused kernel where it has one)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,16 +23,22 @@ from xattn.cli.common import (
 )
 from xattn.cli.figures import loglog_axes, new_figure, save_figure
 from xattn.cli.measure import Backend, Measurement, load_backend, measured
-from xattn.cli.memory import Problem, require_memory
+from xattn.cli.memory import Problem, format_size, require_memory
 from xattn.cli.options import (
     add_common_options,
     int_list,
     nonnegative_float,
     positive_int,
 )
-from xattn.cli.registry import ESTIMATOR_SPECS, SOFTMAX, EstimatorSpec
+from xattn.cli.registry import (
+    ESTIMATOR_SPECS,
+    PORTABLE_SOFTMAX,
+    EstimatorSpec,
+    native_softmax_spec,
+)
 
-__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_LENGTHS", "add_parser", "crossover_length", "run"]
+__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_LENGTHS", "add_parser", "crossover_length",
+           "fastest_rows", "run"]
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DEFAULT_ESTIMATORS = "rfa,ra,lara"
@@ -47,7 +55,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "the memory-pool hook for CuPy; the table says which) of exact softmax and each "
         "estimator at each sequence length N = M, on standard normal inputs; report the "
         "crossover length from which each estimator is faster than exact softmax; write "
-        "DIR/bench.png and DIR/bench.json. Exact softmax is always measured: name only "
+        "DIR/bench.png and DIR/bench.json. Exact softmax is always measured, by xattn's "
+        "portable loop and, on torch and JAX (float32), by the framework's fused kernel "
+        "(torch SDPA, jax.nn.dot_product_attention); the crossover is reported against "
+        "each and against the faster of the two at each length. Lengths where the fused "
+        "kernel's estimated memory exceeds what is available are skipped for it. Name only "
         "estimators in --estimators, each once.")
     add_common_options(parser, DEFAULT_ESTIMATORS)
     parser.add_argument("--lengths", type=int_list, default=list(DEFAULT_LENGTHS),
@@ -76,12 +88,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn bench``."""
     out_dir = output_dir(args.out, ("bench.json", "bench.png"))  # before any work
-    specs = [SOFTMAX, *(ESTIMATOR_SPECS[name] for name in args.estimators)]  # the reference
+    native = native_softmax_spec(args.backend, args.dtype)
+    # the references: xattn's portable loop, and the framework's fused kernel where it has
+    # one (what users of that framework already run)
+    exact = [PORTABLE_SOFTMAX] if native is None else [PORTABLE_SOFTMAX, native]
+    specs = [*exact, *(ESTIMATOR_SPECS[name] for name in args.estimators)]
     functions = {spec.name: spec.load() for spec in specs}
     samples = _bench_samples(args.samples, specs)
     backend = load_backend(args.backend, args.device, args.dtype)
     lengths = sorted(set(args.lengths))
-    _check_memory(specs, samples, lengths, args, backend)
+    too_large = _check_memory(specs, samples, lengths, args, backend, optional=native)
     host_rng = np.random.default_rng(args.seed)
 
     results: dict[str, list[dict[str, Any]]] = {spec.name: [] for spec in specs}
@@ -93,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
             shape = (args.heads, length, args.head_dim)
             q, k, v = (backend.to_backend(host_rng.normal(size=shape)) for _ in range(3))
             for spec in specs:
+                if (spec.name, length) in too_large:
+                    results[spec.name].append({"length": length, "samples": None,
+                                               "time_s": None, "peak_memory_bytes": None,
+                                               "skipped": too_large[spec.name, length]})
+                    advance(bar, f"{spec.name} N={length} skipped")
+                    continue
                 if spec.name in too_slow:
                     results[spec.name].append({"length": length, "samples": None,
                                                "time_s": None, "peak_memory_bytes": None,
@@ -124,9 +146,17 @@ def run(args: argparse.Namespace) -> int:
                 advance(bar, f"{spec.name} N={length}")
             del q, k, v
 
-    crossover = {spec.name: crossover_length(results["softmax"], results[spec.name])
-                 for spec in specs if spec.name != "softmax"}
-    _print_bench_table(results, crossover, lengths)
+    estimators = [spec.name for spec in specs if spec not in exact]
+    fastest = fastest_rows([results[spec.name] for spec in exact])
+    crossover = {name: crossover_length(fastest, results[name]) for name in estimators}
+    by_reference = {spec.name: {name: crossover_length(results[spec.name], results[name])
+                                for name in estimators} for spec in exact}
+    _print_bench_table(results, lengths)
+    for name in estimators:
+        verdicts = [_verdict(crossover[name], "exact softmax (the faster implementation)")]
+        if native is not None:
+            verdicts += [_verdict(by_reference[spec.name][name], spec.name) for spec in exact]
+        print(f"{name}: {'; '.join(verdicts)}")
     print(f"[MiB]: peak memory of the first call, from {backend.memory_method}")
     payload = {
         "command": "bench",
@@ -141,9 +171,12 @@ def run(args: argparse.Namespace) -> int:
         "samples": {spec.name: samples.get(spec.name) for spec in specs},
         "results": results,
         "crossover_length": crossover,
+        "crossover_length_by_reference": by_reference,
         "peak_memory_method": backend.memory_method,
         "crossover_rule": "the smallest measured length from which on the estimator is "
-                          "faster than exact softmax at every larger measured length "
+                          "faster than exact softmax (crossover_length: the faster of the "
+                          "exact rows at each length; crossover_length_by_reference: each "
+                          "exact row) at every larger measured length "
                           "(where softmax was skipped as too slow, its last measured time "
                           "is the bound; a skipped estimator is not faster); null if it "
                           "never is",
@@ -157,10 +190,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_memory(specs: list[EstimatorSpec], samples: dict[str, int], lengths: list[int],
-                  args: argparse.Namespace, backend: Backend) -> None:
-    """Refuse up front the sizes whose estimated memory exceeds what is available."""
+                  args: argparse.Namespace, backend: Backend,
+                  optional: EstimatorSpec | None) -> dict[tuple[str, int], str]:
+    """Refuse up front the sizes whose estimated memory exceeds what is available; the
+    ``optional`` row (the fused kernel, a baseline) is skipped at those lengths instead:
+    returns ``{(name, length): why}`` of the skipped cells."""
     itemsize = 4 if args.dtype == "float32" else 8
+    available = backend.memory_available()
     needs = []
+    skipped = {}
     for length in lengths:
         problem = Problem(batch=args.heads, num_queries=length, num_keys=length,
                           head_dim=args.head_dim, value_dim=args.head_dim, itemsize=itemsize)
@@ -170,8 +208,15 @@ def _check_memory(specs: list[EstimatorSpec], samples: dict[str, int], lengths: 
             count = min(samples.get(spec.name, 1), length)
             label = f"{spec.name} at N = {length}" + (
                 f" with {count} samples" if spec.sample_keyword else "")
-            needs.append((label, fixed + spec.memory(problem, count)))
-    require_memory(needs, backend.memory_available(), backend.describe())
+            need = fixed + spec.memory(problem, count)
+            if spec is optional and available is not None and need > available:
+                skipped[spec.name, length] = (f"needs about {format_size(need)} (estimated), "
+                                              f"more than the {format_size(available)} "
+                                              "available")
+            else:
+                needs.append((label, need))
+    require_memory(needs, available, backend.describe())
+    return skipped
 
 
 def _bench_samples(text: str | None, specs: list[EstimatorSpec]) -> dict[str, int]:
@@ -207,6 +252,24 @@ def _bench_samples(text: str | None, specs: list[EstimatorSpec]) -> dict[str, in
             for name, default in samples.items()}
 
 
+def fastest_rows(reference_rows: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per length, the row of the faster reference (the shortest ``time_s``; rows skipped
+    as too slow or too large, ``time_s`` None, count only where all are skipped).
+
+    Examples
+    --------
+    >>> from xattn.cli.bench import fastest_rows
+    >>> portable = [{"length": 1, "time_s": 2.0}, {"length": 2, "time_s": 3.0}]
+    >>> native = [{"length": 1, "time_s": 1.0}, {"length": 2, "time_s": None}]
+    >>> [row["time_s"] for row in fastest_rows([portable, native])]
+    [1.0, 3.0]
+    """
+    def time_or_inf(row: dict[str, Any]) -> float:
+        return math.inf if row["time_s"] is None else row["time_s"]
+
+    return [min(rows, key=time_or_inf) for rows in zip(*reference_rows, strict=True)]
+
+
 def crossover_length(softmax_rows: list[dict[str, Any]],
                      estimator_rows: list[dict[str, Any]]) -> int | None:
     """Smallest length from which on the estimator beats softmax at every larger length.
@@ -238,11 +301,18 @@ def crossover_length(softmax_rows: list[dict[str, Any]],
     return crossover
 
 
+def _verdict(crossing: int | None, reference: str) -> str:
+    if crossing is None:
+        return f"not faster than {reference} at the measured lengths"
+    return f"faster than {reference} from N = {crossing} on"
+
+
 def _print_bench_table(results: dict[str, list[dict[str, Any]]],
-                       crossover: dict[str, int | None], lengths: Sequence[int]) -> None:
+                       lengths: Sequence[int]) -> None:
     columns = [("length", ">7")]
     for name in results:
-        columns += [(f"{name} [ms]", ">13"), ("[MiB]", ">8")]
+        header = f"{name} [ms]"
+        columns += [(header, f">{max(13, len(header))}"), ("[MiB]", ">8")]
     rows = []
     for index, length in enumerate(lengths):
         cells = [str(length)]
@@ -252,10 +322,6 @@ def _print_bench_table(results: dict[str, list[dict[str, Any]]],
                       format_bytes(row["peak_memory_bytes"])]
         rows.append(cells)
     print(format_table(columns, rows, rule=False))
-    for name, crossing in crossover.items():
-        verdict = (f"faster than exact softmax from N = {crossing} on" if crossing is not None
-                   else "not faster than exact softmax at the measured lengths")
-        print(f"{name}: {verdict}")
 
 
 def _plot_bench(path: Path, results: dict[str, list[dict[str, Any]]],
@@ -263,7 +329,7 @@ def _plot_bench(path: Path, results: dict[str, list[dict[str, Any]]],
     figure, (time_axes, memory_axes) = new_figure(ncols=2)
     for index, (name, rows) in enumerate(results.items()):
         color = f"C{index % 10}"
-        label = name if name == "softmax" else name.upper()
+        label = name if name.startswith("softmax") else name.upper()
         timed = [(row["length"], row["time_s"]) for row in rows
                  if row["time_s"] is not None and row["time_s"] > 0]
         if timed:

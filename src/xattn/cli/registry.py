@@ -9,7 +9,8 @@ from typing import Any
 import xattn
 from xattn.cli.memory import Problem, lara_bytes, ra_bytes, rfa_bytes, softmax_bytes
 
-__all__ = ["ESTIMATOR_SPECS", "SOFTMAX", "EstimatorSpec", "windowed_rfa_spec"]
+__all__ = ["ESTIMATOR_SPECS", "PORTABLE_SOFTMAX", "SOFTMAX", "EstimatorSpec",
+           "native_softmax_spec", "windowed_rfa_spec"]
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,37 @@ ESTIMATOR_SPECS: dict[str, EstimatorSpec] = {
                               bench_samples=64, memory=lara_bytes,
                               options={"deterministic": True}, deterministic=True),
 }
-#: Exact softmax attention, the reference every command measures.
+#: Exact softmax attention, the reference every command measures (the automatic choice
+#: of :func:`xattn.softmax_attention`: the framework's fused kernel where it has one).
 SOFTMAX = EstimatorSpec("softmax", None, lambda: xattn.softmax_attention)
+#: Exact softmax attention by xattn's portable tiled loop, on every backend.
+PORTABLE_SOFTMAX = EstimatorSpec("softmax (xattn)", None, lambda: xattn.softmax_attention,
+                                 options={"implementation": "xattn"})
+
+
+def native_softmax_spec(backend: str, dtype: str) -> EstimatorSpec | None:
+    """Exact softmax attention by the array library's own fused kernel
+    (``xattn.softmax_attention(..., implementation="native")``), named after the kernel:
+    ``"softmax (torch SDPA)"`` on torch, ``"softmax (jax.nn.dot_product_attention)"`` on
+    JAX in float32; None on the backends without one (and JAX in float64, which the
+    kernel computes in float32).
+
+    The memory estimate of JAX's kernel on a CPU counts the (N, M) score matrix that XLA
+    forms there, twice (the scores and their exponentials).
+    """
+    if backend == "torch":
+        return EstimatorSpec("softmax (torch SDPA)", None, lambda: xattn.softmax_attention,
+                             options={"implementation": "native"})
+    if backend != "jax" or dtype != "float32":
+        return None
+
+    def dense_scores(problem: Problem, samples: int | None = None) -> int:
+        return softmax_bytes(problem) + 2 * problem.itemsize * problem.batch * (
+            problem.num_queries * problem.num_keys)
+
+    return EstimatorSpec("softmax (jax.nn.dot_product_attention)", None,
+                         lambda: xattn.softmax_attention, memory=dense_scores,
+                         options={"implementation": "native"})
 
 
 def windowed_rfa_spec(window: int | None, sinks: int) -> EstimatorSpec:
