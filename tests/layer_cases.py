@@ -17,7 +17,8 @@ SMALL_OPTIONS = {"softmax": {}, "rfa": {"num_features": 16}, "ra": {"num_samples
 # Each must fail when the layer is constructed, with the exception type the estimator itself
 # raises for it (TypeError for a wrong type, ValueError for a wrong value).
 BAD_OPTION_VALUES = {
-    "softmax": {"scale": [-1.0, "2", math.nan], "chunk_size": [0, 2.5]},
+    "softmax": {"scale": [-1.0, "2", math.nan], "chunk_size": [0, 2.5],
+                "implementation": ["fused", 1]},
     "rfa": {"num_features": [0, 2.5, True], "feature_map": ["relu"],
             "orthogonal": ["yes", 1], "sample_norm": ["unit"], "scale": [0.0],
             "block_size": [0, 2.5], "chunk_size": [0, 2.5], "window": [-1, 1.5, "a"],

@@ -75,11 +75,14 @@ def test_forward_backward_and_one_optimisation_step(estimator):
     assert after < before
 
 
-def test_softmax_equals_flax_multi_head_attention():
+@pytest.mark.parametrize("implementation", [None, "native", "xattn"])
+def test_softmax_equals_flax_multi_head_attention(implementation):
+    """Through jax.nn.dot_product_attention ("native") and xattn's portable loop."""
     reference = nnx.MultiHeadAttention(NUM_HEADS, IN_FEATURES, qkv_features=8, out_features=6,
                                        decode=False, rngs=nnx.Rngs(0))
     layer = xflax.MultiHeadAttention(NUM_HEADS, IN_FEATURES, qkv_features=8, out_features=6,
-                                     estimator="softmax", rngs=nnx.Rngs(1))
+                                     estimator="softmax", implementation=implementation,
+                                     rngs=nnx.Rngs(1))
     nnx.update(layer, nnx.state(reference, nnx.Param))
     x = inputs()
     np.testing.assert_allclose(layer(x), reference(x), rtol=1e-5, atol=1e-5)

@@ -61,16 +61,18 @@ def test_forward_shape_dtype_and_backward(estimator, layout):
         assert parameter.grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("implementation", [None, "native", "xattn"])
 @pytest.mark.parametrize("batch_first", [False, True])
-def test_softmax_equals_torch_multihead_attention(batch_first):
-    """estimator="softmax" with torch's weights reproduces torch.nn.MultiheadAttention."""
+def test_softmax_equals_torch_multihead_attention(batch_first, implementation):
+    """estimator="softmax" with torch's weights reproduces torch.nn.MultiheadAttention,
+    through SDPA (the default) and through xattn's portable loop."""
     torch.manual_seed(0)
     reference = torch.nn.MultiheadAttention(EMBED_DIM, NUM_HEADS, batch_first=batch_first)
     with torch.no_grad():  # non-zero biases, so that every parameter is compared
         reference.in_proj_bias.normal_()
         reference.out_proj.bias.normal_()
     layer = xtorch.MultiheadAttention(EMBED_DIM, NUM_HEADS, estimator="softmax",
-                                      batch_first=batch_first)
+                                      batch_first=batch_first, implementation=implementation)
     layer.load_state_dict(reference.state_dict())  # strict
     x = inputs((2, 12, EMBED_DIM) if batch_first else (12, 2, EMBED_DIM))
     padding = torch.zeros(2, 12, dtype=torch.bool)

@@ -29,6 +29,7 @@ from xattn._options import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATOR_OPTIONS,
     ESTIMATORS,
+    IMPLEMENTATIONS,
     check_bool,
     check_choice,
     check_estimator,
@@ -150,6 +151,10 @@ class LayerCore:
             pools = tuple(lara_num_samples(options))
             options = {**options, "grid": pools, "num_samples": pools}
             length = math.prod(pools)
+        if options.get("implementation") is not None:  # NumPy has no fused kernel to probe
+            check_choice(options["implementation"], "implementation", IMPLEMENTATIONS)
+            options = {name: value for name, value in options.items()
+                       if name != "implementation"}
         probe = np.zeros((1, length, self.head_dim), dtype=np.float32)
         omega = None
         if self.estimator == "rfa":
@@ -238,7 +243,10 @@ _ESTIMATOR_OPTIONS_DOC = """\
       bins of 2-D adaptive average pooling, so every sequence must have H W tokens),
       ``proposal``, ``weighting``, ``beta``, ``noise_scale``, ``scale``, ``chunk_size``;
     * ``"ra"``: ``num_samples``, ``noise_scale``, ``scale``, ``chunk_size``;
-    * ``"softmax"``: ``scale``, ``chunk_size``.
+    * ``"softmax"``: ``scale``, ``chunk_size``, ``implementation`` (default None: the
+      framework's fused kernel, ``scaled_dot_product_attention`` for torch and
+      ``jax.nn.dot_product_attention`` for JAX in float32 off the CPU backend, else
+      xattn's portable loop; ``"native"`` or ``"xattn"`` to choose).
 
     ``noise_scale`` (default 1, the paper's estimator) acts in training mode only:
     evaluation mode draws no noise."""

@@ -297,10 +297,13 @@ def check_lara_causal(causal: Any) -> bool:
 ESTIMATORS = ("softmax", "rfa", "ra", "lara")
 """Estimator names the layers accept."""
 
+IMPLEMENTATIONS = ("native", "xattn")
+"""The values of ``softmax_attention(..., implementation=)`` besides None (automatic)."""
+
 # Options each estimator takes through the layers' ``**estimator_options``. Keywords the
 # layer sets itself (masks, causal, rng, omega, the train/eval switches) are not among them.
 ESTIMATOR_OPTIONS = {
-    "softmax": ("scale", "chunk_size"),
+    "softmax": ("scale", "chunk_size", "implementation"),
     "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
             "block_size", "chunk_size", "window", "sinks"),
     "ra": ("num_samples", "noise_scale", "scale", "chunk_size"),

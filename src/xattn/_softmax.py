@@ -10,13 +10,17 @@ from xattn._array import (
     sequence_positions,
     stream_bounds,
 )
-from xattn._options import DEFAULT_CHUNK_SIZE, check_bool, check_choice, check_positive_int
+from xattn._options import (
+    DEFAULT_CHUNK_SIZE,
+    IMPLEMENTATIONS,
+    check_bool,
+    check_choice,
+    check_positive_int,
+)
 from xattn._primitives import causal_allowed, join, merge_maxima, nonzero_divisor
 
-__all__ = ["IMPLEMENTATIONS", "softmax_attention"]
+__all__ = ["softmax_attention"]
 
-#: The values of ``softmax_attention(..., implementation=)`` besides None (automatic).
-IMPLEMENTATIONS = ("native", "xattn")
 
 
 
