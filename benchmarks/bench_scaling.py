@@ -3,12 +3,14 @@
 One run measures, on NumPy and torch (CPU), float32, one batch-head, D = Dv = 64, N = M
 from 1024 to 131072:
 
-- time and peak memory of ``softmax_attention`` (up to N = 32768), ``rfa`` (S = 256),
-  ``lara`` (C = 64) and ``ra`` (S = 1, up to N = 16384), and on NumPy causal ``rfa``
-  (S = 256) next to the non-causal call; softmax and ra stop at larger N once one of
-  their calls took longer than ``--time-limit`` seconds;
-- the crossover length against exact softmax (``xattn bench``'s rule), the time growth
-  from N = 16384 to 131072 and the log-log slope;
+- time and peak memory of ``softmax_attention`` (up to N = 32768; its automatic choice:
+  on torch ``scaled_dot_product_attention``, the fused kernel, and next to it xattn's
+  portable loop as ``softmax (xattn)``), ``rfa`` (S = 256), ``lara`` (C = 64) and ``ra``
+  (S = 1, up to N = 16384), and causal ``rfa`` (S = 256) and causal softmax next to the
+  non-causal calls; softmax and ra stop at larger N once one of their calls took longer
+  than ``--time-limit`` seconds;
+- the crossover length against exact softmax (``xattn bench``'s rule; causal RFA against
+  causal softmax), the time growth from N = 16384 to 131072 and the log-log slope;
 - the fp32 GEMM peak of the same library on the same threads (a 2048 x 2048 x 2048
   matmul, and a GEMM of RFA's own shape, 1024 x 64 by 64 x 256), timed in the same rounds
   as RFA at the largest N, and the fraction of it that RFA reaches, counting RFA's FLOPs
@@ -58,15 +60,23 @@ from xattn.cli.common import environment, write_json  # noqa: E402
 from xattn.cli.figures import loglog_axes, new_figure, save_figure  # noqa: E402
 from xattn.cli.measure import Measurement, load_backend, measured  # noqa: E402
 from xattn.cli.memory import rfa_bytes  # noqa: E402
-from xattn.cli.registry import ESTIMATOR_SPECS, SOFTMAX, EstimatorSpec  # noqa: E402
+from xattn.cli.registry import (  # noqa: E402
+    ESTIMATOR_SPECS,
+    PORTABLE_SOFTMAX,
+    SOFTMAX,
+    EstimatorSpec,
+)
 
 HERE = Path(__file__).parent
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 DIM = 64
 SAMPLES = {"rfa": 256, "rfa-causal": 256, "lara": 64, "ra": 1}
-MAX_LENGTH = {"softmax": 32768, "ra": 16384}
+MAX_LENGTH = {"softmax": 32768, "softmax (xattn)": 32768, "softmax-causal": 32768,
+              "ra": 16384}
 RFA_CAUSAL = EstimatorSpec("rfa-causal", "num_features", lambda: xattn.rfa,
                            memory=rfa_bytes, options={"causal": True})
+SOFTMAX_CAUSAL = EstimatorSpec("softmax-causal", None, lambda: xattn.softmax_attention,
+                               options={"causal": True})
 GEMM_SIZE = 2048
 CHUNK = 1024  # the estimators' default chunk_size
 
@@ -119,9 +129,10 @@ def measure_backend(name: str, lengths, repeats: int, causal_repeats: int,
         import torch
 
         torch.set_num_threads(int(THREADS))
-    specs = [SOFTMAX, ESTIMATOR_SPECS["rfa"], ESTIMATOR_SPECS["lara"], ESTIMATOR_SPECS["ra"]]
-    if name == "numpy":
-        specs.append(RFA_CAUSAL)
+    # softmax: the automatic choice (torch: the fused kernel, SDPA), the baseline; on
+    # torch also xattn's portable loop, for comparison
+    specs = [SOFTMAX, *([PORTABLE_SOFTMAX] if name == "torch" else []), ESTIMATOR_SPECS["rfa"],
+             ESTIMATOR_SPECS["lara"], ESTIMATOR_SPECS["ra"], SOFTMAX_CAUSAL, RFA_CAUSAL]
     functions = {spec.name: spec.load() for spec in specs}
     results = {spec.name: [] for spec in specs}
     too_slow: set[str] = set()
@@ -144,7 +155,7 @@ def measure_backend(name: str, lengths, repeats: int, causal_repeats: int,
             measurement, cpu_times = Measurement(), []
             call = measured(cpu_clocked(functions[spec.name], cpu_times), backend,
                             measurement)
-            rounds = causal_repeats if spec.name == "rfa-causal" else repeats
+            rounds = causal_repeats if spec.name.endswith("-causal") else repeats
             runs[spec.name] = (lambda call=call, options=options, arrays=(q, k, v):
                                call(*arrays, **options), measurement, cpu_times, rounds)
         extra = gemm_calls(backend) if length == max(lengths) else {}
@@ -173,7 +184,7 @@ def measure_backend(name: str, lengths, repeats: int, causal_repeats: int,
             if spec.name in MAX_LENGTH and max(measurement.first_time,
                                                row["time_s"]) > time_limit:
                 too_slow.add(spec_name)
-            print(f"  N={length:6d} {spec_name:10s} {1e3 * row['time_s']:10.1f} ms wall "
+            print(f"  N={length:6d} {spec_name:15s} {1e3 * row['time_s']:10.1f} ms wall "
                   f"{1e3 * row['cpu_s']:10.1f} ms cpu  peak "
                   f"{(row['peak_memory_bytes'] or 0) / 2**20:7.1f} MiB  load {load[0]:.1f}",
                   flush=True)
@@ -194,15 +205,21 @@ def timed(rows, key="time_s"):
 
 
 def summary(results: dict, gemm: dict, lengths) -> dict:
-    names = [name for name in results if name != "softmax"]
-    padded = {name: [{"length": row["length"], "time_s": row.get("time_s")} for row in rows]
-              for name, rows in results.items()}
-    out = {"crossover_length": {name: crossover_length(padded["softmax"], padded[name])
+    names = [name for name in results if not name.startswith("softmax")]
+
+    def reference(name: str) -> str:  # causal estimators against causal softmax
+        return "softmax-causal" if name.endswith("-causal") else "softmax"
+
+    def clocked(name: str, clock: str) -> list[dict]:
+        return [{"length": row["length"], "time_s": row.get(clock)} for row in results[name]]
+
+    out = {"crossover_length": {name: crossover_length(clocked(reference(name), "time_s"),
+                                                       clocked(name, "time_s"))
                                 for name in names},
-           "crossover_length_cpu": {name: crossover_length(
-               [{"length": r["length"], "time_s": r.get("cpu_s")} for r in results["softmax"]],
-               [{"length": r["length"], "time_s": r.get("cpu_s")} for r in results[name]])
-               for name in names},
+           "crossover_length_cpu": {name: crossover_length(clocked(reference(name), "cpu_s"),
+                                                           clocked(name, "cpu_s"))
+                                    for name in names},
+           "crossover_reference": {name: reference(name) for name in names},
            "loglog_slope": {}, "growth_16k_to_128k": {}}
     for name, rows in results.items():
         wall, cpu = timed(rows), timed(rows, "cpu_s")
@@ -278,7 +295,7 @@ def plot(path: Path, report: dict) -> None:
     for style, backend in (("-", "numpy"), ("--", "torch")):
         results = report["backends"].get(backend, {}).get("results", {})
         for index, (name, rows) in enumerate(results.items()):
-            if name == "rfa-causal":
+            if name.endswith("-causal"):
                 continue
             wall = timed(rows, "cpu_s")
             label = f"{name} ({backend})"
@@ -293,18 +310,20 @@ def plot(path: Path, report: dict) -> None:
     lengths = report["shape"]["N=M"]
     memory_axes.plot(lengths, [2 * n * DIM * 4 / 2**20 for n in lengths], ":", color="black",
                      label="2 x output")
-    numpy_results = report["backends"].get("numpy", {}).get("results", {})
-    for index, name in enumerate(("rfa", "rfa-causal")):
-        cpu = timed(numpy_results.get(name, []), "cpu_s")
-        if cpu:
-            causal_axes.plot(list(cpu), list(cpu.values()), marker="o", color=f"C{index + 5}",
-                             label=f"{name} (numpy, S = 256)", markersize=3)
+    for style, backend in (("-", "numpy"), ("--", "torch")):
+        results = report["backends"].get(backend, {}).get("results", {})
+        for index, name in enumerate(("rfa", "rfa-causal", "softmax-causal")):
+            cpu = timed(results.get(name, []), "cpu_s")
+            if cpu:
+                causal_axes.plot(list(cpu), list(cpu.values()), style, marker="o",
+                                 color=f"C{index + 5}", label=f"{name} ({backend})",
+                                 markersize=3)
     loglog_axes(time_axes, "N = M", "best CPU time per call [s]")
     loglog_axes(memory_axes, "N = M", "peak memory of one call [MiB]")
     loglog_axes(causal_axes, "N = M", "best CPU time per call [s]")
     time_axes.set_title("time (solid: NumPy, dashed: torch)", fontsize="small")
     memory_axes.set_title("tracemalloc (NumPy), torch.profiler (torch)", fontsize="small")
-    causal_axes.set_title("causal and non-causal RFA", fontsize="small")
+    causal_axes.set_title("causal RFA and softmax", fontsize="small")
     for axes in (time_axes, memory_axes, causal_axes):
         axes.legend(fontsize="x-small")
     save_figure(figure, path)
@@ -345,7 +364,8 @@ def markdown_tables(report: dict) -> str:
         for name in data["results"]:
             growth = data["growth_16k_to_128k"].get(name)
             cross = " / ".join(str(data[key][name] or "never") for key in (
-                "crossover_length", "crossover_length_cpu")) if name != "softmax" else ""
+                "crossover_length", "crossover_length_cpu")) if not name.startswith(
+                    "softmax") else ""
             lines.append(f"| {backend} | `{name}` | {cross} | " + (
                 f"{growth['wall']:.2f} / {growth['cpu']:.2f}" if growth else "") +
                 f" | {data['loglog_slope'][name]:.2f} |")

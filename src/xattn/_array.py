@@ -420,19 +420,22 @@ def native_attention(inputs: AttentionInputs, causal: bool, *,
     if mask is not None:
         has_keys = xp.any(mask, axis=-1, keepdims=True)
         mask = xp.broadcast_to(mask | ~has_keys, (*batch, mask.shape[-2], num_keys))
+    # both kernels take 4-D inputs, every leading dim flattened into one batch of one head:
+    # torch's fused CPU kernel runs only on 4-D inputs (other ranks fall back to forming
+    # the whole score matrix), and jax.nn wants (B, T, heads, H)
+    flat = math.prod(batch)
     out: Array
     if is_torch:
         import torch
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=inputs.scale)
+            *(xp.reshape(x, (flat, 1, *x.shape[-2:])) for x in (q, k, v)),
+            attn_mask=None if mask is None else xp.reshape(mask, (flat, 1, *mask.shape[-2:])),
+            is_causal=causal and mask is None, scale=inputs.scale)
     else:
         import jax
-        shape = (math.prod(batch), 1)  # (B, T, heads = 1, H), as jax.nn wants
         out = jax.nn.dot_product_attention(
-            xp.reshape(q, (*shape[:1], num_queries, 1, q.shape[-1])),
-            xp.reshape(k, (*shape[:1], num_keys, 1, k.shape[-1])),
-            xp.reshape(v, (*shape[:1], num_keys, 1, v.shape[-1])),
-            mask=None if mask is None else xp.reshape(mask, (*shape, *mask.shape[-2:])),
+            *(xp.reshape(x, (flat, x.shape[-2], 1, x.shape[-1])) for x in (q, k, v)),
+            mask=None if mask is None else xp.reshape(mask, (flat, 1, *mask.shape[-2:])),
             scale=inputs.scale, is_causal=causal and mask is None)
-        out = xp.reshape(out, (*batch, num_queries, v.shape[-1]))
+    out = xp.reshape(out, (*batch, num_queries, v.shape[-1]))
     return out if has_keys is None else xp.where(has_keys, out, xp.zeros_like(out))
