@@ -9,9 +9,12 @@ Estimators (each a function of ``q (..., N, D)``, ``k (..., M, D)``, ``v (..., M
 - :func:`lara`: linear randomized attention (multiple-importance sampling, linear cost).
 
 Helpers of the estimators: :func:`default_num_features`,
-:class:`TrigonometricDenominatorWarning`, :func:`lara_weights`, :func:`balance_heuristic`
-and the constants :data:`ESTIMATORS` (the four names, as the layers' ``estimator=`` and
-``xattn train`` take them), :data:`PROPOSALS`, :data:`WEIGHTINGS`, :data:`WEIGHT_FLOOR`.
+:class:`TrigonometricDenominatorWarning`, :func:`lara_weights`, :func:`balance_heuristic`,
+the states that continue a causal sequence (generation: ``return_state=True``, then
+``state=``), :class:`RFAState` (fixed size), :class:`SoftmaxState` and :class:`RAState`
+(key-value caches), and the constants :data:`ESTIMATORS` (the four names, as the layers'
+``estimator=`` and ``xattn train`` take them), :data:`PROPOSALS`, :data:`WEIGHTINGS`,
+:data:`WEIGHT_FLOOR`.
 
 Submodules, reachable after ``import xattn`` (loaded on first use, so that a framework is
 imported only when its layer is asked for): :mod:`xattn.random` (the random-number
@@ -32,12 +35,16 @@ from xattn._options import ESTIMATORS
 from xattn._ra import ra
 from xattn._rfa import TrigonometricDenominatorWarning, default_num_features, rfa
 from xattn._softmax import softmax_attention
+from xattn._state import RAState, RFAState, SoftmaxState
 
 __all__ = [
     "ESTIMATORS",
     "PROPOSALS",
     "WEIGHTINGS",
     "WEIGHT_FLOOR",
+    "RAState",
+    "RFAState",
+    "SoftmaxState",
     "TrigonometricDenominatorWarning",
     "balance_heuristic",
     "default_num_features",

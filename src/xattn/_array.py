@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from xattn._options import check_bool, check_scale
 __all__ = [
     "AttentionInputs",
     "array_namespace",
+    "check_samples",
     "compute_dtype",
     "concrete_count",
     "host_to_device",
@@ -34,6 +36,7 @@ __all__ = [
     "one_chunk_along",
     "prepare_attention",
     "qr",
+    "register_pytree",
     "sequence_positions",
     "stream_bounds",
     "written_in_place",
@@ -161,8 +164,11 @@ class AttentionInputs:
         Built from the inputs rather than by ``xp.zeros``: Dask cannot create (or reduce)
         some zero-size arrays, and a product of size-0 slices stays lazy and cheap.
         """
-        empty = self.q[..., :1] @ self.v[..., :1, :]  # (..., N, Dv) with size 0
         shape = (*self.batch_shape, self.num_queries, self.v.shape[-1])
+        if self.num_keys == 0:  # a call that continues a sequence with no new token
+            return self.finish(self.xp.zeros(shape, dtype=self.compute_dtype,
+                                             device=self.device))
+        empty = self.q[..., :1] @ self.v[..., :1, :]  # (..., N, Dv) with size 0
         return self.finish(self.xp.broadcast_to(empty, shape))
 
     def finish(self, out: Array) -> Array:
@@ -197,6 +203,7 @@ def prepare_attention(
     key_mask: Any = None,
     query_mask: Any = None,
     check_finite: bool = False,
+    continuing: bool = False,
 ) -> AttentionInputs:
     """Validate ``q, k, v`` and the masks of an attention call.
 
@@ -204,6 +211,9 @@ def prepare_attention(
     ``M`` of k equals ``M`` of v; real floating dtypes; boolean masks of shape
     ``(..., M)`` / ``(..., N)``; leading dims that broadcast. Half-precision inputs are
     cast to float32 for the computation (:meth:`AttentionInputs.finish` casts back).
+    With ``continuing`` (a call with ``state=`` or ``return_state=True``) q, k and v are
+    the new tokens of one sequence: ``N = M`` is required, and ``M = 0`` is allowed (the
+    state holds the keys seen before).
 
     **Non-finite inputs.** With ``check_finite=True``, NaN or infinity anywhere in q, k
     or v (masked entries included) raises a ``ValueError`` naming the array. The check
@@ -238,7 +248,11 @@ def prepare_attention(
         raise ValueError(f"k and v must have the same number of keys M: k has shape "
                          f"{tuple(k.shape)} (..., M, D), v has shape {tuple(v.shape)} (..., M, Dv)")
     num_queries, num_keys = q.shape[-2], k.shape[-2]
-    if num_keys == 0:
+    if continuing and num_queries != num_keys:
+        raise ValueError(f"with state= or return_state=True, q and k are the new tokens of one "
+                         f"sequence and must have as many rows (N = M): q has shape "
+                         f"{tuple(q.shape)} (..., N, D), k has shape {tuple(k.shape)} (..., M, D)")
+    if num_keys == 0 and not continuing:
         raise ValueError(f"k must hold at least one key (M >= 1), got shape {tuple(k.shape)}; "
                          "attention over an empty key set is undefined")
     if q.shape[-1] == 0:
@@ -280,6 +294,44 @@ def prepare_attention(
         scale=check_scale(scale, q.shape[-1]), dtype=dtype, compute_dtype=work,
         device=device, batch_shape=batch_shape,
     )
+
+
+def check_samples(xp: Any, q: Array, omega: Any, num_features: int | None, head_dim: int,
+                  work: Any) -> Array:
+    """RFA's explicit samples ``omega``: an ``(S, D)`` real floating array of the library of
+    ``q`` (``S = num_features`` when given), returned in the compute dtype ``work``."""
+    array_namespace(q, omega, names=("q", "omega"))
+    expected_rows = "S" if num_features is None else str(num_features)
+    shape = tuple(omega.shape)
+    if (len(shape) != 2 or shape[1] != head_dim or shape[0] < 1
+            or (num_features is not None and shape[0] != num_features)):
+        raise ValueError(
+            f"omega must have shape (S, D) = ({expected_rows}, {head_dim}) (one sample per "
+            f"row, D the last dim of q), got shape {shape}"
+        )
+    if not xp.isdtype(omega.dtype, "real floating"):
+        raise TypeError(f"omega must have a real floating dtype, got {omega.dtype}")
+    return omega if omega.dtype == work else xp.astype(omega, work)
+
+
+_PYTREES: set[type] = set()
+
+
+def register_pytree(cls: type, data_fields: tuple[str, ...],
+                    meta_fields: tuple[str, ...]) -> None:
+    """Register the dataclass ``cls`` as a JAX pytree (its arrays the ``data_fields``, the
+    static ``meta_fields`` hashable) once JAX is imported; without JAX, nothing.
+
+    Called whenever an instance is made (``__post_init__``), so that importing xattn never
+    imports JAX and an instance holding JAX arrays is a pytree before it reaches
+    :func:`jax.jit` or :func:`jax.lax.scan`.
+    """
+    jax = sys.modules.get("jax")
+    if cls in _PYTREES or jax is None or not hasattr(jax, "tree_util"):
+        return
+    _PYTREES.add(cls)
+    jax.tree_util.register_dataclass(cls, data_fields=list(data_fields),
+                                     meta_fields=list(meta_fields))
 
 
 def host_to_device(xp: Any, host: np.ndarray, *, dtype: Any, device: Any) -> Array:

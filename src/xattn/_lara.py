@@ -38,6 +38,7 @@ from xattn._options import (
     check_choice,
     check_finite_real,
     check_lara_causal,
+    check_lara_state,
     check_noise_scale,
     check_positive_int,
     check_segments,
@@ -203,6 +204,8 @@ def lara(
     rng: Any = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     check_finite: bool = False,
+    state: Any = None,
+    return_state: bool = False,
 ) -> Array:
     r"""Linear randomized attention (LARA), O((N + M) C) in time and memory.
 
@@ -297,6 +300,12 @@ def lara(
         and its query-softmax weights look ahead (every output row depends on every query
         and key), so ``causal=True`` raises ``ValueError``, the error the layers raise for
         causal masking with ``estimator="lara"``.
+    state : None
+        None only, and ``return_state`` False only: continuing a sequence (generation)
+        needs a causal mode, so a state raises ``ValueError``. A causal LARA will take the
+        protocol of :func:`xattn.rfa` (``state=``, ``return_state=True``).
+    return_state : bool
+        False only (see ``state``).
     rng : None, int, xattn.random.Generator or native generator
         Source of the noise :math:`\epsilon_c \sim N(0, I)` (before ``noise_scale``),
         drawn with shape
@@ -380,6 +389,7 @@ def lara(
     >>> xattn.lara(q, k, v, num_samples=(7, 7), grid=(14, 14), rng=0).shape
     (3, 196, 8)
     """
+    check_lara_state(state, return_state)
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
                                check_finite=check_finite)
     shapes = f"q shape {tuple(inputs.q.shape)}, k shape {tuple(inputs.k.shape)}"

@@ -17,7 +17,8 @@ Each check takes the value and the argument's name (for the message), returns th
 as a Python type, and raises as above; each message names the argument and says what it
 accepts. The module also holds the
 defaults that several modules share (:data:`DEFAULT_CHUNK_SIZE`,
-:data:`DEFAULT_RA_CHUNK_SIZE`, the layers' :data:`DEFAULT_LARA_SAMPLES`). It imports
+:data:`DEFAULT_RA_CHUNK_SIZE`, RFA's :func:`default_num_features`, the layers'
+:data:`DEFAULT_LARA_SAMPLES`). It imports
 nothing from xattn, so that every module can use it.
 """
 
@@ -36,11 +37,13 @@ __all__ = [
     "DEFAULT_RA_CHUNK_SIZE",
     "ESTIMATORS",
     "ESTIMATOR_OPTIONS",
+    "IMPLEMENTATIONS",
     "check_bool",
     "check_choice",
     "check_estimator",
     "check_finite_real",
     "check_lara_causal",
+    "check_lara_state",
     "check_noise_scale",
     "check_nonnegative_int",
     "check_positive_int",
@@ -48,6 +51,7 @@ __all__ = [
     "check_segments",
     "check_sizes",
     "check_window",
+    "default_num_features",
     "lara_num_samples",
     "pair_of_ints",
 ]
@@ -66,6 +70,28 @@ DEFAULT_RA_CHUNK_SIZE = 128
 Smaller than :data:`DEFAULT_CHUNK_SIZE` because a step of RA holds
 ``(chunk_size, M)`` arrays (each of its rows is a softmax over all M keys), which grow
 with the number of keys where the other estimators' pieces do not."""
+
+
+def default_num_features(head_dim: int) -> int:
+    """Performer's default number of samples, ``max(D, int(D ln D))``.
+
+    Parameters
+    ----------
+    head_dim : int
+        The head dimension ``D`` of the queries and keys.
+
+    Returns
+    -------
+    int
+        The number of random features ``S`` used when ``num_features=None``.
+
+    Examples
+    --------
+    >>> import xattn
+    >>> xattn.default_num_features(64)
+    266
+    """
+    return max(head_dim, int(head_dim * math.log(head_dim)))
 
 
 # -- generic checks ---------------------------------------------------------------------------
@@ -152,7 +178,7 @@ def check_noise_scale(noise_scale: Any) -> float:
     return float(noise_scale)
 
 
-def check_window(window: Any, sinks: Any, num_keys: int) -> tuple[int, int]:
+def check_window(window: Any, sinks: Any, num_keys: int | None) -> tuple[int, int]:
     """Check RFA's ``window`` and ``sinks``.
 
     Parameters
@@ -160,9 +186,10 @@ def check_window(window: Any, sinks: Any, num_keys: int) -> tuple[int, int]:
     window : Any
         None or an int >= 0 (0 and None both mean no exact band).
     sinks : Any
-        An int, ``0 <= sinks <= M``.
-    num_keys : int
-        ``M``, the number of keys.
+        None (0) or an int, ``0 <= sinks <= M``.
+    num_keys : int or None
+        ``M``, the number of keys; None where the sinks may come later (a call that
+        starts or continues a sequence, ``return_state=True``).
 
     Returns
     -------
@@ -177,8 +204,8 @@ def check_window(window: Any, sinks: Any, num_keys: int) -> tuple[int, int]:
         If either is negative, or ``sinks > M``.
     """
     window = 0 if window is None else check_nonnegative_int(window, "window")
-    sinks = check_nonnegative_int(sinks, "sinks")
-    if sinks > num_keys:
+    sinks = 0 if sinks is None else check_nonnegative_int(sinks, "sinks")
+    if num_keys is not None and sinks > num_keys:
         raise ValueError(f"sinks must be <= M = {num_keys} (the number of keys), got {sinks}")
     return window, sinks
 
@@ -290,6 +317,29 @@ def check_lara_causal(causal: Any) -> bool:
                          "yet: LARA's segment proposals and its query-softmax weights look "
                          "ahead); use 'rfa', 'ra' or 'softmax' with causal masking")
     return False
+
+
+def check_lara_state(state: Any, return_state: Any) -> None:
+    """Check LARA's ``state`` and ``return_state``, which only None and False pass for now.
+
+    Continuing a sequence needs a causal mode, which LARA does not have yet
+    (:func:`check_lara_causal`); a later causal LARA will take the protocol of the other
+    estimators (``state=``, ``return_state=True``).
+
+    Raises
+    ------
+    TypeError
+        If ``return_state`` is not a bool.
+    ValueError
+        If ``state`` is not None or ``return_state`` is True.
+    """
+    for name, given in (("state", state is not None),
+                        ("return_state", check_bool(return_state, "return_state"))):
+        if given:
+            raise ValueError(f"lara() takes no {name}=: LARA has no causal mode yet, so it "
+                             "cannot continue a sequence (generation); use 'rfa' (fixed-size "
+                             "state), 'ra' or 'softmax_attention' (key-value caches) with "
+                             f"causal=True and {name}=")
 
 
 # -- options of the layers --------------------------------------------------------------------

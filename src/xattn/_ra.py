@@ -40,6 +40,7 @@ from xattn._array import (
     prepare_attention,
     sequence_positions,
 )
+from xattn._decode import extend_cache
 from xattn._options import (
     DEFAULT_RA_CHUNK_SIZE,
     check_bool,
@@ -47,6 +48,7 @@ from xattn._options import (
     check_positive_int,
 )
 from xattn._primitives import finite_shift, join, nonzero_divisor
+from xattn._state import RAState, check_state_call, check_state_inputs, empty_cache
 from xattn.random import as_generator
 
 __all__ = ["ra"]
@@ -264,7 +266,9 @@ def ra(
     rng: Any = None,
     chunk_size: int = DEFAULT_RA_CHUNK_SIZE,
     check_finite: bool = False,
-) -> Array:
+    state: RAState | None = None,
+    return_state: bool = False,
+) -> Any:
     r"""Randomized attention (RA): unbiased (or biased) Monte Carlo softmax attention.
 
     For every query :math:`n` and each of its ``num_samples`` samples :math:`s`
@@ -358,17 +362,30 @@ def ra(
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.
+    state : RAState, optional
+        A key-value cache (``causal=True``) to continue: q, k and v are the ``L`` tokens
+        after the ``P`` cached ones (``N = M = L``, 0 allowed); query ``P + j`` attends the
+        cached keys and the new ones up to its own, in :math:`\pi` and :math:`f_n`. The
+        call draws for its own queries from ``rng`` (the draw order above, with ``L``
+        queries), so each estimate is that of one causal call over all ``P + L`` tokens
+        with the same draws for that query, and stays unbiased. Deterministic mode has no
+        draws: pieces equal one call up to rounding.
+    return_state : bool
+        Return ``(out, state)``, the :class:`~xattn.RAState` grown by these tokens
+        (``causal=True``; ``N = M``).
 
     Returns
     -------
-    array, shape (..., N, Dv)
-        In the namespace, device and dtype of the inputs; leading dims broadcast.
+    array, shape (..., N, Dv), or (array, RAState)
+        In the namespace, device and dtype of the inputs; leading dims broadcast. With
+        ``return_state``, the pair ``(out, state)``.
 
     Raises
     ------
     ValueError
         ``num_samples`` or ``chunk_size`` < 1, ``deterministic=True`` with
-        ``biased=False``, or inputs/masks of the wrong shape.
+        ``biased=False``, inputs/masks of the wrong shape, ``state`` or ``return_state``
+        without ``causal``, a state of other heads.
     TypeError
         Non-bool flags, non-integer counts, wrong dtypes or mixed array libraries.
 
@@ -406,6 +423,7 @@ def ra(
     biased = check_bool(biased, "biased")
     deterministic = check_bool(deterministic, "deterministic")
     causal = check_bool(causal, "causal")
+    stateful = check_state_call(state, return_state, causal, RAState)
     noise_scale = check_noise_scale(noise_scale)
     if deterministic and not biased:
         raise ValueError(
@@ -414,11 +432,17 @@ def ra(
             "deterministic=True for the paper's evaluation mode"
         )
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
-                               check_finite=check_finite)
+                               check_finite=check_finite, continuing=stateful)
+    offset = 0  # the position of the first query: keys before it are in the cache
+    if stateful:  # attend the cached keys and the new ones (xattn._decode)
+        state = empty_cache(RAState, inputs) if state is None else state
+        check_state_inputs(state, inputs)
+        offset = state.position
+        inputs, state = extend_cache(inputs, state)
     keys = _key_side(inputs)
     generator = None if deterministic else as_generator(rng)
     if inputs.is_empty:
-        return inputs.empty_result()
+        return (inputs.empty_result(), state) if return_state else inputs.empty_result()
     num_draws = 1 if deterministic else num_samples  # deterministic: the samples coincide
     uniforms, noise = _draw_randomness(inputs, generator, num_draws, biased=biased,
                                        noise_scale=noise_scale)
@@ -431,8 +455,8 @@ def ra(
     for start in range(0, inputs.num_queries, queries_per_step):
         stop = min(start + queries_per_step, inputs.num_queries)
         q_chunk = q_hat[..., start:stop, :]  # (..., B, D)
-        query_positions = (inputs.xp.arange(start, stop, device=inputs.device) if causal
-                           else None)
+        query_positions = (inputs.xp.arange(start + offset, stop + offset,
+                                            device=inputs.device) if causal else None)
         mixture = _mixture(keys, q_chunk, query_positions, biased=biased)
         total = None  # sum over the samples of f_n(omega_ns), (..., B, Dv)
         for sample_start in range(0, num_draws, samples_per_step):
@@ -449,5 +473,5 @@ def ra(
         assert total is not None  # num_draws >= 1: the sample loop ran
         outputs.append(total if num_draws == 1 else total / num_draws)  # mean over samples
 
-    out = join(inputs.xp, outputs, axis=-2)
-    return inputs.finish(out)
+    out = inputs.finish(join(inputs.xp, outputs, axis=-2))
+    return (out, state) if return_state else out

@@ -40,7 +40,7 @@ are selected away with ``where``, never multiplied by zero).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any, Protocol
 
 import array_api_compat
@@ -55,16 +55,8 @@ from xattn._primitives import (
 )
 from xattn.features import log_positive_features
 
-__all__ = [
-    "PAIR_BLOCK",
-    "FeatureMap",
-    "PositiveMap",
-    "TrigonometricMap",
-    "combine_partials",
-    "finish_partial",
-    "scan_partials",
-    "state_over_keys",
-]
+__all__ = ["PAIR_BLOCK", "FeatureMap", "PositiveMap", "TrigonometricMap", "combine_partials",
+           "finish_partial", "scan_partials", "state_over_keys"]
 
 PAIR_BLOCK = 8
 """Positions per sub-block whose query-key pairs are computed exactly (positive maps)."""
@@ -424,15 +416,17 @@ def state_over_keys(xp: Any, mapping: FeatureMap, k: Array, v: Array, *, root_sc
 
 def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *, root_scale: float,
                   key_mask: Array | None, first_key: int, offset: int, reverse: bool,
-                  block_size: int, chunk_size: int,
-                  batch_shape: tuple[int, ...]) -> Iterator[Partial]:
+                  block_size: int, chunk_size: int, batch_shape: tuple[int, ...],
+                  initial: State | None = None) -> Generator[Partial, None, State]:
     """Partials of the queries over their prefix (or suffix) keys, block by block.
 
     Query ``n`` takes the keys ``m <= n - offset`` (``reverse=False``) or ``m >= n +
     offset`` (``reverse=True``) that are valid (``key_mask``, ``m >= first_key``). The
     blocks ``[start, start + block_size)`` are yielded as they are computed: from the
     first with ``reverse=False``, from the last with ``reverse=True`` (the caller keeps
-    what it needs of them, :func:`xattn._window.windowed_rfa`).
+    what it needs of them, :func:`xattn._window.windowed_rfa`). ``initial`` (forward only)
+    is the state of keys before all of ``k``, every query's (a sequence continued,
+    :mod:`xattn._decode`); the generator returns the state after the last block.
 
     Design: a generator, so that a caller walks the blocks in lock-step with its own
     work on the same positions: :func:`xattn._window.windowed_rfa` runs one scan for the
@@ -447,7 +441,8 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     width = v.shape[-1] + 1
     blocks = [(start, min(start + block_size, num_queries))
               for start in range(0, num_queries, block_size)]
-    state = mapping.empty_state(batch_shape, width, q.dtype, device)
+    state = (mapping.empty_state(batch_shape, width, q.dtype, device) if initial is None
+             else initial)
     if reverse and num_queries + offset < num_keys:
         # keys after the last query's reach are in every query's suffix
         state = state_over_keys(xp, mapping, k, v, root_scale=root_scale, key_mask=key_mask,
@@ -455,7 +450,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                                 stop=num_keys, chunk_size=chunk_size,
                                 batch_shape=batch_shape)
 
-    def run() -> Iterator[Partial]:
+    def run() -> Generator[Partial, None, State]:
         nonlocal state
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start
@@ -495,5 +490,6 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                 partial = (xp.flip(shift, axis=-2), xp.flip(sums, axis=-2),
                            xp.flip(weight, axis=-2))
             yield partial
+        return state
 
     return run()

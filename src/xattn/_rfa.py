@@ -30,17 +30,19 @@ from typing import Any
 
 from xattn._array import (
     Array,
-    array_namespace,
+    check_samples,
     concrete_count,
     prepare_attention,
     stream_bounds,
 )
+from xattn._decode import continue_rfa
 from xattn._options import (
     DEFAULT_CHUNK_SIZE,
     check_bool,
     check_choice,
     check_positive_int,
     check_window,
+    default_num_features,
 )
 from xattn._primitives import RowPieces, finite_rows
 from xattn._rf_scan import (
@@ -51,6 +53,12 @@ from xattn._rf_scan import (
     finish_partial,
     scan_partials,
     state_over_keys,
+)
+from xattn._state import (
+    RFAState,
+    check_state_call,
+    empty_rfa_state,
+    rfa_state_options,
 )
 from xattn._window import windowed_rfa
 from xattn.features import (
@@ -92,35 +100,13 @@ class TrigonometricDenominatorWarning(RuntimeWarning):
     """
 
 
-def default_num_features(head_dim: int) -> int:
-    """Performer's default number of samples, ``max(D, int(D ln D))``.
-
-    Parameters
-    ----------
-    head_dim : int
-        The head dimension ``D`` of the queries and keys.
-
-    Returns
-    -------
-    int
-        The number of random features ``S`` used when ``num_features=None``.
-
-    Examples
-    --------
-    >>> import xattn
-    >>> xattn.default_num_features(64)
-    266
-    """
-    return max(head_dim, int(head_dim * math.log(head_dim)))
-
-
 def rfa(
     q: Array,
     k: Array,
     v: Array,
     *,
     num_features: int | None = None,
-    feature_map: str = "positive",
+    feature_map: str | None = None,
     orthogonal: bool = True,
     omega: Array | None = None,
     scale: float | None = None,
@@ -132,8 +118,10 @@ def rfa(
     sample_norm: str = "chi",
     check_finite: bool = False,
     window: int | None = None,
-    sinks: int = 0,
-) -> Array:
+    sinks: int | None = None,
+    state: RFAState | None = None,
+    return_state: bool = False,
+) -> Any:
     r"""Random feature attention (RFA / Performer FAVOR+), a linear-cost estimate of
     softmax attention.
 
@@ -215,6 +203,12 @@ def rfa(
     ``O(N (2w + 1 + K) D + (N + M) S D)``. ``window=None`` or ``0`` with ``sinks=0`` is
     plain RFA (the same code and result).
 
+    **Generation.** ``return_state=True`` returns the state that ``state=`` continues: a
+    sequence given in pieces gets the outputs and state of one causal call on all of it,
+    up to rounding. The state has a fixed size (:class:`~xattn.RFAState`); a piece of
+    ``L`` tokens is scanned in blocks like a causal call, so one token costs ``O((S + w +
+    K) D + S Dv)`` whatever came before, and a decode loop runs under :func:`jax.lax.scan`.
+
     **Memory.** The output is made a chunk (or block) of queries at a time. On NumPy and
     CuPy each piece is written into the result as it is made, so the output is held
     once: the peak besides the inputs is the output plus a working set that does not
@@ -243,8 +237,8 @@ def rfa(
     num_features : int, optional
         Number of samples ``S`` (>= 1). Default: ``omega.shape[0]`` if ``omega`` is given,
         else ``max(D, int(D ln D))``.
-    feature_map : {"positive", "hyperbolic", "trigonometric"}
-        The randomized mapping.
+    feature_map : {"positive", "hyperbolic", "trigonometric"}, optional
+        The randomized mapping; None: that of ``state``, else ``"positive"``.
     orthogonal : bool
         Draw block-orthogonal samples (default) or iid Gaussian ones (see
         :func:`xattn.features.sample_omega`). Ignored when ``omega`` is given.
@@ -273,13 +267,23 @@ def rfa(
         NaN propagates); see :ref:`non-finite-inputs`.
     window : int, optional
         Half-width ``w`` of the exact band :math:`|n - m| \le w`; ``None`` or 0: no band.
-    sinks : int
-        Number ``K`` of leading keys (attention sinks) computed exactly, ``0 <= K <= M``.
+    sinks : int, optional
+        Number ``K`` of leading keys (attention sinks) computed exactly, ``0 <= K <= M``
+        (any ``K`` with ``return_state``); None: 0, or that of ``state``.
+    state : RFAState, optional
+        Continue a sequence (``causal=True``): q, k, v are the ``L`` tokens after the ``P``
+        that ``state`` has seen, at positions ``P .. P + L - 1`` (``N = M = L``, 0 allowed).
+        The samples, feature map, ``window``, ``sinks`` and scale are the state's (``rng``,
+        ``orthogonal``, ``sample_norm`` unused); one given must equal the state's.
+    return_state : bool
+        Return ``(out, state)``, the :class:`~xattn.RFAState` after these tokens
+        (``causal=True``; ``N = M``).
 
     Returns
     -------
-    array, shape (..., N, Dv)
-        In the namespace, device and dtype of the inputs; leading dims broadcast.
+    array, shape (..., N, Dv), or (array, RFAState)
+        In the namespace, device and dtype of the inputs; leading dims broadcast. With
+        ``return_state``, the pair ``(out, state)``.
 
     Raises
     ------
@@ -346,16 +350,31 @@ def rfa(
     (2, 5, 3)
     >>> bool(np.allclose(xattn.rfa(q, k, v, num_features=8, rng=0, window=7), exact))
     True
+
+    Generation: a prefill returns the state, the next token continues it:
+
+    >>> x = dict(num_features=64, rng=0, causal=True, window=2)
+    >>> out, state = xattn.rfa(k[:, :6], k[:, :6], v[:, :6], return_state=True, **x)
+    >>> out_t = xattn.rfa(k[:, 6:], k[:, 6:], v[:, 6:], causal=True, state=state)
+    >>> bool(np.allclose(out_t, xattn.rfa(k, k, v, **x)[:, 6:]))
+    True
     """
-    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
-                               check_finite=check_finite)
-    check_choice(feature_map, "feature_map", FEATURE_MAPS)
-    check_choice(sample_norm, "sample_norm", SAMPLE_NORMS)
     causal = check_bool(causal, "causal")
+    stateful = check_state_call(state, return_state, causal, RFAState)
+    if state is not None:  # the options of the sequence that the state continues
+        feature_map, window, sinks, scale = rfa_state_options(
+            state, num_features=num_features, feature_map=feature_map, omega=omega,
+            window=window, sinks=sinks, scale=scale)
+        omega = state.omega
+    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
+                               check_finite=check_finite, continuing=stateful)
+    feature_map = check_choice("positive" if feature_map is None else feature_map,
+                               "feature_map", FEATURE_MAPS)
+    check_choice(sample_norm, "sample_norm", SAMPLE_NORMS)
     orthogonal = check_bool(orthogonal, "orthogonal")
     block_size = check_positive_int(block_size, "block_size")
     chunk_size = check_positive_int(chunk_size, "chunk_size")
-    window, sinks = check_window(window, sinks, inputs.num_keys)
+    window, sinks = check_window(window, sinks, None if stateful else inputs.num_keys)
     if num_features is not None:
         num_features = check_positive_int(num_features, "num_features")
     xp, work, device = inputs.xp, inputs.compute_dtype, inputs.device
@@ -366,12 +385,12 @@ def rfa(
             num_features = default_num_features(head_dim)
         omega = sample_omega(rng, num_features, head_dim, xp=xp, dtype=work, device=device,
                              orthogonal=orthogonal, norm=sample_norm)
-    else:
-        omega = _check_omega(xp, q, omega, num_features, head_dim, work)
-    if inputs.is_empty:  # the block loops have no block for N = 0
+    elif state is None:  # a state's samples are checked with it (xattn._decode)
+        omega = check_samples(xp, q, omega, num_features, head_dim, work)
+    if inputs.is_empty and not stateful:  # the block loops have no block for N = 0
         return inputs.empty_result()
 
-    trigonometric = feature_map == "trigonometric"
+    samples, trigonometric = omega, feature_map == "trigonometric"
     if feature_map == "hyperbolic":
         # xi(x, w) = 2^{-1/2} [xi+(x, w), xi+(x, -w)]: the positive map with samples +-w;
         # the 2^{-1/2} factor is common to numerator and denominator and cancels
@@ -382,7 +401,12 @@ def rfa(
     else:
         mapping = PositiveMap(xp, omega, pair_block=min(PAIR_BLOCK, block_size))
 
-    if window or sinks:
+    if stateful:  # a piece of a sequence (xattn._decode), the first one without state
+        out, invalid, state = continue_rfa(
+            xp, inputs, mapping, state or empty_rfa_state(inputs, mapping, samples, feature_map,
+                                                          window, sinks),
+            block_size=block_size, chunk_size=chunk_size, guard=trigonometric)
+    elif window or sinks:
         out, invalid = windowed_rfa(xp, inputs, mapping, window=window, sinks=sinks,
                                     causal=causal, block_size=block_size,
                                     chunk_size=chunk_size, guard=trigonometric)
@@ -394,7 +418,7 @@ def rfa(
         out, invalid = _positive(xp, inputs, omega, chunk_size), None
     if invalid is not None:
         _warn_if_any(xp, invalid)
-    return inputs.finish(out)
+    return (inputs.finish(out), state) if return_state else inputs.finish(out)
 
 
 def _positive(xp: Any, inputs: Any, omega: Array, chunk_size: int) -> Array:
@@ -460,22 +484,6 @@ def _causal(xp: Any, inputs: Any, mapping: FeatureMap, block_size: int, chunk_si
         if clamped is not None:
             clamped.put(start, invalid)
     return out.result(), None if clamped is None else clamped.result()
-
-
-def _check_omega(xp: Any, q: Array, omega: Any, num_features: int | None, head_dim: int,
-                 work: Any) -> Array:
-    array_namespace(q, omega, names=("q", "omega"))
-    expected_rows = "S" if num_features is None else str(num_features)
-    shape = tuple(omega.shape)
-    if (len(shape) != 2 or shape[1] != head_dim or shape[0] < 1
-            or (num_features is not None and shape[0] != num_features)):
-        raise ValueError(
-            f"omega must have shape (S, D) = ({expected_rows}, {head_dim}) (one sample per "
-            f"row, D the last dim of q), got shape {shape}"
-        )
-    if not xp.isdtype(omega.dtype, "real floating"):
-        raise TypeError(f"omega must have a real floating dtype, got {omega.dtype}")
-    return omega if omega.dtype == work else xp.astype(omega, work)
 
 
 def _warn_if_any(xp: Any, invalid: Array) -> None:

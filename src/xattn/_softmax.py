@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from xattn._array import (
     Array,
     AttentionInputs,
@@ -10,6 +12,7 @@ from xattn._array import (
     sequence_positions,
     stream_bounds,
 )
+from xattn._decode import extend_cache
 from xattn._options import (
     DEFAULT_CHUNK_SIZE,
     IMPLEMENTATIONS,
@@ -18,6 +21,7 @@ from xattn._options import (
     check_positive_int,
 )
 from xattn._primitives import causal_allowed, join, merge_maxima, nonzero_divisor
+from xattn._state import SoftmaxState, check_state_call, check_state_inputs, empty_cache
 
 __all__ = ["softmax_attention"]
 
@@ -35,7 +39,9 @@ def softmax_attention(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     check_finite: bool = False,
     implementation: str | None = None,
-) -> Array:
+    state: SoftmaxState | None = None,
+    return_state: bool = False,
+) -> Any:
     r"""Exact softmax attention, numerically stable and chunked over keys.
 
     .. math::
@@ -82,12 +88,23 @@ def softmax_attention(
         measured about twice as fast as XLA's kernel there. Both keep the same contract
         (masks, top-left causal masking, zero rows for queries without allowed keys, with
         finite gradients; half precision computed in float32) and agree to rounding.
-        ``chunk_size`` applies to the portable loop.
+        ``chunk_size`` applies to the portable loop. A call with ``state=`` and more than
+        one query runs the portable loop (the kernels align their causal masks top-left).
+    state : SoftmaxState, optional
+        A key-value cache (``causal=True``) to continue: q, k and v are the ``L`` tokens
+        after the ``P`` cached ones (``N = M = L``, 0 allowed); query ``P + j`` attends the
+        cached keys and the new keys up to its own. The leading dims, ``D``, ``Dv`` and the
+        compute dtype must be the cache's.
+    return_state : bool
+        Return ``(out, state)``, the :class:`~xattn.SoftmaxState` grown by these tokens
+        (``causal=True``; ``N = M``). A sequence given in pieces then gets the outputs of
+        one causal call on all of it, up to rounding.
 
     Returns
     -------
-    array, shape (..., N, Dv)
-        In the namespace, device and dtype of the inputs; leading dims broadcast.
+    array, shape (..., N, Dv), or (array, SoftmaxState)
+        In the namespace, device and dtype of the inputs; leading dims broadcast. With
+        ``return_state``, the pair ``(out, state)``.
 
     See Also
     --------
@@ -114,34 +131,52 @@ def softmax_attention(
     >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 7, 4)), rng.normal(size=(2, 7, 3))
     >>> xattn.softmax_attention(q, k, v).shape
     (2, 5, 3)
+
+    Generation with a key-value cache (:class:`~xattn.SoftmaxState`):
+
+    >>> out, cache = xattn.softmax_attention(q, q, v[:, :5], causal=True, return_state=True)
+    >>> out_t, cache = xattn.softmax_attention(q[:, :1], k[:, :1], v[:, :1], causal=True,
+    ...                                        state=cache, return_state=True)
+    >>> cache.keys.shape
+    (2, 6, 4)
     """
-    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
-                               check_finite=check_finite)
     causal = check_bool(causal, "causal")
+    stateful = check_state_call(state, return_state, causal, SoftmaxState)
+    inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
+                               check_finite=check_finite, continuing=stateful)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     if implementation is not None:
         check_choice(implementation, "implementation", IMPLEMENTATIONS)
+    offset = 0  # the position of the first query: keys before it are in the cache
+    if stateful:  # attend the cached keys and the new ones (xattn._decode)
+        state = empty_cache(SoftmaxState, inputs) if state is None else state
+        check_state_inputs(state, inputs)
+        offset = state.position
+        inputs, state = extend_cache(inputs, state)
     if inputs.is_empty:
-        return inputs.empty_result()
-    if implementation != "xattn":  # delegate to the library's fused kernel where it has one
-        out = native_attention(inputs, causal, automatic=implementation is None)
+        return (inputs.empty_result(), state) if return_state else inputs.empty_result()
+    # the kernels' causal masks are top-left: with a cache, one query (which sees every key)
+    if implementation != "xattn" and (offset == 0 or inputs.num_queries == 1):
+        out = native_attention(inputs, causal and offset == 0,
+                               automatic=implementation is None)
         if out is not None:
-            return inputs.finish(out)
+            return (inputs.finish(out), state) if return_state else inputs.finish(out)
         if implementation == "native":
             raise ValueError(
                 "implementation='native': no fused attention kernel for these inputs (torch "
                 "tensors, and float32 JAX arrays with Dv = D, have one); use "
                 "implementation=None or 'xattn'")
     xp = inputs.xp
-    tiles = [_attend_tile(inputs, start, stop, causal, chunk_size)
+    tiles = [_attend_tile(inputs, start, stop, causal, chunk_size, offset)
              for start, stop in stream_bounds(inputs.q, -2, chunk_size)]
-    out = join(xp, tiles, axis=-2)
-    return inputs.finish(out)
+    out = inputs.finish(join(xp, tiles, axis=-2))
+    return (out, state) if return_state else out
 
 
 def _attend_tile(inputs: AttentionInputs, query_start: int, query_stop: int, causal: bool,
-                 chunk_size: int) -> Array:
-    """Softmax attention of the queries ``query_start:query_stop``, keys in chunks."""
+                 chunk_size: int, offset: int = 0) -> Array:
+    """Softmax attention of the queries ``query_start:query_stop``, keys in chunks; with
+    ``causal``, query ``i`` sits at position ``offset + i`` (after a cache)."""
     xp, k, v = inputs.xp, inputs.k, inputs.v
     q_scaled = inputs.q[..., query_start:query_stop, :] * inputs.scale
     num_queries = query_stop - query_start
@@ -153,10 +188,10 @@ def _attend_tile(inputs: AttentionInputs, query_start: int, query_stop: int, cau
     normalizer = query_zeros
     numerator = xp.broadcast_to(query_zeros, (*batch, num_queries, v.shape[-1]))
     # under causal masking, keys past the tile's last query are never seen
-    key_stop = min(inputs.num_keys, query_stop) if causal else inputs.num_keys
+    key_stop = min(inputs.num_keys, query_stop + offset) if causal else inputs.num_keys
     query_positions = None
     if causal:  # chunked like q on Dask
-        query_positions = sequence_positions(q_scaled, axis=-2) + query_start
+        query_positions = sequence_positions(q_scaled, axis=-2) + (query_start + offset)
     for start in range(0, key_stop, chunk_size):
         stop = min(start + chunk_size, key_stop)
         scores = q_scaled @ xp.matrix_transpose(k[..., start:stop, :])

@@ -1,0 +1,211 @@
+r"""Continuing a causal sequence from a state: RFA's fixed-size step, the key-value caches.
+
+**RFA** (:func:`continue_rfa`). After :math:`P` tokens the state (:class:`~xattn._state.
+RFAState`) holds the random-feature sums of the keys :math:`R_P = \{K \le m \le P - 1 -
+w\}` (every key seen when ``window`` and ``sinks`` are 0), the last :math:`w` keys and
+the :math:`K` sink keys. The :math:`L` new tokens :math:`P + j` need, for query
+:math:`n = P + j` (the exact set and the rest of :mod:`xattn._window`, causal):
+
+* **random features** over :math:`K \le m \le n - w - 1`: the state's sums, then the keys
+  of the *extended* sequence ``E`` = [the window buffer, the new keys] (positions
+  :math:`P - w + e`) with :math:`e \le j - 1` (:math:`e \le j` when :math:`w = 0`). That
+  is the blockwise prefix scan of :func:`xattn._rf_scan.scan_partials` over ``E`` with
+  offset 1 (0), started from the state's sums (``initial``) and returning the new sums:
+  a chunked prefill costs what one causal call costs, a single token
+  :math:`O(S D_v)` besides its band, never a pass over the past;
+* **exact** terms :math:`e^{\hat q_n \cdot \hat k_m}` over the band :math:`e \in [j, j +
+  w]` of ``E`` and the sink slots :math:`s \le n`, blockwise as
+  :func:`xattn._window._exact_partial` does for a whole sequence.
+
+Positions enter only as arrays (the state's ``position`` plus ``arange``): the window and
+sink buffers keep their shapes and validity flags say which entries hold a key, so a step
+traces once under :func:`jax.jit` and runs inside :func:`jax.lax.scan`. The keys that
+leave the window (those of ``E`` before the last :math:`w`) join the sums; the sink
+slots take the new tokens at positions :math:`< K`; masked keys never enter the state.
+
+**Key-value caches** (:func:`extend_cache`): softmax attention and RA attend the cached
+keys and the new ones, query :math:`P + j` the keys :math:`m \le P + j`; the estimators
+run their own loops with that offset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Generator
+from typing import Any, TypeVar
+
+from xattn._array import Array, AttentionInputs
+from xattn._primitives import RowPieces, finite_rows, finite_shift, value_columns
+from xattn._rf_scan import (
+    FeatureMap,
+    Partial,
+    State,
+    combine_partials,
+    finish_partial,
+    scan_partials,
+    state_over_keys,
+)
+from xattn._state import RFAState, _KeyValueCache, check_state_inputs
+
+__all__ = ["continue_rfa", "extend_cache"]
+
+Cache = TypeVar("Cache", bound=_KeyValueCache)
+
+
+def _new_tokens(xp: Any, inputs: AttentionInputs,
+                batch: tuple[int, ...]) -> tuple[Array, Array, Array]:
+    """The new keys and values at the state's leading dims, zeroed where masked (a masked
+    key never enters a state), and their validity (..., L)."""
+    length = inputs.num_keys
+    k = xp.broadcast_to(inputs.k, (*batch, length, inputs.k.shape[-1]))
+    v = xp.broadcast_to(inputs.v, (*batch, length, inputs.v.shape[-1]))
+    if inputs.key_mask is None:
+        return k, v, xp.ones((*batch, length), dtype=xp.bool, device=inputs.device)
+    valid = xp.broadcast_to(inputs.key_mask, (*batch, length))
+    return (xp.where(valid[..., None], k, 0.0), xp.where(valid[..., None], v, 0.0), valid)
+
+
+def _updated_sinks(xp: Any, state: RFAState, keys: Array, values: Array, valid: Array,
+                   positions: Array, device: Any) -> tuple[Array, Array, Array]:
+    """The sink slots after the new tokens: slot ``s`` takes the token at position ``s``
+    if it is among them (only the first ``K`` new tokens can be)."""
+    sinks, count = state.sinks, min(state.sinks, keys.shape[-2])
+    if count == 0:
+        return state.sink_keys, state.sink_values, state.sink_valid
+    slots = xp.arange(sinks, device=device)
+    lands = xp.astype(slots, positions.dtype)[:, None] == positions[None, :count]  # (K, c)
+    taken = xp.any(lands, axis=-1)  # (K,)
+
+    def gather(x: Array) -> Array:  # where, not a product: a NaN stays in its own slot
+        picked = xp.where(lands[..., None], x[..., None, :count, :], 0.0)  # (..., K, c, F)
+        return xp.sum(picked, axis=-2)
+
+    return (xp.where(taken[:, None], gather(keys), state.sink_keys),
+            xp.where(taken[:, None], gather(values), state.sink_values),
+            xp.where(taken, xp.any(lands & valid[..., None, :count], axis=-1), state.sink_valid))
+
+
+def _band_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, query_positions: Array,
+                  band: tuple[Array, Array, Array] | None,
+                  sinks: tuple[Array, Array, Array] | None) -> Partial:
+    r"""Exact sums of the new queries ``start:stop`` over their band and the sink slots.
+
+    ``band`` is the extended keys, values and validity ``E[start : stop + w]`` (query
+    ``j`` takes ``e - j`` in ``[0, w]``), ``sinks`` the sink slots (slot ``s`` allowed for
+    a query at position ``n >= s``); the rows' positions are ``query_positions``.
+    """
+    keys, values, valid, allowed = [], [], [], []
+    if sinks is not None:
+        slots = xp.arange(sinks[0].shape[-2], device=inputs.device)
+        keys.append(sinks[0])
+        values.append(sinks[1])
+        valid.append(sinks[2])
+        allowed.append(xp.astype(slots, query_positions.dtype)[None, :]
+                       <= query_positions[:, None])
+    if band is not None:
+        rows = xp.arange(start, stop, device=inputs.device)[:, None]
+        columns = xp.arange(start, start + band[0].shape[-2], device=inputs.device)[None, :]
+        window = band[0].shape[-2] - (stop - start)
+        keys.append(band[0])
+        values.append(band[1])
+        valid.append(band[2])
+        allowed.append((columns >= rows) & (columns <= rows + window))
+    key_rows, key_poison = finite_rows(xp, xp.concat(keys, axis=-2))
+    value_rows, poison = value_columns(xp, xp.concat(values, axis=-2))
+    scores = (inputs.scale * inputs.q[..., start:stop, :]) @ xp.matrix_transpose(key_rows)
+    scores = scores + (poison + key_poison)[..., None, :]
+    allowed_keys = xp.concat(allowed, axis=-1) & xp.concat(valid, axis=-1)[..., None, :]
+    scores = xp.where(allowed_keys, scores, -xp.inf)
+    shift = xp.max(scores, axis=-1, keepdims=True)
+    sums = xp.exp(scores - finite_shift(xp, shift)) @ value_rows
+    return shift, sums, sums[..., -1:]
+
+
+def _returned(partials: Generator[Partial, None, State]) -> State:
+    """The state that a finished :func:`~xattn._rf_scan.scan_partials` returns."""
+    try:
+        next(partials)
+    except StopIteration as finished:
+        return finished.value
+    raise AssertionError("scan_partials yielded more blocks than asked for")
+
+
+def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFAState, *,
+                 block_size: int, chunk_size: int,
+                 guard: bool) -> tuple[Array, Array | None, RFAState]:
+    """Causal RFA of ``L`` new tokens after the ``P`` of ``state`` (module docstring).
+
+    Returns the output (..., L, Dv), the clamped rows (trigonometric ``guard``, else None)
+    and the state after the new tokens.
+    """
+    check_state_inputs(state, inputs)
+    window, sinks = state.window, state.sinks
+    batch = tuple(state.sink_keys.shape[:-2])
+    length = inputs.num_queries
+    root_scale = math.sqrt(inputs.scale)
+    keys, values, valid = _new_tokens(xp, inputs, batch)
+    positions = state.position + xp.arange(length, device=inputs.device)  # P + j
+    sink_keys, sink_values, sink_valid = _updated_sinks(xp, state, keys, values, valid,
+                                                        positions, inputs.device)
+    # the extended sequence E: the window buffer, then the new keys (sinks left out)
+    extended_keys = xp.concat([state.window_keys, keys], axis=-2)
+    extended_values = xp.concat([state.window_values, values], axis=-2)
+    extended_valid = xp.concat([state.window_valid, valid & (positions >= sinks)], axis=-1)
+    offset = 1 if window else 0  # query j's random keys: e <= j - 1 (w >= 1), e <= j (w = 0)
+    partials = scan_partials(xp, mapping, inputs.q, extended_keys, extended_values,
+                             root_scale=root_scale, key_mask=extended_valid, first_key=0,
+                             offset=offset, reverse=False, block_size=block_size,
+                             chunk_size=chunk_size, batch_shape=batch,
+                             initial=state.feature_state)
+    out = RowPieces(length)
+    clamped = RowPieces(length) if guard else None
+    for start in range(0, length, block_size):
+        stop = min(start + block_size, length)
+        partial = next(partials)
+        if window or sinks:  # with exact terms: the random part must estimate e^{q.k} itself
+            shift, sums, weight = partial
+            constant = mapping.query_constant(root_scale * inputs.q[..., start:stop, :])
+            band = None
+            if window:
+                band = (extended_keys[..., start:stop + window, :],
+                        extended_values[..., start:stop + window, :],
+                        extended_valid[..., start:stop + window])
+            exact = _band_partial(xp, inputs, start, stop, positions[start:stop], band,
+                                  (sink_keys, sink_values, sink_valid) if sinks else None)
+            partial = combine_partials(xp, [(shift + constant, sums, weight), exact])
+        rows, invalid = finish_partial(xp, partial, guard=guard)
+        out.put(start, rows)
+        if clamped is not None:
+            clamped.put(start, invalid)
+    features = _returned(partials)
+    if window and length:  # the last key to leave the window (the scan stops before it)
+        features = mapping.merge_states(features, state_over_keys(
+            xp, mapping, extended_keys, extended_values, root_scale=root_scale,
+            key_mask=extended_valid, first_key=0, start=length - 1, stop=length,
+            chunk_size=chunk_size, batch_shape=batch))
+    new_state = dataclasses.replace(
+        state, feature_max=features[0], feature_sums=features[1],
+        feature_weight=features[2] if len(features) == 3 else None,
+        position=state.position + length,
+        window_keys=extended_keys[..., length:, :], window_values=extended_values[..., length:, :],
+        window_valid=extended_valid[..., length:], sink_keys=sink_keys, sink_values=sink_values,
+        sink_valid=sink_valid)
+    if length == 0:
+        return dataclasses.replace(inputs, batch_shape=batch).empty_result(), None, new_state
+    return out.result(), None if clamped is None else clamped.result(), new_state
+
+
+def extend_cache(inputs: AttentionInputs, cache: Cache) -> tuple[AttentionInputs, Cache]:
+    """The inputs of a call that continues ``cache``: the queries are the new ones, the
+    keys and values the cached and the new ones (``key_mask`` their validity), and the
+    cache after the new tokens. The caller offsets its causal mask by ``cache.position``."""
+    xp = inputs.xp
+    batch = tuple(cache.keys.shape[:-2])
+    keys, values, valid = _new_tokens(xp, inputs, batch)
+    cache = type(cache)(xp.concat([cache.keys, keys], axis=-2),
+                        xp.concat([cache.values, values], axis=-2),
+                        xp.concat([cache.valid, valid], axis=-1))
+    extended = dataclasses.replace(inputs, k=cache.keys, v=cache.values, key_mask=cache.valid,
+                                   batch_shape=batch)
+    return extended, cache
