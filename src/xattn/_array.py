@@ -477,17 +477,17 @@ def native_attention(inputs: AttentionInputs, causal: bool, *,
     # the whole score matrix), and jax.nn wants (B, T, heads, H)
     flat = math.prod(batch)
     out: Array
+    flat_mask = None if mask is None else xp.reshape(mask, (flat, 1, *mask.shape[-2:]))
     if is_torch:
         import torch
+        q, k, v = (xp.reshape(x, (flat, 1, *x.shape[-2:])) for x in (q, k, v))
         out = torch.nn.functional.scaled_dot_product_attention(
-            *(xp.reshape(x, (flat, 1, *x.shape[-2:])) for x in (q, k, v)),
-            attn_mask=None if mask is None else xp.reshape(mask, (flat, 1, *mask.shape[-2:])),
-            is_causal=causal and mask is None, scale=inputs.scale)
+            q, k, v, attn_mask=flat_mask, is_causal=causal and mask is None,
+            scale=inputs.scale)
     else:
         import jax
-        out = jax.nn.dot_product_attention(
-            *(xp.reshape(x, (flat, x.shape[-2], 1, x.shape[-1])) for x in (q, k, v)),
-            mask=None if mask is None else xp.reshape(mask, (flat, 1, *mask.shape[-2:])),
-            scale=inputs.scale, is_causal=causal and mask is None)
+        q, k, v = (xp.reshape(x, (flat, x.shape[-2], 1, x.shape[-1])) for x in (q, k, v))
+        out = jax.nn.dot_product_attention(q, k, v, mask=flat_mask, scale=inputs.scale,
+                                           is_causal=causal and mask is None)
     out = xp.reshape(out, (*batch, num_queries, v.shape[-1]))
     return out if has_keys is None else xp.where(has_keys, out, xp.zeros_like(out))
