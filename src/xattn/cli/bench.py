@@ -21,9 +21,15 @@ from xattn.cli.common import (
     progress_bar,
     write_json,
 )
+from xattn.cli.decode import (
+    DEFAULT_POSITIONS,
+    PREFILL_CHUNK,
+    add_decode_options,
+    run_decode,
+)
 from xattn.cli.figures import loglog_axes, new_figure, save_figure
 from xattn.cli.measure import Backend, Measurement, load_backend, measured
-from xattn.cli.memory import Problem, format_size, require_memory
+from xattn.cli.memory import Problem, format_size, require_memory, softmax_bytes
 from xattn.cli.options import (
     add_common_options,
     int_list,
@@ -62,15 +68,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "kernel's estimated memory exceeds what is available are skipped for it. Name only "
         "estimators in --estimators, each once.")
     add_common_options(parser, DEFAULT_ESTIMATORS)
-    parser.add_argument("--lengths", type=int_list, default=list(DEFAULT_LENGTHS),
+    parser.add_argument("--lengths", type=int_list, default=None,
                         metavar="LIST", help="comma-separated sequence lengths (default: "
-                        f"{DEFAULT_LENGTHS[0]},{DEFAULT_LENGTHS[1]},...,{DEFAULT_LENGTHS[-1]})")
+                        f"{DEFAULT_LENGTHS[0]},{DEFAULT_LENGTHS[1]},...,{DEFAULT_LENGTHS[-1]}); "
+                        "with --decode, the positions")
     default_samples = ",".join(f"{name}={ESTIMATOR_SPECS[name].bench_samples}"
                                for name in DEFAULT_ESTIMATORS.split(","))
     parser.add_argument("--samples", default=None, metavar="SPEC",
                         help="samples per estimator: an int for all, name=int pairs (each "
                         "name once), or both (the int for the others); capped at N "
-                        f"(default: {default_samples})")
+                        f"(default: {default_samples}); with --decode, one int: RFA's "
+                        "features")
     parser.add_argument("--heads", type=positive_int, default=1,
                         help="number of heads (default: 1)")
     parser.add_argument("--head-dim", type=positive_int, default=64,
@@ -81,12 +89,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         metavar="SECONDS",
                         help="stop running an estimator at larger lengths once one of its "
                         "calls took longer than this (0: no limit; default: 60)")
+    add_decode_options(parser)
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn bench``."""
+    if args.decode:
+        return _run_decode(args)
+    if args.lengths is None:
+        args.lengths = list(DEFAULT_LENGTHS)
     out_dir = output_dir(args.out, ("bench.json", "bench.png"))  # before any work
     native = native_softmax_spec(args.backend, args.dtype)
     # the references: xattn's portable loop, and the framework's fused kernel where it has
@@ -187,6 +200,33 @@ def run(args: argparse.Namespace) -> int:
     _plot_bench(png_path, results, crossover, backend)
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    """``xattn bench --decode`` (:mod:`xattn.cli.decode`), after the checks of its
+    arguments and of the memory the largest position needs."""
+    if args.samples is not None:
+        try:
+            args.samples = int(args.samples)
+        except ValueError:
+            args.samples = 0
+        if args.samples < 1:
+            raise CommandError("--samples: with --decode, one int >= 1 (RFA's features)")
+    out_dir = output_dir(args.out, ("decode.json", "decode.png"))
+    backend = load_backend(args.backend, args.device, args.dtype)
+    positions = list(DEFAULT_POSITIONS) if args.lengths is None else args.lengths
+    args.lengths = positions
+    itemsize = 4 if args.dtype == "float32" else 8
+    largest = max(positions)
+    chunk = min(PREFILL_CHUNK, largest)
+    # the key-value cache (and its copy as it grows) and one prefill piece against it
+    cache = 2 * 2 * itemsize * args.heads * largest * args.head_dim
+    piece = Problem(batch=args.heads, num_queries=chunk, num_keys=largest,
+                    head_dim=args.head_dim, value_dim=args.head_dim, itemsize=itemsize)
+    require_memory([(f"softmax's key-value cache at position {largest}",
+                     cache + piece.input_bytes + softmax_bytes(piece))],
+                   backend.memory_available(), backend.describe())
+    return run_decode(args, backend, out_dir, environment(backend))
 
 
 def _check_memory(specs: list[EstimatorSpec], samples: dict[str, int], lengths: list[int],
