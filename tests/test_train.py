@@ -171,6 +171,119 @@ def test_twenty_steps_lower_the_training_loss(framework, estimator):
     assert result.peak_memory_bytes is None or result.peak_memory_bytes > 0
 
 
+# --------------------------------------------------------------------------------------
+# the framework's own layer (--estimators native): the baseline of the softmax row
+# --------------------------------------------------------------------------------------
+
+
+def _native_and_softmax(framework: str, model: ModelConfig = TINY):
+    """Trainers of the native row and of the softmax row (seed 0) on ListOps at length 32,
+    whose padding gives every layer a key mask, and a batch source (one batch of 8
+    sequences, over and over, so that 10 steps lower the loss)."""
+    module = pytest.importorskip(f"xattn.cli.train_{framework}")
+    from xattn.cli.train_core import NATIVE, batches
+    task = get_task("listops", 32)
+    train, _ = task.datasets(8, 1)
+    options = {"compiler_options": {"xla_backend_optimization_level": 0}} if (
+        framework == "flax") else {}
+    trainers = [module.Trainer(RunSpec(task, name, name, {}, seed=0, steps=10, batch_size=8,
+                                       peak_lr=3e-3, model=model), **options)
+                for name in (NATIVE, "softmax")]
+    assert not train.mask.all()  # padded sequences: the masks are exercised
+    return trainers, batches(train, 8, seed=0)
+
+
+def _parameters(framework: str, trainer) -> dict[str, np.ndarray]:
+    """Every trainable parameter by its path, as NumPy."""
+    if framework == "torch":
+        return {name: value.detach().cpu().numpy()
+                for name, value in trainer.model.named_parameters()}
+    from flax import nnx
+    model, _ = nnx.merge(trainer.graphdef, trainer.state)
+    return {"/".join(map(str, path)): np.asarray(value)
+            for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.parametrize("framework", ["torch", "flax"])
+@pytest.mark.parametrize("equal_query_key_init", [True, False])
+def test_native_layer_starts_from_the_parameters_of_softmax(framework, equal_query_key_init):
+    """The same seed gives the framework's own layer and the xattn layer the same
+    parameters, under the same names, bit for bit; equal_query_key_init copies the query
+    projection into the key projection in both."""
+    model = ModelConfig(dim=16, ffn=32, heads=2, layers=2,
+                        equal_query_key_init=equal_query_key_init)
+    (native, softmax), _ = _native_and_softmax(framework, model)
+    first, second = _parameters(framework, native), _parameters(framework, softmax)
+    assert first.keys() == second.keys()
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name], err_msg=name)
+    for layer in range(model.layers):
+        if framework == "torch":
+            packed = first[f"blocks.{layer}.attention.in_proj_weight"]
+            query, key = packed[:model.dim], packed[model.dim:2 * model.dim]
+        else:
+            query, key = (first[f"blocks/{layer}/attention/{name}/kernel"]
+                          for name in ("query", "key"))
+        assert np.array_equal(query, key) is equal_query_key_init
+
+
+@pytest.mark.parametrize("framework", ["torch", "flax"])
+def test_native_layer_trains_as_softmax(framework):
+    """Step by step on the same batches, the framework's own layer gives the losses of
+    the xattn layer with estimator="softmax" to float32 rounding, with padding masks,
+    and the loss goes down."""
+    (native, softmax), source = _native_and_softmax(framework)
+    native_losses, softmax_losses = [], []
+    for _ in range(10):
+        batch = next(source)
+        native_losses.append(native.step(batch, 3e-3)[0])
+        softmax_losses.append(softmax.step(batch, 3e-3)[0])
+    np.testing.assert_allclose(native_losses, softmax_losses, rtol=1e-5)
+    assert statistics.fmean(native_losses[-3:]) < native_losses[0], native_losses
+    _, test = get_task("listops", 32).datasets(1, 64)
+    assert native.accuracy(test) == pytest.approx(softmax.accuracy(test), abs=1 / 64)
+
+
+def test_native_row_is_named_after_the_layer_and_resumes(tmp_path, monkeypatch, capsys):
+    """--estimators native runs the framework's own layer under its name, with the
+    memory estimate of softmax; --resume takes its runs over like any other row."""
+    pytest.importorskip("torch")
+    from xattn.cli import build_parser
+    from xattn.cli import train as train_command
+    from xattn.cli.train_core import NATIVE_LAYERS
+    needs: list[tuple[str, int]] = []
+    with monkeypatch.context() as patch:
+        patch.setattr(train_command, "require_memory",
+                      lambda items, available, where: needs.extend(items))
+        for framework, layer in NATIVE_LAYERS.items():
+            args = build_parser().parse_args(["train", "--framework", framework, "--task",
+                                              "mqar", "--estimators", "softmax,native"])
+            jobs = train_command.plan_jobs([get_task("mqar", 4096)], [0], args,
+                                           has_grid=True)
+            assert [(job.spec.name, job.spec.estimator) for job in jobs] == [
+                ("softmax", "softmax"), (layer, "native")]
+            needs.clear()
+            train_command.check_jobs(jobs, 1, "cpu", None)
+            assert needs[0][1] == needs[1][1] > 0  # softmax's estimate
+    trained = []
+    monkeypatch.setattr(train_command, "_execute", fake_execute(trained))
+    arguments = ["train", "--task", "digits", "--estimators", "softmax,native", "--steps", "2",
+                 "--batch-size", "4", "--no-progress", "--out", str(tmp_path)]
+    assert main([*arguments, "--seeds", "0"]) == 0
+    assert "torch.nn.MultiheadAttention" in capsys.readouterr().out
+    payload = json.loads((tmp_path / "train.json").read_text())
+    assert [(run["name"], run["estimator"]) for run in payload["runs"]] == [
+        ("softmax", "softmax"), ("torch.nn.MultiheadAttention", "native")]
+    assert "own layer" in payload["evaluation_modes"]["native"]
+    trained.clear()
+    assert main([*arguments, "--seeds", "0,1", "--resume"]) == 0
+    assert trained == [1, 1] and "2 taken over" in capsys.readouterr().out
+    resumed = json.loads((tmp_path / "train.json").read_text())
+    assert [(run["name"], run["seed"]) for run in resumed["runs"]] == [
+        ("softmax", 0), ("torch.nn.MultiheadAttention", 0), ("softmax", 1),
+        ("torch.nn.MultiheadAttention", 1)]
+
+
 def test_evaluation_is_deterministic_for_random_estimators():
     torch_trainer = pytest.importorskip("xattn.cli.train_torch")
     task = get_task("digits")

@@ -92,9 +92,12 @@ def softmax_training_bytes(problem: Problem, samples: int | None = None) -> int:
 
 
 #: Intermediates of one attention call in a training step, by the layers' estimator name
-#: (the forward estimates of the linear estimators hold every array the backward pass keeps).
+#: (the forward estimates of the linear estimators hold every array the backward pass keeps),
+#: and ``"native"``, the framework's own layer of ``xattn train`` (exact softmax: softmax's
+#: estimate).
 TRAINING_ATTENTION_BYTES = {"softmax": softmax_training_bytes, "rfa": rfa_bytes,
-                            "ra": ra_bytes, "lara": lara_bytes}
+                            "ra": ra_bytes, "lara": lara_bytes,
+                            "native": softmax_training_bytes}
 
 
 def dataset_bytes(examples: int, length: int, fields: int, per_token: bool) -> int:

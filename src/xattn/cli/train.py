@@ -1,7 +1,9 @@
 """``xattn train``: train the Long Range Arena model with each estimator as its attention,
 through the public layers (:class:`xattn.torch.MultiheadAttention`,
 :class:`xattn.flax.MultiHeadAttention`), on generated or shipped tasks, and report test
-accuracy, training loss, time per step and peak memory.
+accuracy, training loss, time per step and peak memory; optionally also with the
+framework's own layer (``--estimators native``: :class:`torch.nn.MultiheadAttention`,
+:class:`flax.nnx.MultiHeadAttention`) as the baseline of the softmax row.
 
 The run configuration (model, optimizer, schedule, estimator options) is in
 :mod:`xattn.cli.train_core`, the tasks in :mod:`xattn.cli.tasks`, the outputs in
@@ -25,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xattn import ESTIMATORS
 from xattn.cli.common import CommandError, output_dir, progress_bar
 from xattn.cli.measure import DEVICES
 from xattn.cli.memory import (
@@ -44,13 +45,21 @@ from xattn.cli.options import (
     seed_list,
 )
 from xattn.cli.tasks import TASKS, Task, get_task
-from xattn.cli.train_core import RunResult, RunSpec, attention_options, train_run
+from xattn.cli.train_core import (
+    ATTENTIONS,
+    NATIVE,
+    NATIVE_LAYERS,
+    RunResult,
+    RunSpec,
+    attention_options,
+    train_run,
+)
 from xattn.cli.train_report import read_results, write_outputs, write_results
 
-__all__ = ["DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS", "RESUME_KEYS", "SETTINGS",
-           "Job", "TaskSettings", "add_parser", "attention_variants", "check_jobs",
-           "dataset_sizes", "grid_pools", "load_framework", "plan_jobs", "previous_runs", "run",
-           "run_jobs"]
+__all__ = ["DEFAULT_ATTENTIONS", "DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS",
+           "RESUME_KEYS", "SETTINGS", "Job", "TaskSettings", "add_parser", "attention_variants",
+           "check_jobs", "dataset_sizes", "grid_pools", "load_framework", "plan_jobs",
+           "previous_runs", "run", "run_jobs"]
 
 FRAMEWORKS = ("torch", "flax")  # each also the name of the extra that installs it
 EXIT_INTERRUPTED = 130
@@ -81,6 +90,10 @@ SETTINGS = {
 }
 #: RFA features and LARA proposals of every run unless ``--samples`` says otherwise.
 DEFAULT_SAMPLES = 16
+#: ``--estimators`` by default: every estimator. The framework's own layer
+#: (:data:`~xattn.cli.train_core.NATIVE`) is opt-in: its losses and accuracies are those of
+#: the softmax row (tests/test_train.py), so by default the time goes to the estimators.
+DEFAULT_ATTENTIONS = tuple(name for name in ATTENTIONS if name != NATIVE)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -91,7 +104,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "128, 2 heads, mean pooling) with each estimator as its attention, through "
         "xattn.torch.MultiheadAttention or xattn.flax.MultiHeadAttention, with AdamW "
         "(weight decay 0.01, gradient norm clipped at 1, linear warm-up over 10 % of the "
-        "steps, then cosine decay to 0). Test accuracy is measured on a held-out split "
+        "steps, then cosine decay to 0). With --estimators native the same model also "
+        "runs with the framework's own attention layer (torch.nn.MultiheadAttention, "
+        "nnx.MultiHeadAttention; same initialization as the xattn layer), the baseline "
+        "of the softmax row. Test accuracy is measured on a held-out split "
         "with every attention in its evaluation mode: RFA with its last features, RA "
         "biased and deterministic, LARA deterministic (the proposal means as samples). "
         "Prints a table (test accuracy mean +- std over seeds, final training loss, ms "
@@ -107,11 +123,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--task", type=name_list, choices=TASKS, default=list(TASKS),
                         metavar="LIST",
                         help=f"comma-separated tasks among {', '.join(TASKS)} (default: all)")
-    parser.add_argument("--estimators", type=name_list, choices=ESTIMATORS,
-                        default=list(ESTIMATORS), metavar="LIST",
-                        help="comma-separated estimators among "
-                        f"{', '.join(ESTIMATORS)} (default: all); on digits, lara runs "
-                        "with 2-D (8x8 image) and 1-D segments")
+    parser.add_argument("--estimators", type=name_list, choices=ATTENTIONS,
+                        default=list(DEFAULT_ATTENTIONS), metavar="LIST",
+                        help="comma-separated attentions among "
+                        f"{', '.join(ATTENTIONS)} (default: "
+                        f"{','.join(DEFAULT_ATTENTIONS)}); on digits, lara runs with 2-D "
+                        f"(8x8 image) and 1-D segments; {NATIVE} is the framework's own "
+                        f"layer ({' or '.join(NATIVE_LAYERS.values())}, exact softmax "
+                        "attention), the baseline of the softmax row")
     parser.add_argument("--seeds", type=seed_list, default=None, metavar="LIST",
                         help=f"comma-separated seeds, each 0 to {MAX_SEED} (default: 0,1,2; "
                         "0 with --quick)")
@@ -176,13 +195,18 @@ def grid_pools(samples: int, grid: tuple[int, int]) -> tuple[int, int]:
 
 
 def attention_variants(task: Task, estimators: list[str], samples: int,
-                       has_grid: bool) -> list[tuple[str, str, dict[str, Any]]]:
+                       has_grid: bool, framework: str = "torch",
+                       ) -> list[tuple[str, str, dict[str, Any]]]:
     """(row name, layer estimator, options) of each run on ``task``. On an image task
-    LARA runs twice: ``lara-2d`` (2-D segments on the image grid) and ``lara-1d``."""
+    LARA runs twice: ``lara-2d`` (2-D segments on the image grid) and ``lara-1d``.
+    :data:`~xattn.cli.train_core.NATIVE` is the row of ``framework``'s own layer, named
+    after it (:data:`~xattn.cli.train_core.NATIVE_LAYERS`)."""
     variants = []
     for estimator in estimators:
         options = attention_options(estimator, min(samples, task.length))
-        if estimator == "lara" and task.grid is not None:
+        if estimator == NATIVE:
+            variants.append((NATIVE_LAYERS[framework], NATIVE, options))
+        elif estimator == "lara" and task.grid is not None:
             if has_grid:
                 pools = grid_pools(samples, task.grid)
                 variants.append(("lara-2d", "lara", {"num_samples": pools,
@@ -446,7 +470,8 @@ def plan_jobs(tasks: list[Task], seeds: list[int], args: argparse.Namespace,
         batch_size = args.batch_size or settings.batch_size
         for seed in seeds:
             for name, estimator, options in attention_variants(
-                    task, list(dict.fromkeys(args.estimators)), args.samples, has_grid):
+                    task, list(dict.fromkeys(args.estimators)), args.samples, has_grid,
+                    args.framework):
                 plan.append((RunSpec(task, name, estimator, options, seed, steps,
                                      batch_size, settings.peak_lr,
                                      warmup_fraction=settings.warmup_fraction), settings))

@@ -17,10 +17,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from xattn import ESTIMATORS
 from xattn.cli.common import advance
 from xattn.cli.tasks import Dataset, Task
 
 __all__ = [
+    "ATTENTIONS",
+    "NATIVE",
+    "NATIVE_LAYERS",
     "WARMUP_STEPS",
     "ModelConfig",
     "RunResult",
@@ -33,6 +37,18 @@ __all__ = [
     "train_run",
 ]
 
+
+#: The attention that is the framework's own layer, not an xattn estimator: the baseline
+#: row of ``xattn train`` (``--estimators native``) and ``benchmarks/bench_train.py``.
+NATIVE = "native"
+#: The layer ``native`` is, by framework; also its row name in tables and JSON. Each has
+#: the parameters (names, shapes, initialization: the same seed gives the same values) and
+#: the key-mask convention of the xattn layer of its framework, whose
+#: ``estimator="softmax"`` equals it to float32 rounding (except for a query whose keys are
+#: all masked, which no task has).
+NATIVE_LAYERS = {"torch": "torch.nn.MultiheadAttention", "flax": "nnx.MultiHeadAttention"}
+#: What ``xattn train --estimators`` takes: the layers' estimators and :data:`NATIVE`.
+ATTENTIONS = (*ESTIMATORS, NATIVE)
 
 #: Steps not timed (compilation, warm-up); the last of them measures the peak memory.
 WARMUP_STEPS = 5
@@ -65,7 +81,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class RunSpec:
     """One training run: a task, an attention (``name`` is the row name, ``estimator``
-    the layer's estimator, ``options`` its options), a seed and the optimization."""
+    the layer's estimator or :data:`NATIVE` for the framework's own layer, ``options``
+    its options), a seed and the optimization."""
 
     task: Task
     name: str
@@ -119,7 +136,8 @@ def attention_options(estimator: str, samples: int, *, grid: tuple[int, int] | N
     training step, as the LARA paper trains Performer (its Appendix G.1). LARA:
     ``samples`` proposals (one sample each; with ``grid=(H, W)`` the pools
     ``(sqrt(samples), sqrt(samples))`` of 2-D segments), fresh samples at every training
-    step. RA: one sample per query (``xattn.ra``'s default). Softmax: exact.
+    step. RA: one sample per query (``xattn.ra``'s default). Softmax and :data:`NATIVE`
+    (the framework's own layer): exact, no options.
     """
     if estimator == "rfa":
         return {"num_features": samples, "orthogonal": False, "redraw_interval": 1}

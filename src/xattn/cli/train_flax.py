@@ -1,5 +1,6 @@
 """Flax (NNX) side of ``xattn train``: the LRA model with :class:`xattn.flax.MultiHeadAttention`
-and its jitted AdamW training step (optax)."""
+(or, for the ``native`` row, :class:`flax.nnx.MultiHeadAttention`) and its jitted AdamW
+training step (optax)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from flax import nnx
 import xattn.flax as xflax
 from xattn.cli.common import CommandError
 from xattn.cli.tasks import Dataset, Task
-from xattn.cli.train_core import ModelConfig, RunSpec, accuracy_counts
+from xattn.cli.train_core import NATIVE, ModelConfig, RunSpec, accuracy_counts
 
 __all__ = ["Encoder", "FlaxTrainer", "Trainer", "schedule", "supports_grid", "versions"]
 
@@ -43,10 +44,20 @@ class _Block(nnx.Module):
         layer_options = dict(options)
         redraw = layer_options.pop("redraw_interval", 1000)
         self.attention_norm = nnx.LayerNorm(config.dim, rngs=rngs)
-        self.attention = xflax.MultiHeadAttention(config.heads, config.dim,
-                                                  estimator=estimator,
-                                                  redraw_interval=redraw, rngs=rngs,
-                                                  **layer_options)
+        self.attention: xflax.MultiHeadAttention | nnx.MultiHeadAttention
+        if estimator == NATIVE:
+            # Flax's own layer: the submodules and initializers of the xattn layer, drawn
+            # from the same ``params`` stream (the xattn layer's ``attention`` stream is not
+            # used for parameters), so the same seed gives the same parameters; its mask
+            # convention (True = attend, broadcast to (batch, heads, q, kv)) takes the key
+            # mask (batch, 1, 1, kv) of the xattn layer as it is
+            self.attention = nnx.MultiHeadAttention(config.heads, config.dim, decode=False,
+                                                    rngs=rngs)
+        else:
+            self.attention = xflax.MultiHeadAttention(config.heads, config.dim,
+                                                      estimator=estimator,
+                                                      redraw_interval=redraw, rngs=rngs,
+                                                      **layer_options)
         if config.equal_query_key_init:  # see ModelConfig
             # a copy: two parameters sharing one buffer cannot both be donated to the step
             self.attention.key.kernel[...] = jnp.array(self.attention.query.kernel[...],

@@ -1,5 +1,6 @@
 """PyTorch side of ``xattn train``: the LRA model with :class:`xattn.torch.MultiheadAttention`
-and its AdamW training step."""
+(or, for the ``native`` row, :class:`torch.nn.MultiheadAttention`) and its AdamW training
+step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 import xattn.torch as xtorch
 from xattn.cli.measure import load_backend, native_stderr_silenced
 from xattn.cli.tasks import Dataset, Task
-from xattn.cli.train_core import ModelConfig, RunSpec, accuracy_counts
+from xattn.cli.train_core import NATIVE, ModelConfig, RunSpec, accuracy_counts
 
 __all__ = ["Encoder", "TorchTrainer", "Trainer", "supports_grid", "versions"]
 
@@ -39,9 +40,14 @@ class _Block(nn.Module):
         layer_options = dict(options)
         redraw = layer_options.pop("redraw_interval", 1000)
         self.attention_norm = nn.LayerNorm(config.dim, device=device)
-        self.attention = xtorch.MultiheadAttention(
-            config.dim, config.heads, estimator=estimator, redraw_interval=redraw,
-            batch_first=True, generator=generator, device=device, **layer_options)
+        self.attention: nn.Module
+        if estimator == NATIVE:  # torch's own layer: the same parameters, drawn alike
+            self.attention = nn.MultiheadAttention(config.dim, config.heads, batch_first=True,
+                                                   device=device)
+        else:
+            self.attention = xtorch.MultiheadAttention(
+                config.dim, config.heads, estimator=estimator, redraw_interval=redraw,
+                batch_first=True, generator=generator, device=device, **layer_options)
         if config.equal_query_key_init:  # see ModelConfig
             with torch.no_grad():
                 weight = self.attention.in_proj_weight  # packed [W_q; W_k; W_v]
@@ -52,7 +58,8 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
         normed = self.attention_norm(x)
-        x = x + self.attention(normed, normed, normed, key_padding_mask=padding)[0]
+        x = x + self.attention(normed, normed, normed, key_padding_mask=padding,
+                               need_weights=False)[0]
         return x + self.ffn(self.ffn_norm(x))
 
 
