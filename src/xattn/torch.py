@@ -56,6 +56,15 @@ class _DefaultTorchGenerator(Generator):
         return torch.rand(tuple(shape), dtype=dtype, device=device)
 
 
+def _same_view(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the inputs view the same elements alike (False under :func:`torch.compile`,
+    which plans its copies itself)."""
+    return not torch.compiler.is_compiling() and all(
+        (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+        == (query.data_ptr(), query.shape, query.stride(), query.dtype, query.device)
+        for x in (key, value))
+
+
 @fill_docstring
 class MultiheadAttention(LayerCore, nn.Module):
     r"""Multi-head attention with an xattn estimator, a drop-in for
@@ -481,6 +490,10 @@ class MultiheadAttention(LayerCore, nn.Module):
 
     def _project(self, query, key, value):
         embed_dim = self.embed_dim
+        if _same_view(query, key, value):  # self-attention, batch_first: views of one input
+            # one (L, N, E) copy for the three products (as in torch.nn.MultiheadAttention),
+            # not one each kept for the backward pass; the same copy, the same results
+            query = key = value = query.contiguous()
         if self.in_proj_weight is not None:
             weights = self.in_proj_weight.split(embed_dim)
         else:
