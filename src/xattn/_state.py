@@ -310,8 +310,9 @@ def rfa_state_options(state: RFAState, *, num_features: Any, feature_map: Any, o
     """The options of a call that continues ``state``: those of the state. An option given
     explicitly must equal the state's (``ValueError`` naming it); returns
     ``(feature_map, window, sinks, scale)``."""
-    def refuse(name: str, given: Any, held: Any) -> None:
-        raise ValueError(f"{name}={given!r} differs from the state's {name} ({held!r}); a "
+    def refuse(name: str, given: Any, held: Any, described: bool = False) -> None:
+        given, held = (given, held) if described else (repr(given), repr(held))
+        raise ValueError(f"{name}={given} differs from the state's {name} ({held}); a "
                          f"state continues its own sequence: leave {name} out (None) or pass "
                          "the state's value")
 
@@ -328,14 +329,14 @@ def rfa_state_options(state: RFAState, *, num_features: Any, feature_map: Any, o
     if omega is not None and omega is not state.omega:
         if tuple(omega.shape) != tuple(state.omega.shape):
             refuse("omega", f"<array of shape {tuple(omega.shape)}>",
-                   f"<array of shape {tuple(state.omega.shape)}>")
+                   f"an array of shape {tuple(state.omega.shape)}", described=True)
         xp = _namespace(state.omega)
         differs = concrete_count(xp, xp.astype(omega, state.omega.dtype) != state.omega)
         if differs is None:
             raise ValueError("omega= with state=: the samples cannot be compared here (under "
                              "jax.jit or lazily); leave omega out, the state holds them")
         if differs:
-            refuse("omega", "<other samples>", "<the state's samples>")
+            refuse("omega", "<other samples>", "other values", described=True)
     return state.feature_map, state.window, state.sinks, state.scale
 
 

@@ -1,0 +1,547 @@
+"""Generation: a causal sequence given in pieces (``return_state=True``, then ``state=``).
+
+The property under test, on every backend: for random splits of a sequence into a
+prefill and continuation calls (empty calls and single tokens included), the outputs and
+the final state equal those of one causal call on the whole sequence, 1e-10 in float64
+and 1e-5 relative in float32. RFA with every feature map, with window and sinks, with
+masks and with scores that need the stabilizer; softmax attention and RA with their
+key-value caches (RA's random forms against the float64 reference with the draws each
+piece makes). Then: the decode loop under jax.jit and jax.lax.scan, torch autograd through
+the state, the fixed size of RFA's state, masked keys, and the errors of misuse.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import xattn
+from xattn import TrigonometricDenominatorWarning
+from xattn.random import HostGenerator
+
+import reference
+
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
+PIECE_LENGTHS = (0, 1, 1, 2, 5, 9)  # the pieces that random splits are made of
+
+
+def random_pieces(seed, total, choices=PIECE_LENGTHS):
+    """Lengths of the pieces of a sequence of ``total`` tokens: an empty prefill, random
+    pieces of ``choices`` (empty calls and single tokens among them), and a tail of
+    single tokens with an empty call, as a decode loop makes."""
+    rng = np.random.default_rng(seed)
+    lengths = [0]
+    while sum(lengths) < total - 3:
+        lengths.append(min(int(rng.choice(choices)), total - 3 - sum(lengths)))
+    return [*lengths, 1, 0, 1, 1]
+
+
+def make_sequence(rng, batch=(2, 3), length=23, head_dim=8, value_dim=3, spread=0.5):
+    q = spread * rng.normal(size=(*batch, length, head_dim))
+    k = spread * rng.normal(size=(*batch, length, head_dim))
+    v = rng.normal(size=(*batch, length, value_dim))
+    return q, k, v
+
+
+def key_mask_for(rng, batch, length):
+    """Random masked keys, broadcast over the heads; a batch row's first keys all masked
+    (queries without keys: zero rows)."""
+    mask = rng.random((batch[0], 1, length)) < 0.75
+    mask[0, 0, :3] = False
+    return mask
+
+
+def in_pieces(function, backend, arrays, lengths, key_mask=None, dtype=None, first=None,
+              **options):
+    """Call ``function`` on consecutive pieces of ``arrays`` (q, k, v as NumPy arrays),
+    the first with ``first`` options and ``return_state=True``, the others with the
+    state; returns the joined outputs (NumPy) and the final state."""
+    outputs, state = [], None
+    start = 0
+    for length in lengths:
+        piece = [backend.asarray(a[..., start:start + length, :], dtype=dtype) for a in arrays]
+        mask = None if key_mask is None else backend.asarray(key_mask[..., start:start + length])
+        extra = dict(first or {}) if state is None else {"state": state}
+        out, state = function(*piece, key_mask=mask, causal=True, return_state=True,
+                              **extra, **options)
+        assert out.dtype == piece[0].dtype
+        assert tuple(out.shape[-2:]) == (length, arrays[2].shape[-1])
+        outputs.append(backend.to_numpy(out))
+        start += length
+    assert start == arrays[0].shape[-2]
+    return np.concatenate(outputs, axis=-2), state
+
+
+def whole(function, backend, arrays, key_mask=None, dtype=None, **options):
+    """One causal call on the whole sequence: the output (NumPy) and its state."""
+    out, state = function(*(backend.asarray(a, dtype=dtype) for a in arrays),
+                          key_mask=None if key_mask is None else backend.asarray(key_mask),
+                          causal=True, return_state=True, **options)
+    return out, state
+
+
+def assert_same_state(backend, state, expected, rtol):
+    """Two states of one sequence: the same buffers and position, and the same
+    random-feature sums once both are taken to the expected state's maxima."""
+    assert type(state) is type(expected)
+    if isinstance(state, xattn.RFAState):
+        assert (state.feature_map, state.window, state.sinks) == (
+            expected.feature_map, expected.window, expected.sinks)
+        assert state.scale == pytest.approx(expected.scale, rel=1e-15)
+        assert int(backend.to_numpy(state.position)) == int(backend.to_numpy(expected.position))
+        maximum, expected_maximum = (backend.to_numpy(s.feature_max) for s in (state, expected))
+        np.testing.assert_array_equal(np.isfinite(maximum), np.isfinite(expected_maximum))
+        finite = np.isfinite(maximum)
+        np.testing.assert_allclose(maximum[finite], expected_maximum[finite], rtol=rtol,
+                                   atol=rtol)
+        factor = np.exp(np.where(finite, maximum, 0.0) - np.where(finite, expected_maximum, 0.0))
+        if maximum.ndim < state.feature_sums.ndim:  # (..., F): one factor per sample
+            factor = factor[..., None]
+        pairs = [(state.feature_sums, expected.feature_sums)]
+        if expected.feature_weight is not None:
+            pairs.append((state.feature_weight, expected.feature_weight))
+        for name in ("omega", "window_keys", "window_values", "sink_keys", "sink_values"):
+            np.testing.assert_allclose(backend.to_numpy(getattr(state, name)),
+                                       backend.to_numpy(getattr(expected, name)), rtol=rtol)
+        for name in ("window_valid", "sink_valid"):
+            np.testing.assert_array_equal(backend.to_numpy(getattr(state, name)),
+                                          backend.to_numpy(getattr(expected, name)))
+        for sums, expected_sums in pairs:
+            expected_sums = backend.to_numpy(expected_sums)
+            np.testing.assert_allclose(factor * backend.to_numpy(sums), expected_sums, rtol=rtol,
+                                       atol=rtol * np.max(np.abs(expected_sums), initial=1.0))
+        return
+    assert state.position == expected.position
+    for name in ("keys", "values", "valid"):
+        np.testing.assert_allclose(backend.to_numpy(getattr(state, name)),
+                                   backend.to_numpy(getattr(expected, name)), rtol=rtol)
+
+
+def quiet(call, *args, **kwargs):
+    """Run ``call`` ignoring the trigonometric guard's warning (small S can clamp a row)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
+        return call(*args, **kwargs)
+
+
+# RFA: pieces equal one call -------------------------------------------------------------------
+
+# (feature_map, window, sinks, masked); JAX compiles every piece length anew and Dask
+# builds a graph per piece (seconds each): they run the first four, which take every path
+# (band, sinks, both; the plain causal scan is in the tests below) of every map
+RFA_CASES = [
+    ("positive", 4, 3, True),
+    ("hyperbolic", 3, None, True),
+    ("trigonometric", 4, 3, True),
+    ("hyperbolic", None, 2, False),
+    ("positive", None, None, True),
+    ("trigonometric", None, None, False),
+    ("positive", None, None, False),
+    ("positive", 4, 3, False),
+    ("positive", 1, 7, True),
+    ("positive", 30, 0, False),
+    ("hyperbolic", None, None, True),
+    ("trigonometric", 0, 2, True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(RFA_CASES)),
+                         ids=["-".join(map(str, case)) for case in RFA_CASES])
+def test_rfa_pieces_equal_one_call(backend, rng, case):
+    feature_map, window, sinks, masked = RFA_CASES[case]
+    if backend.name.startswith(("jax", "dask")) and case >= 4:
+        pytest.skip("JAX, Dask: the first four cases take every path (each piece compiles)")
+    xp = backend.ns
+    arrays = make_sequence(rng, spread=0.3 if feature_map == "trigonometric" else 0.5)
+    key_mask = key_mask_for(rng, (2, 3), 23) if masked else None
+    options = dict(num_features=32, rng=0, feature_map=feature_map, window=window, sinks=sinks)
+    # JAX compiles each length once: fewer different lengths
+    lengths = random_pieces(case, 23, (0, 1, 9) if backend.name.startswith("jax")
+                            else PIECE_LENGTHS)
+    out, state = quiet(in_pieces, xattn.rfa, backend, arrays, lengths, key_mask=key_mask,
+                       first=options, block_size=4)
+    expected, expected_state = quiet(whole, xattn.rfa, backend, arrays, key_mask=key_mask,
+                                     block_size=4, **options)
+    backend.check(expected, backend.to_numpy(quiet(
+        xattn.rfa, *(backend.asarray(a) for a in arrays), causal=True, block_size=4,
+        key_mask=None if key_mask is None else backend.asarray(key_mask), **options)),
+        dtype=xp.float64)  # return_state does not change the output
+    np.testing.assert_allclose(out, backend.to_numpy(expected), rtol=1e-10,
+                               atol=1e-10 * np.max(np.abs(out)))
+    assert_same_state(backend, state, expected_state, rtol=1e-10)
+
+
+@pytest.mark.parametrize("window,sinks", [(None, None), (4, 3)])
+def test_rfa_pieces_float32(backend, rng, window, sinks):
+    xp = backend.ns
+    arrays = make_sequence(rng)
+    key_mask = key_mask_for(rng, (2, 3), 23)
+    options = dict(num_features=32, rng=0, window=window, sinks=sinks)
+    out, state = in_pieces(xattn.rfa, backend, arrays, random_pieces(1, 23), key_mask=key_mask,
+                           dtype=xp.float32, first=options, block_size=8)
+    expected, expected_state = whole(xattn.rfa, backend, arrays, key_mask=key_mask,
+                                     dtype=xp.float32, block_size=8, **options)
+    assert state.feature_sums.dtype == xp.float32
+    np.testing.assert_allclose(out, backend.to_numpy(expected), rtol=1e-5,
+                               atol=1e-5 * np.max(np.abs(out)))
+    assert_same_state(backend, state, expected_state, rtol=1e-5)
+
+
+@pytest.mark.parametrize("feature_map,window,sinks", [("positive", None, None),
+                                                      ("hyperbolic", 4, 3)])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_rfa_pieces_with_large_scores(backend, rng, feature_map, window, sinks, dtype_name):
+    """q, k times 10: logits of hundreds, which only the log-domain sums and their running
+    maxima keep finite; pieces still equal one call and no row is lost."""
+    if backend.name.startswith("jax") and dtype_name == "float32" and window:
+        pytest.skip("JAX: one float32 case (compilation takes seconds)")
+    xp = backend.ns
+    dtype = getattr(xp, dtype_name)
+    q, k, v = make_sequence(rng, spread=1.0)
+    arrays = (10 * q, 10 * k, v)
+    options = dict(num_features=32, rng=0, feature_map=feature_map, window=window, sinks=sinks)
+    out, state = in_pieces(xattn.rfa, backend, arrays, random_pieces(2, 23), dtype=dtype,
+                           first=options)
+    expected, expected_state = whole(xattn.rfa, backend, arrays, dtype=dtype, **options)
+    expected = backend.to_numpy(expected)
+    assert np.all(np.isfinite(out)) and np.all(np.abs(expected).sum(-1) > 0)
+    scores = arrays[0] @ np.swapaxes(arrays[1], -1, -2) / np.sqrt(8)
+    assert np.max(np.abs(scores)) > 100  # e^score is out of float32's range: stabilized
+    rtol = 1e-10 if dtype_name == "float64" else 1e-5
+    np.testing.assert_allclose(out, expected, rtol=rtol, atol=rtol * np.max(np.abs(expected)))
+    assert_same_state(backend, state, expected_state, rtol=rtol)
+
+
+def test_rfa_half_precision_keeps_a_float32_state(backend, rng):
+    xp = backend.ns
+    half = backend.half_dtype()
+    arrays = make_sequence(rng, batch=(2,), length=9)
+    options = dict(num_features=16, rng=0, window=2, sinks=1)
+    out, state = in_pieces(xattn.rfa, backend, arrays, [4, 1, 4], dtype=half, first=options)
+    assert state.feature_sums.dtype == xp.float32 and state.sink_keys.dtype == xp.float32
+    expected = xattn.rfa(*(backend.asarray(a, dtype=half) for a in arrays), causal=True,
+                         **options)
+    np.testing.assert_allclose(out, backend.to_numpy(expected), rtol=2e-2, atol=2e-2)
+
+
+def test_rfa_masked_keys_never_enter_the_state(backend, rng):
+    """A masked key and value (NaN here) leave no trace: the state equals that of the same
+    tokens with any other masked key, and every later output is finite."""
+    arrays = make_sequence(rng, batch=(2,), length=12)
+    key_mask = np.ones((2, 12), dtype=bool)
+    key_mask[:, [0, 5, 9, 11]] = False
+    poisoned = [a.copy() for a in arrays]
+    for a in poisoned[1:]:
+        a[:, [0, 5, 9, 11]] = np.nan
+    options = dict(num_features=16, rng=0, window=2, sinks=2)
+    out, state = in_pieces(xattn.rfa, backend, poisoned, [5, 1, 6], key_mask=key_mask,
+                           first=options)
+    clean, clean_state = in_pieces(xattn.rfa, backend, arrays, [5, 1, 6], key_mask=key_mask,
+                                   first=options)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, clean, rtol=1e-12, atol=1e-12)
+    assert_same_state(backend, state, clean_state, rtol=1e-12)
+    for name in ("window_keys", "window_values", "sink_keys", "sink_values", "feature_sums"):
+        assert np.all(np.isfinite(backend.to_numpy(getattr(state, name))))
+
+
+@pytest.mark.parametrize("window,sinks", [(None, None), (8, 4)])
+def test_rfa_state_size_does_not_grow(backend, rng, window, sinks):
+    """The same arrays, of the same shapes and dtypes, at position 10 and at 10,000."""
+    short, long = (make_sequence(rng, batch=(1,), length=length, head_dim=4, value_dim=2)
+                   for length in (10, 10_000))
+    options = dict(num_features=8, rng=0, window=window, sinks=sinks, block_size=4096)
+    states = []
+    for arrays in (short, long):
+        _, state = whole(xattn.rfa, backend, arrays, **options)
+        _, state = xattn.rfa(*(backend.asarray(a[..., :1, :]) for a in arrays), causal=True,
+                             state=state, return_state=True)  # one more token
+        states.append(state)
+    assert [int(backend.to_numpy(s.position)) for s in states] == [11, 10_001]
+
+    def layout(state):
+        return {name: (tuple(value.shape), value.dtype) for name, value in vars(state).items()
+                if hasattr(value, "shape")}
+
+    assert layout(states[0]) == layout(states[1])
+    sizes = [sum(int(np.prod(shape)) for shape, _ in layout(s).values()) for s in states]
+    assert sizes[0] == sizes[1] < 1_000
+
+
+# softmax attention and RA: key-value caches ----------------------------------------------------
+
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_pieces_equal_one_call(backend, rng, dtype_name, masked):
+    xp = backend.ns
+    dtype = getattr(xp, dtype_name)
+    arrays = make_sequence(rng, spread=1.0)
+    key_mask = key_mask_for(rng, (2, 3), 23) if masked else None
+    out, cache = in_pieces(xattn.softmax_attention, backend, arrays, random_pieces(3, 23),
+                           key_mask=key_mask, dtype=dtype, chunk_size=4)
+    expected = reference.softmax_attention(*arrays, key_mask=key_mask, causal=True)
+    rtol = 1e-10 if dtype_name == "float64" else 1e-5
+    np.testing.assert_allclose(out, expected, rtol=rtol, atol=rtol * np.max(np.abs(expected)))
+    assert isinstance(cache, xattn.SoftmaxState) and cache.position == 23
+    assert cache.keys.dtype == dtype
+    kept = np.broadcast_to(key_mask if masked else True, (2, 3, 23))
+    np.testing.assert_array_equal(backend.to_numpy(cache.valid), kept)
+    np.testing.assert_allclose(backend.to_numpy(cache.keys),
+                               np.where(kept[..., None], arrays[1], 0.0), rtol=rtol)
+    _, whole_cache = whole(xattn.softmax_attention, backend, arrays, key_mask=key_mask,
+                           dtype=dtype)
+    assert_same_state(backend, cache, whole_cache, rtol=0.0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_ra_deterministic_pieces_equal_one_call(backend, rng, masked):
+    xp = backend.ns
+    arrays = make_sequence(rng, spread=1.0)
+    key_mask = key_mask_for(rng, (2, 3), 23) if masked else None
+    options = dict(biased=True, deterministic=True, chunk_size=3)
+    out, cache = in_pieces(xattn.ra, backend, arrays, random_pieces(4, 23), key_mask=key_mask,
+                           **options)
+    expected, whole_cache = whole(xattn.ra, backend, arrays, key_mask=key_mask, **options)
+    backend.check(expected, reference.randomized_attention(*arrays, biased=True,
+                                                           key_mask=key_mask, causal=True),
+                  dtype=xp.float64)
+    np.testing.assert_allclose(out, backend.to_numpy(expected), rtol=1e-10,
+                               atol=1e-10 * np.max(np.abs(out)))
+    assert isinstance(cache, xattn.RAState)
+    assert_same_state(backend, cache, whole_cache, rtol=0.0)
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_ra_piece_is_one_call_with_the_pieces_draws(backend, rng, biased):
+    """A piece draws for its own queries from its rng, in the documented order (uniforms
+    (*batch, L, S), then normals (*batch, L, S, D)): its rows are those of one causal
+    call over all tokens that uses these draws for them (the float64 reference)."""
+    arrays = make_sequence(rng, batch=(2,), length=11, head_dim=4, spread=1.0)
+    key_mask = key_mask_for(rng, (2, 1), 11)[:, 0]
+    num_samples, prefix = 3, 7
+    outputs, cache, uniforms, noise = [], None, [], []
+    for seed, (start, stop) in enumerate([(0, prefix), (prefix, 9), (9, 10), (10, 11)]):
+        piece = [backend.asarray(a[:, start:stop]) for a in arrays]
+        out, cache = xattn.ra(*piece, num_samples=num_samples, biased=biased, causal=True,
+                              key_mask=backend.asarray(key_mask[:, start:stop]), rng=seed,
+                              state=cache, return_state=True)
+        outputs.append(backend.to_numpy(out))
+        draws = HostGenerator(np.random.default_rng(seed))
+        shape = (2, stop - start, num_samples)
+        uniforms.append(np.ones(shape) if biased else 1.0 - draws.uniform(np, shape,
+                                                                           dtype=np.float64))
+        noise.append(draws.normal(np, (*shape, 4), dtype=np.float64))
+    expected = reference.randomized_attention(
+        *arrays, np.concatenate(uniforms, axis=1), np.concatenate(noise, axis=1),
+        biased=biased, key_mask=key_mask, causal=True)
+    np.testing.assert_allclose(np.concatenate(outputs, axis=-2), expected, rtol=1e-10,
+                               atol=1e-10)
+
+
+def test_ra_pieces_stay_unbiased():
+    """Unbiased RA in pieces, each with its own seed: the mean over draws is softmax
+    attention (the tolerance: 5 standard errors of the mean over the draws)."""
+    rng = np.random.default_rng(5)
+    arrays = make_sequence(rng, batch=(1,), length=6, head_dim=4, spread=1.0)
+    draws = []
+    for seed in range(400):
+        out, cache = xattn.ra(*(a[:, :4] for a in arrays), num_samples=4, causal=True,
+                              rng=2 * seed, return_state=True)
+        out_t = xattn.ra(*(a[:, 4:] for a in arrays), num_samples=4, causal=True,
+                         rng=2 * seed + 1, state=cache)
+        draws.append(np.concatenate([out, out_t], axis=1))
+    draws = np.asarray(draws)
+    error = np.abs(draws.mean(0) - reference.softmax_attention(*arrays, causal=True))
+    assert np.all(error <= 5 * draws.std(0) / np.sqrt(len(draws)) + 1e-12)
+
+
+# JAX: a decode loop under jit and lax.scan ---------------------------------------------------
+
+@pytest.mark.parametrize("feature_map,window,sinks", [("positive", 3, 2),
+                                                      ("trigonometric", None, None)])
+def test_jax_jit_prefill_and_scan_decode_loop(rng, feature_map, window, sinks):
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    jnp = jax.numpy
+    q, k, v = make_sequence(rng, batch=(2,), length=20,
+                            spread=0.3 if feature_map == "trigonometric" else 0.5)
+    key_mask = key_mask_for(rng, (2, 1), 20)[:, 0]
+    prefix = 7
+    options = dict(num_features=16, feature_map=feature_map, window=window, sinks=sinks)
+
+    @jax.jit
+    def prefill(q, k, v, key_mask, key):
+        return xattn.rfa(q, k, v, key_mask=key_mask, rng=key, causal=True, return_state=True,
+                         block_size=4, **options)
+
+    @jax.jit
+    def decode(state, tokens):
+        def step(state, token):
+            q_t, k_t, v_t, mask_t = token
+            out, state = xattn.rfa(q_t[:, None], k_t[:, None], v_t[:, None], causal=True,
+                                   key_mask=mask_t[:, None], state=state, return_state=True)
+            return state, out[:, 0]
+        return jax.lax.scan(step, state, tokens)
+
+    key = jax.random.key(3)
+    arrays = [jnp.asarray(a) for a in (q, k, v, key_mask)]
+    out, state = prefill(*(a[:, :prefix] for a in arrays), key)
+    tokens = tuple(jnp.moveaxis(a[:, prefix:], 1, 0) for a in arrays)  # time-major
+    state, outs = decode(state, tokens)
+    assert int(state.position) == 20 and isinstance(state, xattn.RFAState)
+    got = np.concatenate([np.asarray(out), np.moveaxis(np.asarray(outs), 0, 1)], axis=1)
+    omega = np.asarray(state.omega)  # drawn from the key by the prefill
+    expected, expected_state = quiet(xattn.rfa, q, k, v, key_mask=key_mask, omega=omega,
+                                     causal=True, return_state=True, **options)
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-10 * np.max(np.abs(got)))
+
+    class Host:  # the NumPy side of assert_same_state
+        @staticmethod
+        def to_numpy(x):
+            return np.asarray(x, dtype=np.float64 if np.asarray(x).dtype != bool else bool)
+
+    assert_same_state(Host, state, expected_state, rtol=1e-10)
+
+
+def test_jax_jit_softmax_cache_prefill_and_steps(rng):
+    """The key-value cache grows: jit compiles the prefill and one step per length."""
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    q, k, v = make_sequence(rng, batch=(2,), length=9, spread=1.0)
+
+    @jax.jit
+    def attend(q, k, v, cache):
+        return xattn.softmax_attention(q, k, v, causal=True, state=cache, return_state=True)
+
+    arrays = [jax.numpy.asarray(a) for a in (q, k, v)]
+    out, cache = attend(*(a[:, :6] for a in arrays), None)
+    outputs = [np.asarray(out)]
+    for position in range(6, 9):
+        out, cache = attend(*(a[:, position:position + 1] for a in arrays), cache)
+        outputs.append(np.asarray(out))
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1),
+                               reference.softmax_attention(q, k, v, causal=True), rtol=1e-10)
+    assert cache.position == 9
+
+
+# torch: autograd through the state -------------------------------------------------------------
+
+@pytest.mark.parametrize("estimator", ["rfa", "softmax"])
+def test_torch_gradients_flow_through_the_state(rng, estimator):
+    """The loss of the tokens after the prefill, differentiated through the state with
+    respect to the prefill's q, k, v: the gradients of one causal call."""
+    torch = pytest.importorskip("torch")
+    arrays = make_sequence(rng, batch=(2,), length=10, head_dim=4, value_dim=2)
+    weights = torch.as_tensor(rng.normal(size=(2, 4, 2)))
+    options = (dict(num_features=8, rng=0, window=2, sinks=1) if estimator == "rfa" else {})
+    function = xattn.rfa if estimator == "rfa" else xattn.softmax_attention
+
+    def loss(pieces):
+        tensors = [torch.tensor(a, requires_grad=True) for a in arrays]
+        outputs, state, start = [], None, 0
+        for length in pieces:
+            extra = dict(options) if state is None else {"state": state}
+            out, state = function(*(t[:, start:start + length] for t in tensors), causal=True,
+                                  return_state=True, **extra)
+            outputs.append(out)
+            start += length
+        (torch.cat(outputs, dim=1)[:, 6:] * weights).sum().backward()
+        return [t.grad.numpy() for t in tensors]
+
+    split, one_call = loss([6, 1, 2, 1]), loss([10])
+    for got, expected in zip(split, one_call, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+    for grad in split[1:]:  # the prefill's keys and values reach the loss through the state
+        assert np.all(np.abs(grad[:, :6]).sum(-1) > 0)
+
+
+# misuse ------------------------------------------------------------------------------------
+
+def _tokens(rng, length=4, head_dim=8, value_dim=3, batch=(2,)):
+    return make_sequence(rng, batch=batch, length=length, head_dim=head_dim,
+                         value_dim=value_dim)
+
+
+def test_misuse_names_the_argument(rng):
+    q, k, v = _tokens(rng)
+    _, state = xattn.rfa(q, k, v, num_features=8, rng=0, causal=True, return_state=True)
+    _, trigonometric = quiet(xattn.rfa, q, k, v, num_features=8, rng=0, causal=True,
+                             feature_map="trigonometric", return_state=True)
+    _, windowed = xattn.rfa(q, k, v, num_features=8, rng=0, causal=True, window=2, sinks=1,
+                            return_state=True)
+    _, cache = xattn.softmax_attention(q, k, v, causal=True, return_state=True)
+    _, ra_cache = xattn.ra(q, k, v, causal=True, rng=0, return_state=True)
+    omega = xattn.features.sample_omega(1, 8, 8, xp=np, dtype=np.float64)
+    cases = [
+        # a state of another estimator
+        (xattn.softmax_attention, dict(state=state), TypeError,
+         r"state must be an xattn.SoftmaxState.*got a state of rfa\(\)"),
+        (xattn.rfa, dict(state=cache), TypeError,
+         r"state must be an xattn.RFAState.*got a state of softmax_attention\(\)"),
+        (xattn.ra, dict(state=cache), TypeError, r"state must be an xattn.RAState"),
+        (xattn.softmax_attention, dict(state=ra_cache), TypeError, r"a state of ra\(\)"),
+        (xattn.rfa, dict(state={"position": 3}), TypeError, r"state must be an xattn.RFAState"),
+        # another feature map, other samples, other options
+        (xattn.rfa, dict(state=trigonometric, feature_map="positive"), ValueError,
+         r"feature_map='positive' differs from the state's feature_map \('trigonometric'\)"),
+        (xattn.rfa, dict(state=state, num_features=16), ValueError,
+         r"num_features=16 differs from the state's num_features \(8\)"),
+        (xattn.rfa, dict(state=state, omega=omega), ValueError, r"omega=.*differs"),
+        (xattn.rfa, dict(state=state, omega=omega[:4]), ValueError,
+         r"omega=<array of shape \(4, 8\)> differs"),
+        (xattn.rfa, dict(state=windowed, window=3), ValueError,
+         r"window=3 differs from the state's window \(2\)"),
+        (xattn.rfa, dict(state=windowed, sinks=0), ValueError, r"sinks=0 differs"),
+        (xattn.rfa, dict(state=state, scale=0.5), ValueError, r"scale=0.5 differs"),
+        # state= and return_state=True need causal=True
+        (xattn.rfa, dict(state=state, causal=False), ValueError,
+         r"state= continues a causal sequence: rfa\(\) needs causal=True"),
+        (xattn.softmax_attention, dict(return_state=True, causal=False), ValueError,
+         r"return_state= continues a causal sequence: softmax_attention\(\) needs causal"),
+        (xattn.ra, dict(state=ra_cache, causal=False), ValueError, r"ra\(\) needs causal=True"),
+        (xattn.rfa, dict(return_state=1), TypeError, r"return_state must be a bool"),
+        # LARA has no causal mode yet
+        (xattn.lara, dict(state=state, num_samples=2), ValueError,
+         r"lara\(\) takes no state=: LARA has no causal mode yet"),
+        (xattn.lara, dict(return_state=True, num_samples=2), ValueError,
+         r"lara\(\) takes no return_state="),
+    ]
+    for function, options, error, message in cases:
+        options = {"causal": True, **options} if function is not xattn.lara else options
+        with pytest.raises(error, match=message):
+            function(q, k, v, **options)
+
+
+@pytest.mark.parametrize("estimator", ["rfa", "softmax", "ra"])
+def test_misuse_of_another_head_shape(rng, estimator):
+    function = {"rfa": xattn.rfa, "softmax": xattn.softmax_attention, "ra": xattn.ra}[estimator]
+    options = dict(num_features=8, rng=0, window=1) if estimator == "rfa" else {}
+    q, k, v = _tokens(rng)
+    _, state = function(q, k, v, causal=True, return_state=True, **options)
+    for other, message in [
+        (_tokens(rng, head_dim=4), r"state holds heads of D = 8, Dv = 3, but the new tokens "
+                                   r"have D = 4"),
+        (_tokens(rng, value_dim=5), r"Dv = 5 \(v\)"),
+        (_tokens(rng, batch=(3,)), r"state has the leading \(batch, head\) dims \(2,\)"),
+        (_tokens(rng, batch=(4, 2)), r"do not broadcast to"),
+        ([a.astype(np.float32) for a in (q, k, v)],
+         r"state holds float64 arrays but the new tokens compute in float32"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            function(*other, causal=True, state=state)
+    with pytest.raises(ValueError, match=r"q and k .* must have as many rows \(N = M\)"):
+        function(q, k[:, :3], v[:, :3], causal=True, state=state)
+    # leading dims that broadcast to the state's are fine
+    out = function(q[:1], k[:1], v[:1], causal=True, state=state)
+    assert out.shape == (2, 4, 3)
+
+
+def test_omega_of_the_state_is_accepted(rng):
+    q, k, v = _tokens(rng)
+    _, state = xattn.rfa(q, k, v, num_features=8, rng=0, causal=True, return_state=True)
+    same = xattn.rfa(q, k, v, causal=True, state=state, omega=state.omega.copy(),
+                     num_features=8, feature_map="positive", window=0, sinks=0)
+    np.testing.assert_array_equal(same, xattn.rfa(q, k, v, causal=True, state=state))
