@@ -2,7 +2,8 @@
 
 Modules (and the modules of subpackages such as ``xattn.cli``) are discovered with
 :func:`pkgutil.walk_packages`, so modules added later are picked up automatically. The
-framework and command-line modules (``torch``, ``flax``, ``cli``) are skipped only when
+framework and command-line modules (``torch``, ``flax``, ``cli``, and the layers' helpers
+``_torch_layer`` and ``_flax_layer``) are skipped only when
 an optional dependency they need is not installed.
 Each docstring with examples is one test, so a failure names the function.
 """
@@ -21,7 +22,8 @@ import pytest
 
 import xattn
 
-OPTIONAL_MODULES = {"cli", "torch", "flax"}  # may need extras that are not installed
+# may need extras that are not installed (the layers' framework helpers too)
+OPTIONAL_MODULES = {"cli", "torch", "flax", "_torch_layer", "_flax_layer"}
 OPTION_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

@@ -5,7 +5,12 @@ In the style of einops' layer mixins, :class:`LayerCore` holds everything that d
 depend on the framework: the calls of the estimators (the layer options, their defaults and
 their checks are in :mod:`xattn._options`), the ``num_features`` default, the
 construction-time probe of the option values, the redraw guard and schedule of the RFA
-features, the dtype rule of ``omega`` and the train/eval switch of the estimators.
+features, the dtype rule of ``omega`` and the train/eval switch of the estimators; and
+generation (:meth:`LayerCore._continue`, :meth:`LayerCore._decode`): a causal sequence
+given in pieces through the estimators' ``state=`` / ``return_state=True``, checked against
+the layer (the estimator's state class, the heads, RFA's features), with the fixed-size
+caches of Flax's ``decode=True`` (a key-value cache of ``max_length`` slots written in
+place by a gather, so that the position may be traced).
 A framework layer inherits from it and from its framework's module class, calls
 :meth:`LayerCore._setup_estimator` in its constructor, and keeps only the framework hooks:
 parameters, where the features live, where randomness comes from, and the input layout.
@@ -24,7 +29,7 @@ import array_api_compat
 import numpy as np
 
 import xattn
-from xattn._array import Array, compute_dtype
+from xattn._array import Array, compute_dtype, concrete_count
 from xattn._options import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATOR_OPTIONS,
@@ -36,6 +41,7 @@ from xattn._options import (
     lara_num_samples,
 )
 from xattn._rfa import default_num_features
+from xattn._state import RAState, RFAState, SoftmaxState, _KeyValueCache
 from xattn.features import SAMPLE_NORMS, sample_omega
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "ESTIMATORS",
     "ESTIMATOR_OPTIONS",
     "PROBE_LENGTH",
+    "STATE_CLASSES",
     "LayerCore",
     "attend",
     "draw_features",
@@ -71,28 +78,34 @@ def draw_features(rng: Any, num_features: int, head_dim: int, options: dict[str,
 
 def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, Any],
            key_mask: Array | None, causal: bool, training: bool, omega: Array | None = None,
-           rng: Any = None) -> Array:
+           rng: Any = None, state: Any = None, stateful: bool = False) -> Any:
     """Run ``estimator`` on per-head inputs ``(..., L, head_dim)``.
 
     Training mode draws with ``rng``; evaluation mode is deterministic for every
     estimator: RFA uses the fixed ``omega``, RA its biased deterministic form, LARA its
-    deterministic form (proposal means as samples).
+    deterministic form (proposal means as samples). With ``stateful`` (causal softmax,
+    RFA and RA only) the call continues ``state`` (None: starts a sequence) and returns
+    ``(out, state)``.
     """
+    generation = {"state": state, "return_state": True} if stateful else {}
     if estimator == "softmax":
-        return xattn.softmax_attention(q, k, v, key_mask=key_mask, causal=causal, **options)
+        return xattn.softmax_attention(q, k, v, key_mask=key_mask, causal=causal,
+                                       **generation, **options)
     if estimator == "rfa":
         call_options = {name: value for name, value in options.items()
                         if name not in _FEATURE_OPTIONS}
         sinks = call_options.get("sinks")
-        if isinstance(sinks, numbers.Integral) and not isinstance(sinks, bool):
+        if (isinstance(sinks, numbers.Integral) and not isinstance(sinks, bool)
+                and not stateful):  # a state's sinks are those of the whole sequence
             call_options["sinks"] = min(int(sinks), k.shape[-2])  # at most every key a sink
         return xattn.rfa(q, k, v, omega=omega, key_mask=key_mask, causal=causal,
-                         **call_options)
+                         **generation, **call_options)
     if estimator == "ra":
         if training:
-            return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, rng=rng, **options)
+            return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, rng=rng, **generation,
+                            **options)
         return xattn.ra(q, k, v, key_mask=key_mask, causal=causal, biased=True,
-                        deterministic=True, **options)
+                        deterministic=True, **generation, **options)
     call_options = dict(options)
     num_samples = lara_num_samples(call_options)
     call_options.pop("num_samples", None)
@@ -206,6 +219,127 @@ class LayerCore:
         return attend(self.estimator, q, k, v, options=self.estimator_options,
                       key_mask=key_mask, causal=causal, training=training, omega=omega,
                       rng=rng if training else None)
+
+    # -- generation: one causal sequence given in pieces (a prefill, then new tokens) -------
+
+    def _require_causal_estimator(self, what: str) -> None:
+        """``ValueError`` for LARA, which has no causal form to continue."""
+        if self.estimator == "lara":
+            raise ValueError(f"{what} continues a causal sequence, but estimator='lara' has no "
+                             "causal form; use estimator='softmax', 'rfa' or 'ra'")
+
+    def _check_state(self, state: Any, q: Array, v: Array, features: Array | None, *,
+                     name: str, restart: str) -> None:
+        """``TypeError`` / ``ValueError`` naming ``name`` unless ``state`` continues a
+        sequence of this layer: the estimator's state class, the heads of ``q`` and ``v``
+        (``(batch..., heads, L, head_dim)``) and, for RFA, the layer's ``features``. The
+        features are compared where their values can be read (not under :func:`jax.jit`)."""
+        expected = STATE_CLASSES[self.estimator]
+        if not isinstance(state, expected):
+            raise TypeError(f"{name} must be an xattn.{expected.__name__}, made by a layer with "
+                            f"estimator={self.estimator!r}; got {type(state).__name__}")
+        rfa = isinstance(state, RFAState)
+        keys, values = (state.sink_keys, state.sink_values) if rfa else (state.keys, state.values)
+        held = (*keys.shape[:-2], keys.shape[-1], values.shape[-1])
+        new = (*q.shape[:-2], q.shape[-1], v.shape[-1])
+        if held != new:
+            raise ValueError(f"{name} was made for (batch..., num_heads, head_dim, value dim) = "
+                             f"{held}, but these tokens have {new}: a sequence continues in the "
+                             f"layer and with the batch that began it ({restart})")
+        if features is None:
+            return
+        xp = array_api_compat.array_namespace(q)
+        omega = self._omega_like(features, q)
+        if (tuple(omega.shape) != tuple(state.omega.shape)
+                or concrete_count(xp, omega != xp.astype(state.omega, omega.dtype))):
+            raise ValueError(f"{name} holds other RFA features than the layer: they were redrawn "
+                             "or loaded after the sequence began, and a sequence keeps the "
+                             f"features it began with ({restart})")
+
+    def _continue(self, q: Array, k: Array, v: Array, *, key_mask: Array | None,
+                  training: bool, features: Array | None, rng: Any, state: Any,
+                  name: str = "state", restart: str = "begin a new one") -> tuple[Array, Any]:
+        """Causal attention of the new tokens ``q, k, v`` (per head, ``(..., L,
+        head_dim)``) after those that ``state`` has seen (None: the first piece); returns
+        ``(out, state)``. An RFA sequence begins with the layer's ``features`` and keeps
+        the state's (checked against ``features``, see :meth:`_check_state`)."""
+        self._require_causal_estimator("generation")
+        if k.shape[-2] != q.shape[-2]:
+            raise ValueError(f"generation takes the queries, keys and values of the same new "
+                             f"tokens; got {q.shape[-2]} queries and {k.shape[-2]} keys")
+        if state is not None:
+            self._check_state(state, q, v, features, name=name, restart=restart)
+        omega = None if features is None or state is not None else self._omega_like(features, q)
+        return attend(self.estimator, q, k, v, options=self.estimator_options,
+                      key_mask=key_mask, causal=True, training=training, omega=omega,
+                      rng=rng if training else None, state=state, stateful=True)
+
+    def _empty_cache(self, xp: Any, batch: tuple[int, ...], max_length: int, dtype: Any,
+                     device: Any, features: Array | None) -> Any:
+        """The state of no tokens for the heads ``batch = (batch..., num_heads)``, of fixed
+        size: RFA's own state (with the layer's ``features``); for softmax and RA a
+        key-value cache of ``max_length`` slots, none valid yet (:meth:`_decode` fills
+        them in order; a slot not filled is a masked key, which no query attends)."""
+        self._require_causal_estimator("a decoding cache")
+        dtype = compute_dtype(xp, dtype)
+        if self.estimator == "rfa":
+            empty = xp.zeros((*batch, 0, self.head_dim), dtype=dtype, device=device)
+            return self._continue(empty, empty, empty, key_mask=None, training=False,
+                                  features=features, rng=None, state=None)[1]
+        slots = xp.zeros((*batch, max_length, self.head_dim), dtype=dtype, device=device)
+        return STATE_CLASSES[self.estimator](
+            slots, slots, xp.zeros((*batch, max_length), dtype=xp.bool, device=device))
+
+    def _decode(self, q: Array, k: Array, v: Array, *, key_mask: Array | None,
+                training: bool, features: Array | None, rng: Any, cache: Any, index: Array,
+                name: str, restart: str) -> tuple[Array, Any, Array]:
+        """:meth:`_continue` for a fixed-size ``cache`` (:meth:`_empty_cache`) that has seen
+        ``index`` tokens (a 0-d integer array, traced under :func:`jax.jit`): returns the
+        output, the cache and ``index + L``. A key-value cache's slots ``index .. index + L
+        - 1`` take the new keys and values; ``ValueError`` if they do not fit (where
+        ``index`` can be read)."""
+        self._require_causal_estimator("decoding")
+        length = q.shape[-2]
+        if not isinstance(cache, RFAState) and isinstance(cache, _KeyValueCache):
+            slots, used = cache.keys.shape[-2], _concrete_int(index)
+            if used is not None and used + length > slots:
+                raise ValueError(f"{name} has {slots} slots (max_length) and holds {used} tokens:"
+                                 f" {length} more do not fit; {restart} with a larger max_length")
+        out, state = self._continue(q, k, v, key_mask=key_mask, training=training,
+                                    features=features, rng=rng, state=cache, name=name,
+                                    restart=restart)
+        if isinstance(state, RFAState):
+            return out, state, index + length
+        xp = array_api_compat.array_namespace(q)
+        slots = cache.keys.shape[-2]  # the new entries follow the slots in the grown cache
+        written = type(cache)(
+            _write_slots(xp, cache.keys, state.keys[..., slots:, :], index, axis=-2),
+            _write_slots(xp, cache.values, state.values[..., slots:, :], index, axis=-2),
+            _write_slots(xp, cache.valid, state.valid[..., slots:], index, axis=-1))
+        return out, written, index + length
+
+
+STATE_CLASSES: dict[str, type[Any]] = {"softmax": SoftmaxState, "rfa": RFAState, "ra": RAState}
+"""The state class of each estimator that continues a causal sequence (not LARA)."""
+
+
+def _concrete_int(x: Array) -> int | None:
+    """``int(x)``, or None where the value cannot be read (a traced JAX array)."""
+    try:
+        return int(x)
+    except TypeError:  # jax.errors.ConcretizationTypeError is a TypeError
+        return None
+
+
+def _write_slots(xp: Any, slots: Array, new: Array, start: Array, *, axis: int) -> Array:
+    """``slots`` with ``new`` in positions ``start .. start + L - 1`` along ``axis``: a
+    gather from ``[slots, new]``, so that ``start`` may be traced; positions past the end
+    of ``slots`` are dropped."""
+    count, length = slots.shape[axis], new.shape[axis]
+    position = xp.arange(count, device=array_api_compat.device(slots))
+    inside = (position >= start) & (position < start + length)
+    source = xp.where(inside, count + position - start, position)
+    return xp.take(xp.concat([slots, new], axis=axis), source, axis=axis)
 
 
 # -- docstring text shared by the two layers -------------------------------------------------

@@ -18,12 +18,10 @@ use of ``xattn.torch`` (or by ``import xattn.torch``).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import array_api_compat
 import torch
-from torch import nn
 
 from xattn._array import compute_dtype
 from xattn._layers import (
@@ -35,6 +33,7 @@ from xattn._layers import (
     module_docstring,
 )
 from xattn._options import check_bool, check_sizes
+from xattn._torch_layer import DefaultTorchGenerator, Projections, is_causal_mask
 from xattn.random import Generator, TorchGenerator
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "MultiheadAttention"]
@@ -43,30 +42,8 @@ __doc__ = module_docstring(__doc__, features_home="the buffer ``features`` (save
                                                   "``state_dict``)")
 
 
-class _DefaultTorchGenerator(Generator):
-    """Draws with torch's default generator of the target device (the global generator
-    that :func:`torch.manual_seed` seeds): each draw advances it, and so changes
-    ``torch.get_rng_state()`` (or the CUDA generator's state), as ``torch.nn.Dropout``
-    does."""
-
-    def normal(self, xp, shape, *, dtype, device=None):
-        return torch.randn(tuple(shape), dtype=dtype, device=device)
-
-    def uniform(self, xp, shape, *, dtype, device=None):
-        return torch.rand(tuple(shape), dtype=dtype, device=device)
-
-
-def _same_view(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the inputs view the same elements alike (False under :func:`torch.compile`,
-    which plans its copies itself)."""
-    return not torch.compiler.is_compiling() and all(
-        (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
-        == (query.data_ptr(), query.shape, query.stride(), query.dtype, query.device)
-        for x in (key, value))
-
-
 @fill_docstring
-class MultiheadAttention(LayerCore, nn.Module):
+class MultiheadAttention(LayerCore, Projections):
     r"""Multi-head attention with an xattn estimator, a drop-in for
     :class:`torch.nn.MultiheadAttention`.
 
@@ -210,30 +187,7 @@ class MultiheadAttention(LayerCore, nn.Module):
         self.batch_first = batch_first
         self.dropout = 0.0
         self.generator = generator
-        # Parameter names follow torch.nn.MultiheadAttention, so its state_dict loads here.
-        # ``_qkv_same_embed_dim`` is what torch reads to choose the fused fast paths of
-        # nn.TransformerEncoderLayer / nn.TransformerEncoder, which would bypass this
-        # module's forward; it is always False here, the packed layout is told by
-        # ``in_proj_weight`` being set.
-        self._qkv_same_embed_dim = False
-        packed = self.kdim == embed_dim and self.vdim == embed_dim
-        if packed:
-            self.in_proj_weight = nn.Parameter(torch.empty((3 * embed_dim, embed_dim),
-                                                           **factory))
-            self.register_parameter("q_proj_weight", None)
-            self.register_parameter("k_proj_weight", None)
-            self.register_parameter("v_proj_weight", None)
-        else:
-            self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory))
-            self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **factory))
-            self.v_proj_weight = nn.Parameter(torch.empty((embed_dim, self.vdim), **factory))
-            self.register_parameter("in_proj_weight", None)
-        if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
-        else:
-            self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self._reset_parameters()
+        self._create_projections(bias, factory)
 
         self.steps_since_redraw = 0
         if estimator == "rfa":
@@ -241,18 +195,6 @@ class MultiheadAttention(LayerCore, nn.Module):
             self.redraw_features()
         else:
             self.register_buffer("features", None)
-
-    def _reset_parameters(self) -> None:
-        # the initialization of torch.nn.MultiheadAttention
-        if self.in_proj_weight is not None:
-            nn.init.xavier_uniform_(self.in_proj_weight)
-        else:
-            nn.init.xavier_uniform_(self.q_proj_weight)
-            nn.init.xavier_uniform_(self.k_proj_weight)
-            nn.init.xavier_uniform_(self.v_proj_weight)
-        if self.in_proj_bias is not None:
-            nn.init.constant_(self.in_proj_bias, 0.0)
-            nn.init.constant_(self.out_proj.bias, 0.0)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -266,7 +208,7 @@ class MultiheadAttention(LayerCore, nn.Module):
     def _random(self) -> Generator:
         if self.generator is not None:
             return TorchGenerator(self.generator)
-        return _DefaultTorchGenerator()
+        return DefaultTorchGenerator()
 
     @torch.no_grad()
     def redraw_features(self) -> None:
@@ -305,47 +247,6 @@ class MultiheadAttention(LayerCore, nn.Module):
                               device=device)
         self.features = omega.to(dtype)
         self.steps_since_redraw = 0
-
-    def _key_mask(self, key_padding_mask: torch.Tensor | None, batch: int | None,
-                  source_length: int) -> torch.Tensor | None:
-        """torch's key_padding_mask (True / -inf = ignore) -> xattn's key_mask (True = use)."""
-        if key_padding_mask is None:
-            return None
-        expected = (source_length,) if batch is None else (batch, source_length)
-        if tuple(key_padding_mask.shape) != expected:
-            raise ValueError(
-                f"key_padding_mask must have shape {expected} (batch, source length), got "
-                f"{tuple(key_padding_mask.shape)}"
-            )
-        if key_padding_mask.dtype == torch.bool:
-            key_mask = ~key_padding_mask
-        elif key_padding_mask.is_floating_point():
-            if not torch.compiler.is_compiling() and not bool(torch.all(
-                    (key_padding_mask == 0) | (key_padding_mask == -math.inf))):
-                raise ValueError("a float key_padding_mask must hold only 0 (attend) and -inf "
-                                 "(ignore); other additive biases are not supported")
-            key_mask = key_padding_mask == 0
-        else:
-            raise TypeError(f"key_padding_mask must be bool or float, got "
-                            f"{key_padding_mask.dtype}")
-        return key_mask[..., None, :]  # broadcast over heads: (batch, 1, S)
-
-    @staticmethod
-    def _is_causal_mask(attn_mask: torch.Tensor, target_length: int,
-                        source_length: int) -> bool:
-        if tuple(attn_mask.shape) != (target_length, source_length):
-            raise ValueError(
-                f"attn_mask must have shape ({target_length}, {source_length}) (a causal mask);"
-                f" got {tuple(attn_mask.shape)}: per-batch or per-head masks are not supported"
-            )
-        if torch.compiler.is_compiling():
-            return True
-        future = torch.ones((target_length, source_length), dtype=torch.bool,
-                            device=attn_mask.device).triu(1)
-        if attn_mask.dtype == torch.bool:
-            return bool(torch.equal(attn_mask, future))
-        blocked = torch.where(future, attn_mask == -math.inf, attn_mask == 0)
-        return bool(torch.all(blocked))
 
     def forward(
         self,
@@ -436,42 +337,16 @@ class MultiheadAttention(LayerCore, nn.Module):
                 "attention weights; call with need_weights=False (the output is returned "
                 "with None for the weights)"
             )
-        if query.dim() not in (2, 3):
-            raise ValueError(f"query must be 2-D (unbatched) or 3-D, got shape "
-                             f"{tuple(query.shape)}")
-        if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(f"query, key and value must have the same rank, got shapes "
-                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-        batched = query.dim() == 3
-        if not batched:
-            query, key, value = query[:, None], key[:, None], value[:, None]
-        elif self.batch_first:
-            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
-        # now (L, N, E)
-        target_length, batch, _ = query.shape
-        source_length = key.shape[0]
-        for name, tensor, dim in (("query", query, self.embed_dim), ("key", key, self.kdim),
-                                  ("value", value, self.vdim)):
-            if tensor.shape[-1] != dim:
-                raise ValueError(f"{name} must have {dim} features in its last dim, got "
-                                 f"shape {tuple(tensor.shape)}")
-        if key.shape[:2] != value.shape[:2] or key.shape[1] != batch:
-            raise ValueError(f"key and value must have shapes (S, {batch}, .) matching the "
-                             f"query batch, got {tuple(key.shape)} and {tuple(value.shape)}")
-        key_mask = self._key_mask(key_padding_mask, batch if batched else None, source_length)
-        if key_mask is not None and not batched:
-            key_mask = key_mask[None]
+        q, k, v, key_mask, layout = self._split_heads(query, key, value, key_padding_mask)
         causal = is_causal
         if attn_mask is not None and not causal:
-            causal = self._is_causal_mask(attn_mask, target_length, source_length)
+            causal = is_causal_mask(attn_mask, q.shape[-2], k.shape[-2])
             if not causal:
                 raise ValueError(
                     "attn_mask is not supported except as the causal mask (True or -inf "
                     "above the diagonal): linear estimators cannot apply arbitrary "
                     "(L, S) masks; use key_padding_mask and/or is_causal=True"
                 )
-
-        q, k, v = self._project(query, key, value)  # (N, h, L, d)
         if self._counts_training_steps(self.training):
             redraw, steps = self._redraw_schedule(self.steps_since_redraw)
             if redraw:
@@ -480,30 +355,91 @@ class MultiheadAttention(LayerCore, nn.Module):
         heads = self._estimate(q, k, v, key_mask=key_mask, causal=causal,  # (N, h, L, d)
                                training=self.training, features=self.features,
                                rng=self._random() if self.training else None)
-        merged = heads.permute(2, 0, 1, 3).reshape(target_length, batch, self.embed_dim)
-        output = self.out_proj(merged)
-        if not batched:
-            return output[:, 0], None
-        if self.batch_first:
-            output = output.transpose(0, 1)
-        return output, None
+        return self._merge_heads(heads, layout), None
 
-    def _project(self, query, key, value):
-        embed_dim = self.embed_dim
-        if _same_view(query, key, value):  # self-attention, batch_first: views of one input
-            # one (L, N, E) copy for the three products (as in torch.nn.MultiheadAttention),
-            # not one each kept for the backward pass; the same copy, the same results
-            query = key = value = query.contiguous()
-        if self.in_proj_weight is not None:
-            weights = self.in_proj_weight.split(embed_dim)
-        else:
-            weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
-        biases = (self.in_proj_bias.split(embed_dim) if self.in_proj_bias is not None
-                  else (None, None, None))
-        projected = (nn.functional.linear(x, weight, bias)  # (L, N, E) each
-                     for x, weight, bias in zip((query, key, value), weights, biases, strict=True))
-        return [x.reshape(*x.shape[:2], self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-                for x in projected]
+    def step(
+        self,
+        query: torch.Tensor,
+        state: Any = None,
+        *,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Any]:
+        r"""Continue a causal sequence by the new tokens ``query``: generation.
+
+        ``out, state = layer.step(prompt)`` attends the prompt causally and returns the
+        state after it; ``out, state = layer.step(tokens, state)`` attends the next tokens
+        (one or more) to themselves and to every token before, and returns the state
+        after them. The outputs of the pieces are those of one causal :meth:`forward`
+        ``(x, x, x, is_causal=True)`` on the whole sequence, up to rounding, in
+        evaluation mode and, for ``"softmax"`` and ``"rfa"``, in training mode (``"ra"``
+        in training mode draws for each piece: equal in distribution, not token by token).
+
+        The state is the estimator's (per head, leading dims ``(N, num_heads)``):
+        :class:`xattn.RFAState` for ``"rfa"``, of fixed size, holding the layer's
+        ``features`` of the sequence's first piece; :class:`xattn.SoftmaxState` and
+        :class:`xattn.RAState`, key-value caches, for ``"softmax"`` and ``"ra"``. It is an
+        immutable value: keep one to branch a sequence. Autograd flows through it. A
+        ``step`` never redraws the features nor counts towards ``redraw_interval``.
+
+        Parameters
+        ----------
+        query : Tensor, shape (L, N, E), (N, L, E) if ``batch_first``, or (L, E)
+            The new tokens (self-attention: also the keys and values).
+        state : xattn.RFAState, xattn.SoftmaxState or xattn.RAState, optional
+            The state after the tokens before, as returned by ``step``; None (the default)
+            begins a sequence.
+        key, value : Tensor, optional
+            The keys and values of the same L new tokens (default: ``query`` and ``key``),
+            with ``kdim`` and ``vdim`` features.
+        key_padding_mask : Tensor, shape (N, L) or (L,), optional
+            True (or -inf) marks new tokens that no query attends, now or later.
+
+        Returns
+        -------
+        output : Tensor, shaped like ``query``
+        state : the state after these tokens
+
+        Raises
+        ------
+        ValueError
+            ``estimator="lara"`` (no causal form); ``key`` or ``value`` with another
+            length than ``query``; a state of other heads or another batch; ``"rfa"``
+            features redrawn or loaded since the sequence began (begin a new one); the
+            input errors of :meth:`forward`.
+        TypeError
+            A state that is not the estimator's state class.
+
+        Examples
+        --------
+        >>> import torch
+        >>> import xattn.torch
+        >>> generator = torch.Generator().manual_seed(0)
+        >>> layer = xattn.torch.MultiheadAttention(16, 4, estimator="rfa", window=2,
+        ...                                        batch_first=True, generator=generator)
+        >>> _ = layer.eval()
+        >>> x = torch.randn(2, 10, 16, generator=generator)
+        >>> out, state = layer.step(x[:, :6])  # the prompt
+        >>> pieces = [out]
+        >>> for t in range(6, 10):  # then one token at a time
+        ...     out, state = layer.step(x[:, t:t + 1], state)
+        ...     pieces.append(out)
+        >>> whole, _ = layer(x, x, x, is_causal=True)
+        >>> bool(torch.allclose(torch.cat(pieces, dim=1), whole, atol=1e-5))
+        True
+        >>> type(state).__name__, int(state.position)
+        ('RFAState', 10)
+        """
+        self._require_causal_estimator("step")
+        key = query if key is None else key
+        q, k, v, mask, layout = self._split_heads(query, key, key if value is None else value,
+                                                  key_padding_mask)
+        heads, state = self._continue(q, k, v, key_mask=mask, training=self.training,
+                                      features=self.features, state=state,
+                                      rng=self._random() if self.training else None,
+                                      restart="begin a new one: step(query) without state")
+        return self._merge_heads(heads, layout), state
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
