@@ -239,7 +239,13 @@ def leaf_data(leaf):
 def test_bool_arguments_are_found():
     assert {"use_bias", "deterministic"} <= {name for _, name in CONSTRUCTOR_BOOL_CASES}
     assert ("rfa", "orthogonal") in CONSTRUCTOR_BOOL_CASES
-    assert {"deterministic", "is_causal"} <= set(CALL_BOOL_CASES)
+    assert {"deterministic", "is_causal", "decode"} <= set(CALL_BOOL_CASES)
+
+
+def with_cache(layer, x):
+    """``layer`` with a cache for the sequences of ``x`` (so that ``decode=True`` runs)."""
+    layer.init_cache(x.shape)
+    return layer
 
 
 @pytest.mark.parametrize("estimator,option", CONSTRUCTOR_BOOL_CASES)
@@ -253,6 +259,7 @@ def test_constructor_bool_options_take_numpy_bools(estimator, option):
         assert jax.tree.structure(states[0]) == jax.tree.structure(states[1])
         for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1]), strict=True):
             np.testing.assert_array_equal(*map(leaf_data, (a, b)))
+        layers = [with_cache(layer, x) if option == "decode" else layer for layer in layers]
         np.testing.assert_array_equal(layers[0](x, deterministic=True),
                                       layers[1](x, deterministic=True))
     for bad in ("x", 1):
@@ -268,7 +275,8 @@ def test_call_bool_flags_take_numpy_bools(estimator, option):
     the flag, never taken as truthy (is_causal="x" is not causal)."""
     x = inputs()
     for flag in (True, False):
-        outputs = [make_layer(estimator)(x, rngs=nnx.Rngs(attention=3), **{option: value})
+        outputs = [with_cache(make_layer(estimator), x)(x, rngs=nnx.Rngs(attention=3),
+                                                         **{option: value})
                    for value in (np.bool_(flag), flag)]
         np.testing.assert_array_equal(outputs[0], outputs[1])
     layer = make_layer(estimator)

@@ -144,6 +144,10 @@ TARGETS: dict[str, list[tuple[str, str, str]]] = {
         ("flax.nnx.Rngs", "py:class", "api_reference/flax.nnx/rnglib.html#$"),
         ("flax.nnx.RngStream", "py:class", "api_reference/flax.nnx/rnglib.html#$"),
         ("flax.nnx.jit", "py:function", "api_reference/flax.nnx/transforms.html#$"),
+        ("flax.nnx.view", "py:function", "api_reference/flax.nnx/graph.html#$"),
+        ("flax.nnx.Cache", "py:class", "api_reference/flax.nnx/variables.html#$"),
+        ("flax.nnx.MultiHeadAttention.init_cache", "py:method",
+         "api_reference/flax.nnx/nn/attention.html#$"),
         ("flax.nnx.Optimizer", "py:class", "api_reference/flax.nnx/training/optimizer.html#$"),
     ],
     "dask": [

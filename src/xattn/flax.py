@@ -22,17 +22,17 @@ use of ``xattn.flax`` (or by ``import xattn.flax``).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xattn._flax_layer import Decoding, constructor_signature, variable_signature
+from xattn._flax_layer import key_mask as flax_key_mask
 from xattn._layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATORS,
-    LayerCore,
     draw_features,
     fill_docstring,
     module_docstring,
@@ -58,22 +58,14 @@ class FeatureState(nnx.Variable):
     """
 
 
-def _variable_signature() -> inspect.Signature:
-    """The signature of ``FeatureState(...)``: ``nnx.Variable.__init__``'s without
-    ``self`` and without the annotations (Flax's type variables, shown as strings)."""
-    parameters = list(inspect.signature(nnx.Variable.__init__).parameters.values())[1:]
-    return inspect.Signature([parameter.replace(annotation=inspect.Parameter.empty)
-                              for parameter in parameters])
-
-
 # nnx.Variable's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature
 # and Sphinx would show as the class signature: expose the constructor's instead.
 # (inspect reads __signature__ off any object; typeshed does not declare it on classes)
-FeatureState.__signature__ = _variable_signature()  # type: ignore[attr-defined]
+FeatureState.__signature__ = variable_signature()  # type: ignore[attr-defined]
 
 
 @fill_docstring
-class MultiHeadAttention(LayerCore, nnx.Module):
+class MultiHeadAttention(Decoding, nnx.Module):
     r"""Multi-head attention with an xattn estimator, shaped after
     :class:`flax.nnx.MultiHeadAttention`.
 
@@ -99,6 +91,15 @@ class MultiHeadAttention(LayerCore, nnx.Module):
     masks are key masks ``mask`` of shape ``(batch..., 1 or num_heads, 1, kv_length)``
     (True = attend, as in Flax) and causal masking with ``is_causal=True``; a full
     ``(q_length, kv_length)`` mask raises.
+
+    **Generation** follows :class:`flax.nnx.MultiHeadAttention`: :meth:`init_cache`
+    creates the ``cache`` and ``cache_index`` variables (:class:`flax.nnx.Cache`), and
+    calls with ``decode=True`` attend their new tokens (a prompt, one token, a chunk)
+    causally to every token before and update the cache; the outputs are those of one
+    ``is_causal=True`` call on the whole sequence. ``cache`` holds the estimator's state:
+    :class:`xattn.RFAState` for ``"rfa"`` (fixed size, whatever the length), a
+    :class:`xattn.SoftmaxState` or :class:`xattn.RAState` of ``max_length`` slots for
+    ``"softmax"`` and ``"ra"``. A decoding step traces once under :func:`flax.nnx.jit`.
 
     Parameters
     ----------
@@ -126,6 +127,10 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         evaluation mode the layer draws nothing: ``"rfa"`` keeps its features, ``"ra"``
         runs ``biased=True, deterministic=True`` and ``"lara"`` ``deterministic=True``. (The
         estimators' own ``deterministic`` only drops the noise of the samples.)
+    decode : bool
+        Generation mode (default False), as in :class:`flax.nnx.MultiHeadAttention`:
+        calls continue the sequence in the cache (see :meth:`init_cache`); overridden per
+        call. Not with ``estimator="lara"``, which has no causal form.
     rng_collection : str
         Name of the RNG stream the random draws come from.
     rngs : flax.nnx.Rngs
@@ -175,6 +180,7 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         kernel_init: Any = default_kernel_init,
         bias_init: Any = default_bias_init,
         deterministic: bool = False,
+        decode: bool = False,
         rng_collection: str = "attention",
         rngs: nnx.Rngs,
         **estimator_options: Any,
@@ -191,6 +197,7 @@ class MultiHeadAttention(LayerCore, nnx.Module):
                              f"num_heads ({num_heads})")
         use_bias = check_bool(use_bias, "use_bias")
         deterministic = check_bool(deterministic, "deterministic")
+        decode = check_bool(decode, "decode")
         if not isinstance(rng_collection, str):
             raise TypeError(f"rng_collection must be a str, got "
                             f"{type(rng_collection).__name__} {rng_collection!r}")
@@ -199,6 +206,9 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         self._setup_estimator(head_dim=self.qkv_features // num_heads, estimator=estimator,
                               redraw_interval=redraw_interval, options=estimator_options)
         self.deterministic = deterministic
+        self.decode = decode
+        if decode:
+            self._require_causal_estimator("decode=True")
         self.rng_collection = rng_collection
 
         projection = {"use_bias": use_bias, "dtype": dtype, "param_dtype": param_dtype,
@@ -219,6 +229,9 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         else:
             self.features = nnx.data(None)
             self.steps_since_redraw = nnx.data(None)
+        # the estimator's state and the count of tokens seen; set by init_cache
+        self.cache: nnx.Cache | None = nnx.data(None)
+        self.cache_index: nnx.Cache | None = nnx.data(None)
 
     def _draw_features(self, key: Any) -> jax.Array:
         assert self.num_features is not None  # set for "rfa" by _setup_estimator
@@ -274,33 +287,6 @@ class MultiHeadAttention(LayerCore, nnx.Module):
             return rngs()
         return rngs  # a JAX key
 
-    def _key_mask(self, mask: Any, kv_length: int) -> Any:
-        """Flax's mask (batch..., heads|1, 1, kv_length), True = attend -> key_mask."""
-        if mask is None:
-            return None
-        shape = tuple(mask.shape)
-        expected = f"(batch..., 1 or {self.num_heads}, 1, {kv_length})"
-        if len(shape) < 3:
-            raise ValueError(f"mask must be a key mask of shape {expected}, got {shape}")
-        if shape[-2] != 1:
-            raise ValueError(
-                f"mask must be a key mask of shape {expected}, got {shape}: linear "
-                "estimators cannot apply a full (q_length, kv_length) mask; use "
-                "is_causal=True for causal masking"
-            )
-        if shape[-1] != kv_length:
-            raise ValueError(f"mask must be a key mask of shape {expected}, got {shape}: its "
-                             f"last dim must be the key length {kv_length}")
-        if shape[-3] not in (1, self.num_heads):
-            raise ValueError(
-                f"mask must be a key mask of shape {expected}, got {shape}: its head dim "
-                f"(-3) has {shape[-3]} entries but the layer has num_heads={self.num_heads}; "
-                "use 1 to share the mask across heads"
-            )
-        if mask.dtype != jnp.bool_:
-            raise TypeError(f"mask must be boolean (True = attend), got {mask.dtype}")
-        return mask[..., 0, :]  # (batch..., heads|1, kv_length)
-
     def __call__(
         self,
         inputs_q: jax.Array,
@@ -311,6 +297,7 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         deterministic: bool | None = None,
         rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
         is_causal: bool = False,
+        decode: bool | None = None,
     ) -> jax.Array:
         """Attend ``inputs_q`` to ``inputs_k`` / ``inputs_v`` with the layer's estimator.
 
@@ -337,6 +324,11 @@ class MultiHeadAttention(LayerCore, nnx.Module):
             Source of this call's random draws; default: the layer's stream.
         is_causal : bool
             Causal masking (query n attends keys m <= n, top-left aligned).
+        decode : bool, optional
+            Generation (overrides the attribute ``decode``): the inputs are the next
+            tokens of the sequence in the cache (:meth:`init_cache`), attended causally
+            whatever ``is_causal``, and join the cache; ``mask`` masks the new keys. Never
+            redraws the features nor counts towards ``redraw_interval``.
 
         Returns
         -------
@@ -349,10 +341,14 @@ class MultiHeadAttention(LayerCore, nnx.Module):
             ``inputs_v`` without ``inputs_k``; a ``mask`` that is not a key mask of shape
             ``(batch..., 1 or num_heads, 1, kv_length)`` (the message names the wrong
             dim); causal masking with ``estimator="lara"``; with LARA's ``grid``,
-            sequences of other than H W tokens.
+            sequences of other than H W tokens. ``decode=True``: no cache (call
+            :meth:`init_cache`), ``estimator="lara"``, keys of another length than the
+            queries, a batch other than the cache's, ``"rfa"`` features redrawn since
+            :meth:`init_cache`, more tokens than ``max_length`` (the last two checked
+            outside :func:`flax.nnx.jit` only).
         TypeError
-            A ``mask`` that is not boolean; ``deterministic`` (when given) or
-            ``is_causal`` not a bool (NumPy bools are accepted).
+            A ``mask`` that is not boolean; ``deterministic`` (when given), ``is_causal``
+            or ``decode`` not a bool (NumPy bools are accepted).
 
         Examples
         --------
@@ -374,10 +370,24 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         True
         >>> bool(jnp.array_equal(layer(x, deterministic=True), layer(x, deterministic=True)))
         True
+
+        Generation: a prompt, then one token at a time, under :func:`flax.nnx.jit`; the
+        outputs are those of one causal call:
+
+        >>> layer.eval()
+        >>> layer.init_cache(x.shape)
+        >>> step = nnx.jit(lambda layer, tokens: layer(tokens, decode=True))
+        >>> pieces = [step(layer, x[:, :6])] + [step(layer, x[:, t:t + 1]) for t in range(6, 10)]
+        >>> bool(jnp.allclose(jnp.concatenate(pieces, axis=1), layer(x, is_causal=True),
+        ...                   atol=1e-5))
+        True
         """
         deterministic = (self.deterministic if deterministic is None
                          else check_bool(deterministic, "deterministic"))
         is_causal = check_bool(is_causal, "is_causal")
+        decode = self.decode if decode is None else check_bool(decode, "decode")
+        if decode:
+            self._require_causal_estimator("decode=True")
         if inputs_k is None:
             if inputs_v is not None:
                 raise ValueError("inputs_k cannot be None if inputs_v is given; pass the "
@@ -392,7 +402,7 @@ class MultiHeadAttention(LayerCore, nnx.Module):
             if inputs.shape[-1] != self.in_kv_features:
                 raise ValueError(f"{name} must have {self.in_kv_features} features in its "
                                  f"last dim, got shape {inputs.shape}")
-        key_mask = self._key_mask(mask, inputs_k.shape[-2])
+        key_mask = flax_key_mask(mask, inputs_k.shape[-2], self.num_heads)
 
         # (batch..., length, heads, head_dim) -> (batch..., heads, length, head_dim)
         q, k, v = (jnp.swapaxes(projection(inputs), -3, -2) for projection, inputs in (
@@ -400,6 +410,9 @@ class MultiHeadAttention(LayerCore, nnx.Module):
         features, key = None, None
         if self.estimator in ("ra", "lara") and not deterministic:
             key = self._next_key(rngs)
+        if decode:
+            heads = self._decode_step(q, k, v, key_mask, deterministic, key)
+            return self.out(jnp.swapaxes(heads, -3, -2))
         if self._counts_training_steps(not deterministic):
             # an "rfa" layer (see _counts_training_steps) holds both
             assert self.features is not None and self.steps_since_redraw is not None
@@ -414,30 +427,10 @@ class MultiHeadAttention(LayerCore, nnx.Module):
                                training=not deterministic, features=features, rng=key)
         return self.out(jnp.swapaxes(heads, -3, -2))
 
-
-class _SourceName:
-    """A default value shown by its name in the source (functions and dtypes would show as
-    ``<function ... at 0x...>``); for the displayed signature only."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-def _constructor_signature() -> inspect.Signature:
-    """The signature of ``MultiHeadAttention(...)``: ``__init__``'s without ``self``."""
-    names = {"param_dtype": "jnp.float32", "kernel_init": "default_kernel_init",
-             "bias_init": "default_bias_init"}
-    parameters = list(inspect.signature(MultiHeadAttention.__init__).parameters.values())[1:]
-    return inspect.Signature([
-        parameter.replace(default=_SourceName(names[parameter.name]))
-        if parameter.name in names else parameter for parameter in parameters
-    ])
-
-
 # nnx.Module's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature and
 # Sphinx would show as the class signature: expose the constructor's instead.
 # (inspect reads __signature__ off any object; typeshed does not declare it on classes)
-MultiHeadAttention.__signature__ = _constructor_signature()  # type: ignore[attr-defined]
+MultiHeadAttention.__signature__ = constructor_signature(  # type: ignore[attr-defined]
+    MultiHeadAttention.__init__, {"param_dtype": "jnp.float32",
+                                  "kernel_init": "default_kernel_init",
+                                  "bias_init": "default_bias_init"})
