@@ -207,7 +207,7 @@ def rfa(
     sequence given in pieces gets the outputs and state of one causal call on all of it,
     up to rounding. The state has a fixed size (:class:`~xattn.RFAState`); a piece of
     ``L`` tokens is scanned in blocks like a causal call, so one token costs ``O((S + w +
-    K) D + S Dv)`` whatever came before, and a decode loop runs under :func:`jax.lax.scan`.
+    K) D + S Dv)`` whatever came before, and a decode loop runs under ``jax.lax.scan``.
 
     **Memory.** The output is made a chunk (or block) of queries at a time. On NumPy and
     CuPy each piece is written into the result as it is made, so the output is held

@@ -16,7 +16,7 @@ sequence, up to rounding.
 
 Every state is an immutable dataclass of arrays, registered as a JAX pytree once JAX is
 imported (:func:`xattn._array.register_pytree`): a decode loop runs under
-:func:`jax.jit` and :func:`jax.lax.scan` (an :class:`RFAState` keeps its shapes from step
+:func:`jax.jit` and ``jax.lax.scan`` (an :class:`RFAState` keeps its shapes from step
 to step), and torch's autograd flows through the arrays of a state. The checks of a state
 against a call's options and inputs are here too (:func:`check_state_call`,
 :func:`check_state_inputs`, :func:`rfa_state_options`).
@@ -63,9 +63,14 @@ class RFAState:
     trigonometric map :math:`M = \max_{m \in R} \lVert \hat k_m \rVert^2/2`,
     :math:`A' = \sum_{m \in R} e^{\lVert \hat k_m \rVert^2/2 - M} \phi(\hat k_m) [v_m,
     1]` and :math:`W = \sum_{m \in R} e^{\lVert \hat k_m \rVert^2/2 - M}`. A new key
-    joins with the online-softmax merge (:func:`xattn._primitives.merge_maxima`), so the
+    joins with the online-softmax merge (a running maximum rescales the sums), so the
     sums never overflow, at any length. Masked keys (``key_mask`` False) never enter a
     state.
+
+    The arrays have the compute dtype (float32 for half-precision inputs) and the
+    broadcast leading dims ``...`` of the first call. ``window`` and ``sinks`` are the
+    lengths of the buffers (:attr:`window`, :attr:`sinks`). Memory:
+    ``O(F Dv + (w + K)(D + Dv) + S D)`` per batch-head, whatever :math:`P`.
 
     Attributes
     ----------
@@ -83,7 +88,7 @@ class RFAState:
         :math:`W`, the bound on the trigonometric denominator; None for the other maps.
     position : array, shape ()
         :math:`P`, the number of tokens seen (an integer array, so that it can be
-        carried through :func:`jax.lax.scan`).
+        carried through ``jax.lax.scan``).
     window_keys, window_values : arrays, shapes (..., w, D) and (..., w, Dv)
         The keys and values of positions :math:`P - w, \dots, P - 1` (``window=w``),
         oldest first; zeros where ``window_valid`` is False.
@@ -99,10 +104,6 @@ class RFAState:
     scale : float
         The score scale of the keys in the sums (static).
 
-    The arrays have the compute dtype (float32 for half-precision inputs) and the
-    broadcast leading dims ``...`` of the first call. ``window`` and ``sinks`` are the
-    lengths of the buffers (:attr:`window`, :attr:`sinks`). Memory:
-    ``O(F Dv + (w + K)(D + Dv) + S D)`` per batch-head, whatever :math:`P`.
 
     Examples
     --------
@@ -150,7 +151,7 @@ class RFAState:
 
     @property
     def feature_state(self) -> tuple[Array, ...]:
-        """The sums as the scan of :mod:`xattn._rf_scan` carries them."""
+        """The sums as the blockwise scan of causal RFA carries them (a tuple of arrays)."""
         if self.feature_weight is None:
             return self.feature_max, self.feature_sums
         return self.feature_max, self.feature_sums, self.feature_weight
@@ -183,7 +184,7 @@ class SoftmaxState(_KeyValueCache):
     :math:`m \le P + j`) and returns the cache grown by :math:`L`. It grows with the
     sequence, ``O(P (D + Dv))`` per batch-head: the baseline that the fixed-size
     :class:`RFAState` is measured against. Under :func:`jax.jit` each length compiles
-    once (a prefill, then one step per length); a :func:`jax.lax.scan` loop needs a
+    once (a prefill, then one step per length); a ``jax.lax.scan`` loop needs a
     fixed-size state (:class:`RFAState`).
 
     Attributes
