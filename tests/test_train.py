@@ -646,11 +646,12 @@ def test_default_runs_fit_a_small_machine():
     """The memory estimate does not refuse the default runs (every task, estimator and
     --jobs 2) on a machine with 4 GiB free: the estimates are bounds, not alarms."""
     from xattn.cli import build_parser
-    from xattn.cli.tasks import TASKS, get_task
+    from xattn.cli.tasks import CLASSIFICATION_TASKS, get_task
     from xattn.cli.train import check_jobs, plan_jobs
     for quick in ([], ["--quick"]):
         args = build_parser().parse_args(["train", *quick])
-        jobs = plan_jobs([get_task(name) for name in TASKS], [0, 1, 2], args, has_grid=True)
+        jobs = plan_jobs([get_task(name) for name in CLASSIFICATION_TASKS], [0, 1, 2], args,
+                         has_grid=True)
         check_jobs(jobs, 2, "cpu", 4 * 2**30)
 
 

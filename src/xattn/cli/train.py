@@ -44,7 +44,7 @@ from xattn.cli.options import (
     positive_int,
     seed_list,
 )
-from xattn.cli.tasks import TASKS, Task, get_task
+from xattn.cli.tasks import CLASSIFICATION_TASKS, TASKS, Task, get_task
 from xattn.cli.train_core import (
     ATTENTIONS,
     NATIVE,
@@ -54,6 +54,8 @@ from xattn.cli.train_core import (
     attention_options,
     train_run,
 )
+from xattn.cli.train_lm import LM_QUICK_STEPS, RFA_SINKS, RFA_WINDOW, RFA_WINDOW_ROW
+from xattn.cli.train_lm_report import run_lm
 from xattn.cli.train_report import read_results, write_outputs, write_results
 
 __all__ = ["DEFAULT_ATTENTIONS", "DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS",
@@ -120,14 +122,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--framework", default="torch", choices=FRAMEWORKS,
                         metavar="|".join(FRAMEWORKS),
                         help=f"{' or '.join(FRAMEWORKS)} (default: torch)")
-    parser.add_argument("--task", type=name_list, choices=TASKS, default=list(TASKS),
-                        metavar="LIST",
-                        help=f"comma-separated tasks among {', '.join(TASKS)} (default: all)")
+    parser.add_argument("--task", type=name_list, choices=TASKS,
+                        default=list(CLASSIFICATION_TASKS), metavar="LIST",
+                        help=f"comma-separated tasks among {', '.join(TASKS)} (default: "
+                        f"{','.join(CLASSIFICATION_TASKS)}); shakespeare (a causal "
+                        "character-level GPT, nanoGPT's CPU configuration) runs alone")
     parser.add_argument("--estimators", type=name_list, choices=ATTENTIONS,
-                        default=list(DEFAULT_ATTENTIONS), metavar="LIST",
+                        default=None, metavar="LIST",
                         help="comma-separated attentions among "
                         f"{', '.join(ATTENTIONS)} (default: "
-                        f"{','.join(DEFAULT_ATTENTIONS)}); on digits, lara runs with 2-D "
+                        f"{','.join(DEFAULT_ATTENTIONS)}; shakespeare: softmax,rfa,ra, "
+                        f"no lara); on shakespeare, rfa runs also as {RFA_WINDOW_ROW} "
+                        f"(window {RFA_WINDOW}, {RFA_SINKS} sinks); on digits, lara runs with 2-D "
                         f"(8x8 image) and 1-D segments; {NATIVE} is the framework's own "
                         f"layer ({' or '.join(NATIVE_LAYERS.values())}, exact softmax "
                         "attention), the baseline of the softmax row")
@@ -136,15 +142,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "0 with --quick)")
     parser.add_argument("--steps", type=positive_int, default=None, metavar="N",
                         help="training steps of every task (default: mqar 600, listops "
-                        "600, digits 600; with --quick 300, 200, 200)")
+                        "600, digits 600, shakespeare 2000; with --quick 300, 200, 200, "
+                        f"{LM_QUICK_STEPS})")
     parser.add_argument("--length", type=positive_int, default=None, metavar="N",
                         help="sequence length (default: mqar 256, listops 512 at most; "
-                        "digits is always 64)")
+                        "digits is always 64; shakespeare's context 64)")
     parser.add_argument("--samples", type=positive_int, default=DEFAULT_SAMPLES,
                         metavar="S", help="RFA features and LARA proposals, equal for a "
                         f"fair comparison (default: {DEFAULT_SAMPLES}); RA draws 1 sample")
     parser.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
-                        help="batch size (default: 32)")
+                        help="batch size (default: 32; shakespeare 12)")
     parser.add_argument("--quick", action="store_true",
                         help="one seed and fewer steps and examples (a few minutes)")
     parser.add_argument("--device", default="cpu", choices=DEVICES,
@@ -198,7 +205,8 @@ def attention_variants(task: Task, estimators: list[str], samples: int,
                        has_grid: bool, framework: str = "torch",
                        ) -> list[tuple[str, str, dict[str, Any]]]:
     """(row name, layer estimator, options) of each run on ``task``. On an image task
-    LARA runs twice: ``lara-2d`` (2-D segments on the image grid) and ``lara-1d``.
+    LARA runs twice: ``lara-2d`` (2-D segments on the image grid) and ``lara-1d``; on a
+    causal task RFA runs twice, plain and with a window and sinks (``rfa-window``).
     :data:`~xattn.cli.train_core.NATIVE` is the row of ``framework``'s own layer, named
     after it (:data:`~xattn.cli.train_core.NATIVE_LAYERS`)."""
     variants = []
@@ -206,6 +214,9 @@ def attention_variants(task: Task, estimators: list[str], samples: int,
         options = attention_options(estimator, min(samples, task.length))
         if estimator == NATIVE:
             variants.append((NATIVE_LAYERS[framework], NATIVE, options))
+        elif estimator == "rfa" and task.causal:  # also with an exact window and sinks
+            variants += [("rfa", "rfa", options), (RFA_WINDOW_ROW, "rfa", {
+                **options, "window": RFA_WINDOW, "sinks": RFA_SINKS})]
         elif estimator == "lara" and task.grid is not None:
             if has_grid:
                 pools = grid_pools(samples, task.grid)
@@ -397,6 +408,9 @@ def previous_runs(path: Path, config: dict[str, Any],
 
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn train``."""
+    if "shakespeare" in args.task:  # the causal language model: its own loop and outputs
+        return run_lm(args)
+    args.estimators = args.estimators or list(DEFAULT_ATTENTIONS)
     tasks = []
     for name in dict.fromkeys(args.task):
         try:
@@ -470,7 +484,8 @@ def plan_jobs(tasks: list[Task], seeds: list[int], args: argparse.Namespace,
         batch_size = args.batch_size or settings.batch_size
         for seed in seeds:
             for name, estimator, options in attention_variants(
-                    task, list(dict.fromkeys(args.estimators)), args.samples, has_grid,
+                    task, list(dict.fromkeys(args.estimators or DEFAULT_ATTENTIONS)),
+                    args.samples, has_grid,
                     args.framework):
                 plan.append((RunSpec(task, name, estimator, options, seed, steps,
                                      batch_size, settings.peak_lr,

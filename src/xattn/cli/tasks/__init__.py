@@ -1,6 +1,9 @@
 """Training tasks of ``xattn train``, generated or shipped inside the package (nothing is
 downloaded): ``mqar`` (multi-query associative recall), ``listops`` (the Long Range Arena's
-ListOps) and ``digits`` (scikit-learn's 8x8 handwritten digits, vendored).
+ListOps), ``digits`` (scikit-learn's 8x8 handwritten digits, vendored) and ``shakespeare``
+(tiny Shakespeare, character-level causal language modelling, vendored: its data and
+training loop are its own, see :mod:`xattn.cli.tasks.shakespeare` and
+:mod:`xattn.cli.train_lm`).
 
 Every task gives NumPy arrays: ``tokens`` (n, L, F) int32 with F token fields whose
 embeddings the model sums, ``mask`` (n, L) bool (True = a real token) or None, and
@@ -18,11 +21,17 @@ from functools import cache
 
 import numpy as np
 
-from xattn.cli.tasks import digits, listops, mqar
+from xattn.cli.tasks import digits, listops, mqar, shakespeare
 
-__all__ = ["LISTOPS_MIN_LENGTH", "TASKS", "Dataset", "Task", "get_task"]
+__all__ = ["CLASSIFICATION_TASKS", "LISTOPS_MIN_LENGTH", "SHAKESPEARE_LENGTH", "TASKS",
+           "Dataset", "Task", "get_task"]
 
-TASKS = ("mqar", "listops", "digits")
+TASKS = ("mqar", "listops", "digits", "shakespeare")
+#: The tasks of the LRA classifier (``xattn train``'s default); ``shakespeare`` trains a
+#: causal language model instead and runs alone.
+CLASSIFICATION_TASKS = ("mqar", "listops", "digits")
+#: Context of ``shakespeare`` by default (nanoGPT's CPU configuration's block size).
+SHAKESPEARE_LENGTH = 64
 
 #: MQAR's fixed sizes (see :mod:`xattn.cli.tasks.mqar`).
 MQAR_PAIRS, MQAR_KEYS, MQAR_VALUES = 16, 64, 64
@@ -61,6 +70,7 @@ class Task:
     positional: bool = True  # False: the order of the positions carries no information
     description: str = ""
     fixed_sizes: tuple[int, int] | None = None  # (train, test) of a shipped split
+    causal: bool = False  # a causal language model (shakespeare), trained by train_lm
 
     def datasets(self, train_size: int, test_size: int) -> tuple[Dataset, Dataset]:
         """The (train, test) splits; the generated tasks give ``train_size`` and
@@ -104,6 +114,15 @@ def get_task(name: str, length: int | None = None) -> Task:
         return Task("digits", size, (digits.NUM_LEVELS,), 10, grid=digits.GRID,
                     description="8x8 images, pixel intensities 0-16 as tokens, row-major",
                     fixed_sizes=(digits.TRAIN_SIZE, digits.TEST_SIZE))
+    if name == "shakespeare":
+        length = SHAKESPEARE_LENGTH if length is None else length
+        if length < 2:
+            raise ValueError(f"--length {length} is too short for shakespeare: it needs at "
+                             "least 2 characters of context")
+        return Task("shakespeare", length, (shakespeare.VOCABULARY_SIZE,),
+                    shakespeare.VOCABULARY_SIZE, per_token=True, causal=True,
+                    description=f"tiny Shakespeare, {shakespeare.VOCABULARY_SIZE} characters, "
+                    f"context {length}, first 90 % train, last 10 % validation")
     raise ValueError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
 
 
