@@ -22,25 +22,11 @@ import numpy as np
 
 from xattn._options import check_bool, check_scale
 
-__all__ = [
-    "AttentionInputs",
-    "array_namespace",
-    "check_samples",
-    "compute_dtype",
-    "concrete_count",
-    "host_to_device",
-    "index_sizes",
-    "is_real_floating",
-    "library_name",
-    "native_attention",
-    "one_chunk_along",
-    "prepare_attention",
-    "qr",
-    "register_pytree",
-    "sequence_positions",
-    "stream_bounds",
-    "written_in_place",
-]
+__all__ = ["AttentionInputs", "array_namespace", "check_samples", "compute_dtype",
+           "concrete_count", "host_to_device", "index_sizes", "is_real_floating",
+           "library_name", "native_attention", "one_chunk_along", "prepare_attention", "qr",
+           "register_pytree", "sequence_positions", "split_rows", "stop_gradient",
+           "stream_bounds", "written_in_place"]
 
 Array = Any
 
@@ -432,6 +418,26 @@ def written_in_place(x: Array) -> bool:
     kept lazy) or array-api-strict (a test namespace, kept on the portable path).
     """
     return array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x)
+
+
+def stop_gradient(x: Array) -> Array:
+    """``x`` held constant by autograd (torch, JAX): a stabilizing shift, which cancels."""
+    if array_api_compat.is_jax_array(x):
+        import jax
+
+        return jax.lax.stop_gradient(x)
+    return x.detach() if array_api_compat.is_torch_array(x) else x
+
+
+def split_rows(x: Array, size: int) -> list[Array]:
+    """``x`` in pieces of ``size`` rows along axis -2: one operation for torch's and JAX's
+    autograd (a slice's backward is a gradient of all of ``x``, zero-filled), else views."""
+    if array_api_compat.is_torch_array(x):
+        return list(x.split(size, dim=-2))
+    bounds = list(range(size, x.shape[-2], size))
+    if array_api_compat.is_jax_array(x):
+        return list(array_api_compat.array_namespace(x).split(x, bounds, axis=-2))
+    return [x[..., a:b, :] for a, b in zip([0, *bounds], [*bounds, x.shape[-2]], strict=True)]
 
 
 def native_attention(inputs: AttentionInputs, causal: bool, *,

@@ -14,10 +14,11 @@ from typing import Any, NamedTuple
 import array_api_compat
 import array_api_extra as xpx
 
-from xattn._array import Array, written_in_place
+from xattn._array import Array, split_rows, written_in_place
 
-__all__ = ["MergedMaxima", "RowPieces", "causal_allowed", "finite_rows", "finite_shift", "join",
-           "logsumexp", "masked_softmax", "merge_maxima", "nonzero_divisor", "value_columns"]
+__all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_rows",
+           "finite_shift", "join", "logsumexp", "masked_softmax", "merge_maxima",
+           "nonzero_divisor", "value_columns"]
 
 
 def finite_shift(xp: Any, maxima: Array) -> Array:
@@ -189,6 +190,26 @@ class RowPieces:
         if len(blocks) == 1:
             return blocks[0]
         return array_api_compat.array_namespace(blocks[0]).concat(blocks, axis=-2)
+
+
+class RowBlocks:
+    """Rows of ``x`` (..., L, F) read from pieces of ``size`` rows split once
+    (:func:`~xattn._array.split_rows`): a block loop that reads rows this way makes one
+    operation of the splitting for autograd instead of one full-size gradient per block."""
+
+    def __init__(self, xp: Any, x: Array, size: int) -> None:
+        self.xp, self.size = xp, size
+        self.pieces = split_rows(x, size)
+
+    def get(self, start: int, stop: int) -> Array:
+        """Rows ``start:stop`` (``0 <= start < stop <= L``)."""
+        size, parts = self.size, []
+        for index in range(start // size, (stop - 1) // size + 1):
+            piece, offset = self.pieces[index], index * size
+            low, high = max(start - offset, 0), min(stop - offset, piece.shape[-2])
+            parts.append(piece if (low, high) == (0, piece.shape[-2])
+                         else piece[..., low:high, :])
+        return join(self.xp, parts, -2)
 
 
 def finite_rows(xp: Any, x: Array) -> tuple[Array, Array]:

@@ -45,8 +45,9 @@ from typing import Any, Protocol
 
 import array_api_compat
 
-from xattn._array import Array, one_chunk_along, stream_bounds
+from xattn._array import Array, one_chunk_along, stop_gradient, stream_bounds
 from xattn._primitives import (
+    RowBlocks,
     finite_rows,
     finite_shift,
     merge_maxima,
@@ -221,7 +222,7 @@ class PositiveMap:
         """The state of a set of keys: K_s and A'_s over all of them."""
         xp = self.xp
         (logits,) = keys
-        key_max = xp.max(logits, axis=-2)  # raw: -inf for a sample without keys
+        key_max = stop_gradient(xp.max(logits, axis=-2))  # raw: -inf for a sample without keys
         weights = xp.exp(logits - finite_shift(xp, key_max)[..., None, :])
         return key_max, xp.matrix_transpose(weights) @ values
 
@@ -234,7 +235,7 @@ class PositiveMap:
         xp = self.xp
         key_max, sums = state
         logits = queries + key_max[..., None, :]  # -inf for samples without keys
-        shift = xp.max(logits, axis=-1, keepdims=True)
+        shift = stop_gradient(xp.max(logits, axis=-1, keepdims=True))
         out = xp.exp(logits - finite_shift(xp, shift)) @ sums
         return shift, out, out[..., -1:]
 
@@ -264,7 +265,7 @@ class PositiveMap:
         state_max, state_sums = state  # K (..., S), A' (..., S, E)
 
         # statistics of each sub-block i: K^i_s, A^i_s (..., J, S) and (..., J, S, E)
-        sub_max = xp.max(a, axis=-2)
+        sub_max = stop_gradient(xp.max(a, axis=-2))
         sub_weights = xp.exp(a - finite_shift(xp, sub_max)[..., None, :])
         sub_sums = xp.matrix_transpose(sub_weights) @ values
         # a NaN key or value poisons K^i (hence every later state and row) but must not
@@ -287,8 +288,8 @@ class PositiveMap:
         pair_logits = p[..., :, :, None, :] + a[..., :, None, :, :]  # (..., J, b, b, S)
         pair_logits = xp.where(_lower_triangle(xp, pair_block, device, strict=False)[..., None],
                                pair_logits, -xp.inf)
-        shift = xp.maximum(xp.max(state_logits, axis=-1, keepdims=True),
-                           xp.max(pair_logits, axis=(-2, -1))[..., None])  # (..., J, b, 1)
+        shift = stop_gradient(xp.maximum(xp.max(state_logits, axis=-1, keepdims=True),
+                                         xp.max(pair_logits, axis=(-2, -1))[..., None]))
         safe = finite_shift(xp, shift)
         kernel = xp.sum(xp.exp(pair_logits - safe[..., None]), axis=-1)  # (..., J, b, b)
         sums = xp.exp(state_logits - safe) @ prefix_sums + kernel @ values
@@ -388,13 +389,13 @@ class TrigonometricMap:
         return (row_max, sums, weight), new_state
 
 
-def _key_inputs(xp: Any, mapping: FeatureMap, k: Array, v: Array, root_scale: float,
+def _key_inputs(xp: Any, mapping: FeatureMap, k: RowBlocks, v: RowBlocks, root_scale: float,
                 key_mask: Array | None, first_key: int, start: int,
                 stop: int) -> tuple[tuple[Array, ...], Array]:
     """The mapped keys ``start:stop`` and their value columns."""
-    device = array_api_compat.device(k)
-    values, value_poison = value_columns(xp, v[..., start:stop, :])
-    keys, key_poison = finite_rows(xp, k[..., start:stop, :])
+    values, value_poison = value_columns(xp, v.get(start, stop))
+    keys, key_poison = finite_rows(xp, k.get(start, stop))
+    device = array_api_compat.device(keys)
     valid = _key_validity(xp, key_mask, first_key, start, stop, device)
     return mapping.keys(root_scale * keys, valid, key_poison + value_poison), values
 
@@ -407,9 +408,10 @@ def state_over_keys(xp: Any, mapping: FeatureMap, k: Array, v: Array, *, root_sc
                                 array_api_compat.device(k))
     if start >= stop:
         return state
+    key_rows, value_rows = RowBlocks(xp, k, chunk_size), RowBlocks(xp, v, chunk_size)
     for chunk_start, chunk_stop in stream_bounds(k[..., start:stop, :], -2, chunk_size):
-        keys, values = _key_inputs(xp, mapping, k, v, root_scale, key_mask, first_key,
-                                   start + chunk_start, start + chunk_stop)
+        keys, values = _key_inputs(xp, mapping, key_rows, value_rows, root_scale, key_mask,
+                                   first_key, start + chunk_start, start + chunk_stop)
         state = mapping.merge_states(state, mapping.key_state(keys, values))
     return state
 
@@ -450,11 +452,13 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                                 stop=num_keys, chunk_size=chunk_size,
                                 batch_shape=batch_shape)
 
+    query_rows, key_rows, value_rows = (RowBlocks(xp, x, block_size) for x in (q, k, v))
+
     def run() -> Generator[Partial, None, State]:
         nonlocal state
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start
-            queries = mapping.queries(root_scale * q[..., start:stop, :])
+            queries = mapping.queries(root_scale * query_rows.get(start, stop))
             # the block's keys, aligned so that key i is allowed for query j iff i <= j
             key_start, key_stop = ((start + offset, stop + offset) if reverse
                                    else (start - offset, stop - offset))
@@ -462,8 +466,8 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
             if low >= high:  # no key reaches this block: the carried state only
                 yield mapping.readout(queries, state)
                 continue
-            keys, values = _key_inputs(xp, mapping, k, v, root_scale, key_mask, first_key,
-                                       low, high)
+            keys, values = _key_inputs(xp, mapping, key_rows, value_rows, root_scale, key_mask,
+                                       first_key, low, high)
             keys = tuple(_pad_rows(xp, x, low - key_start, key_stop - high, fill)
                          for x, fill in zip(keys, mapping.key_fills, strict=True))
             values = _pad_rows(xp, values, low - key_start, key_stop - high, 0.0)
