@@ -1,0 +1,108 @@
+"""Causal RFA in training: forward plus backward against SDPA and non-causal RFA, torch.
+
+The targets (issue "Causal RFA in training", part 4), torch, (32, 2, N, 32), S = 16,
+forward plus backward (the sum of the output, backward to q, k, v):
+
+* causal RFA / ``scaled_dot_product_attention(is_causal=True)``: <= 0.35 at N = 2048 and
+  <= 0.6 at N = 1024;
+* causal RFA / non-causal RFA: <= 2 at both lengths.
+
+Each round calls, in turn, SDPA (causal), ``xattn.rfa`` without and with ``causal=True``
+(and ``causal=True`` at each of ``--block-sizes``, if given), so a change of load affects
+all alike; the best wall time (and, beside it, the best CPU time of the process) of the
+rounds is reported, after one warm-up call each. The same samples for every RFA call
+(``rng=0``). A full run (N = 1024, 2048; 5 rounds) takes about a minute on two cores::
+
+    python benchmarks/bench_causal_rfa.py
+    python benchmarks/bench_causal_rfa.py --lengths 256 --repeats 1 --output /tmp/x.json
+    python benchmarks/bench_causal_rfa.py --block-sizes 64,256      # extra causal rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from pathlib import Path
+
+from _common import interleaved_best_wall_and_cpu_times
+
+import xattn
+
+RESULTS = Path(__file__).with_name("causal_rfa_results.json")
+TARGETS = {1024: 0.6, 2048: 0.35}  # causal RFA / SDPA causal
+NONCAUSAL_TARGET = 2.0  # causal RFA / non-causal RFA
+
+
+def measure(length, repeats, block_sizes, batch=32, heads=2, head_dim=32, features=16):
+    """Best times (s) of each call at one length, and the ratios of the targets."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, head_dim, generator=generator,
+                           requires_grad=True) for _ in range(3))
+
+    def step(function):
+        for leaf in (q, k, v):
+            leaf.grad = None
+        function(q, k, v).sum().backward()
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = {
+        "sdpa_causal": lambda: step(lambda a, b, c: sdpa(a, b, c, is_causal=True)),
+        "rfa": lambda: step(lambda a, b, c: xattn.rfa(a, b, c, num_features=features, rng=0)),
+        "rfa_causal": lambda: step(lambda a, b, c: xattn.rfa(a, b, c, num_features=features,
+                                                             rng=0, causal=True)),
+    }
+    for size in block_sizes:
+        calls[f"rfa_causal_block{size}"] = (
+            lambda size=size: step(lambda a, b, c: xattn.rfa(
+                a, b, c, num_features=features, rng=0, causal=True, block_size=size)))
+    best = interleaved_best_wall_and_cpu_times(calls, repeats)
+    wall = {name: times["wall_s"] for name, times in best.items()}
+    row = {"length": length, "shape": [batch, heads, length, head_dim],
+           "num_features": features, "wall_s": wall,
+           "cpu_s": {name: times["cpu_s"] for name, times in best.items()},
+           "causal_over_sdpa": wall["rfa_causal"] / wall["sdpa_causal"],
+           "causal_over_noncausal": wall["rfa_causal"] / wall["rfa"]}
+    if length in TARGETS:
+        row["target_causal_over_sdpa"] = TARGETS[length]
+        row["target_causal_over_noncausal"] = NONCAUSAL_TARGET
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="1024,2048")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--block-sizes", default="",
+                        help="extra causal rows at these block sizes (comma list)")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    block_sizes = [int(x) for x in args.block_sizes.split(",") if x]
+    load_before = os.getloadavg()
+    rows = []
+    for length in lengths:
+        row = measure(length, args.repeats, block_sizes)
+        rows.append(row)
+        print(f"N = {length}: " + ", ".join(f"{name} {1e3 * t:.1f} ms"
+                                            for name, t in row["wall_s"].items())
+              + f"; causal / SDPA {row['causal_over_sdpa']:.2f}"
+              + f", causal / non-causal {row['causal_over_noncausal']:.2f}")
+    result = {"machine": platform.platform(), "processor": platform.processor(),
+              "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "torch_threads": args.threads, "repeats": args.repeats,
+              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "xattn": xattn.__version__, "rows": rows}
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
