@@ -18,7 +18,7 @@ from xattn._array import Array, split_rows, written_in_place
 
 __all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_rows",
            "finite_shift", "join", "logsumexp", "masked_softmax", "merge_maxima",
-           "nonzero_divisor", "value_columns"]
+           "nonzero_divisor", "pad_rows", "value_columns"]
 
 
 def finite_shift(xp: Any, maxima: Array) -> Array:
@@ -210,6 +210,22 @@ class RowBlocks:
             parts.append(piece if (low, high) == (0, piece.shape[-2])
                          else piece[..., low:high, :])
         return join(self.xp, parts, -2)
+
+
+def pad_rows(xp: Any, x: Array, before: int, after: int, fill: float) -> Array:
+    """``x`` with ``before`` and ``after`` rows of ``fill`` around its axis -2."""
+    if before == 0 and after == 0:
+        return x
+    device = array_api_compat.device(x)
+    pieces = []
+    if before:
+        pieces.append(xp.full((*x.shape[:-2], before, x.shape[-1]), fill, dtype=x.dtype,
+                              device=device))
+    pieces.append(x)
+    if after:
+        pieces.append(xp.full((*x.shape[:-2], after, x.shape[-1]), fill, dtype=x.dtype,
+                              device=device))
+    return xp.concat(pieces, axis=-2)
 
 
 def finite_rows(xp: Any, x: Array) -> tuple[Array, Array]:

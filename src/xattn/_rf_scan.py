@@ -52,6 +52,7 @@ from xattn._primitives import (
     finite_shift,
     merge_maxima,
     nonzero_divisor,
+    pad_rows,
     value_columns,
 )
 from xattn.features import log_positive_features
@@ -143,22 +144,6 @@ def finish_partial(xp: Any, partial: Partial, *, guard: bool) -> tuple[Array, Ar
     safe = xp.where(denominator > floor, denominator,
                     xp.where(has_keys, floor, 1.0))
     return numerator / safe, invalid
-
-
-def _pad_rows(xp: Any, x: Array, before: int, after: int, fill: float) -> Array:
-    """``x`` with ``before`` and ``after`` rows of ``fill`` around its axis -2."""
-    if before == 0 and after == 0:
-        return x
-    device = array_api_compat.device(x)
-    pieces = []
-    if before:
-        pieces.append(xp.full((*x.shape[:-2], before, x.shape[-1]), fill, dtype=x.dtype,
-                              device=device))
-    pieces.append(x)
-    if after:
-        pieces.append(xp.full((*x.shape[:-2], after, x.shape[-1]), fill, dtype=x.dtype,
-                              device=device))
-    return xp.concat(pieces, axis=-2)
 
 
 def _lower_triangle(xp: Any, size: int, device: Any, *, strict: bool) -> Array:
@@ -285,14 +270,20 @@ class PositiveMap:
 
         # one shift per query: its largest term, from the prefix state or from an exact pair
         state_logits = p + prefix_max[..., :, None, :]  # (..., J, b, S); -inf without keys
-        pair_logits = p[..., :, :, None, :] + a[..., :, None, :, :]  # (..., J, b, b, S)
-        pair_logits = xp.where(_lower_triangle(xp, pair_block, device, strict=False)[..., None],
-                               pair_logits, -xp.inf)
+        # the pairs i <= j get 0 added, the others -inf (cheaper than a where for autograd);
+        # a poisoned (NaN) key i is taken out of the pairs and adds its NaN to the rows j >= i
+        allowed = _lower_triangle(xp, pair_block, device, strict=False)  # [j, i]
+        nan_rows = xp.any(allowed & xp.any(xp.isnan(a), axis=-1)[..., None, :], axis=-1)
+        poison = xp.where(nan_rows, xp.asarray(xp.nan, dtype=a.dtype, device=device), 0.0)
+        bias = xp.where(allowed, xp.zeros(allowed.shape, dtype=a.dtype, device=device), -xp.inf)
+        pair_logits = (p[..., :, :, None, :] + xp.where(xp.isnan(a), -xp.inf, a)[..., None, :, :]
+                       + bias[..., None])  # (..., J, b, b, S)
         shift = stop_gradient(xp.maximum(xp.max(state_logits, axis=-1, keepdims=True),
                                          xp.max(pair_logits, axis=(-2, -1))[..., None]))
         safe = finite_shift(xp, shift)
         kernel = xp.sum(xp.exp(pair_logits - safe[..., None]), axis=-1)  # (..., J, b, b)
-        sums = xp.exp(state_logits - safe) @ prefix_sums + kernel @ values
+        sums = (xp.exp(state_logits - safe) @ prefix_sums + kernel @ values
+                + poison[..., None])
         sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
         shift = xp.reshape(shift, (*shift.shape[:-3], length, 1))
 
@@ -468,17 +459,17 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                 continue
             keys, values = _key_inputs(xp, mapping, key_rows, value_rows, root_scale, key_mask,
                                        first_key, low, high)
-            keys = tuple(_pad_rows(xp, x, low - key_start, key_stop - high, fill)
+            keys = tuple(pad_rows(xp, x, low - key_start, key_stop - high, fill)
                          for x, fill in zip(keys, mapping.key_fills, strict=True))
-            values = _pad_rows(xp, values, low - key_start, key_stop - high, 0.0)
+            values = pad_rows(xp, values, low - key_start, key_stop - high, 0.0)
             if reverse:
                 queries, values = xp.flip(queries, axis=-2), xp.flip(values, axis=-2)
                 keys = tuple(xp.flip(x, axis=-2) for x in keys)
             padding = -length % mapping.multiple
             if padding:
-                queries = _pad_rows(xp, queries, 0, padding, 0.0)
-                values = _pad_rows(xp, values, 0, padding, 0.0)
-                keys = tuple(_pad_rows(xp, x, 0, padding, fill)
+                queries = pad_rows(xp, queries, 0, padding, 0.0)
+                values = pad_rows(xp, values, 0, padding, 0.0)
+                keys = tuple(pad_rows(xp, x, 0, padding, fill)
                              for x, fill in zip(keys, mapping.key_fills, strict=True))
             # Dask: the block (padding included) in one chunk, so that splitting it into
             # sub-blocks needs no rechunking and its output keeps the block's chunks
