@@ -110,7 +110,7 @@ class Decoding(LayerCore):
         >>> import xattn.flax
         >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="softmax",
         ...                                       rngs=nnx.Rngs(0))
-        >>> x = jnp.ones((2, 10, 16))
+        >>> x = jnp.ones((2, 10, 16), dtype=jnp.float32)
         >>> layer.init_cache(x.shape)
         >>> prompt = layer(x[:, :6], decode=True)
         >>> token = layer(x[:, 6:7], decode=True)
@@ -147,7 +147,7 @@ class Decoding(LayerCore):
         >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="rfa", rngs=nnx.Rngs(0))
         >>> decoder = nnx.view(layer, decode=True, deterministic=True, batch_size=2,
         ...                    max_length=None)
-        >>> decoder(jnp.ones((2, 3, 16))).shape, int(decoder.cache_index[...])
+        >>> decoder(jnp.ones((2, 3, 16), dtype=jnp.float32)).shape, int(decoder.cache_index[...])
         ((2, 3, 16), 3)
         """
         if deterministic is not None:

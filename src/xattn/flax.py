@@ -154,7 +154,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
     >>> import xattn.flax
     >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="rfa", num_features=32,
     ...                                       rngs=nnx.Rngs(0))
-    >>> x = jnp.ones((2, 10, 16))
+    >>> x = jnp.ones((2, 10, 16), dtype=jnp.float32)
     >>> layer(x).shape
     (2, 10, 16)
     >>> layer.features.shape
@@ -357,7 +357,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
         >>> import xattn.flax
         >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="ra", num_samples=2,
         ...                                       rngs=nnx.Rngs(0))
-        >>> x = jnp.ones((2, 10, 16))
+        >>> x = jnp.ones((2, 10, 16), dtype=jnp.float32)
         >>> lengths = jnp.array([10, 7])  # the second sequence has 7 tokens
         >>> mask = (jnp.arange(10) < lengths[:, None])[:, None, None, :]  # (2, 1, 1, 10)
         >>> layer(x, mask=mask).shape

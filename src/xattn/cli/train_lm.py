@@ -23,6 +23,7 @@ import numpy as np
 
 from xattn.cli.common import advance
 from xattn.cli.tasks import shakespeare
+from xattn.cli.train_core import WARMUP_STEPS  # steps not timed; the last measures memory
 
 __all__ = ["EVAL_SEED", "LM_QUICK_STEPS", "RFA_SINKS", "RFA_WINDOW", "RFA_WINDOW_ROW",
            "GPTConfig", "LMResult", "LMSpec", "LMTrainer", "Sampler",
@@ -34,7 +35,9 @@ EVAL_SEED = 1234
 LM_QUICK_STEPS = 500
 #: The second RFA row of a causal task: RFA with the keys within ``RFA_WINDOW`` positions
 #: and the first ``RFA_SINKS`` keys computed exactly (``xattn.rfa(window=, sinks=)``).
-RFA_WINDOW_ROW, RFA_WINDOW, RFA_SINKS = "rfa-window", 16, 4
+RFA_WINDOW_ROW = "rfa-window"
+RFA_WINDOW = 16
+RFA_SINKS = 4
 
 
 @dataclass(frozen=True)
@@ -216,9 +219,6 @@ class LMResult:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "val_bits_per_char": self.val_bits_per_char}
-
-
-WARMUP_STEPS = 5  # steps not timed; the last of them measures the peak memory
 
 
 def train_lm_run(spec: LMSpec, trainer: LMTrainer, progress: Any = None) -> LMResult:

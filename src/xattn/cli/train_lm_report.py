@@ -31,7 +31,7 @@ from xattn.cli.memory import host_memory_available, require_memory, training_ste
 from xattn.cli.tasks import get_task
 from xattn.cli.train_lm import LM_QUICK_STEPS, LMResult, LMSpec, train_lm_run
 
-__all__ = ["DEFAULT_LM_ATTENTIONS", "LM_QUICK_EVAL_ITERS", "plan_lm", "run_lm"]
+__all__ = ["DEFAULT_LM_ATTENTIONS", "LM_QUICK_EVAL_ITERS", "plan_lm", "run_lm", "summarize_lm"]
 
 #: ``--estimators`` of ``--task shakespeare`` by default (rfa gives two rows, plain and
 #: with a window and sinks); lara has no causal form.
