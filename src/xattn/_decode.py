@@ -46,7 +46,7 @@ from xattn._rf_scan import (
     scan_partials,
     state_over_keys,
 )
-from xattn._state import RFAState, _KeyValueCache, check_state_inputs
+from xattn._state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
 
 __all__ = ["continue_rfa", "extend_cache"]
 
@@ -196,10 +196,16 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
     return out.result(), None if clamped is None else clamped.result(), new_state
 
 
-def extend_cache(inputs: AttentionInputs, cache: Cache) -> tuple[AttentionInputs, Cache]:
-    """The inputs of a call that continues ``cache``: the queries are the new ones, the
-    keys and values the cached and the new ones (``key_mask`` their validity), and the
-    cache after the new tokens. The caller offsets its causal mask by ``cache.position``."""
+def extend_cache(inputs: AttentionInputs, cache: Cache | None,
+                 cache_type: type) -> tuple[AttentionInputs, Cache, Any]:
+    """The inputs of a call that continues ``cache`` (None: an empty ``cache_type``, the
+    first call), checked against them: the queries are the new ones, the keys and values
+    the cached and the new ones (``key_mask`` their validity); the cache after the new
+    tokens; and the position of the first new query (``cache.position`` before them), by
+    which the caller offsets its causal mask."""
+    cache = empty_cache(cache_type, inputs) if cache is None else cache
+    check_state_inputs(cache, inputs)
+    offset = cache.position
     xp = inputs.xp
     batch = tuple(cache.keys.shape[:-2])
     keys, values, valid = _new_tokens(xp, inputs, batch)
@@ -208,4 +214,4 @@ def extend_cache(inputs: AttentionInputs, cache: Cache) -> tuple[AttentionInputs
                         xp.concat([cache.valid, valid], axis=-1))
     extended = dataclasses.replace(inputs, k=cache.keys, v=cache.values, key_mask=cache.valid,
                                    batch_shape=batch)
-    return extended, cache
+    return extended, cache, offset

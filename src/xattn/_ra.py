@@ -48,7 +48,7 @@ from xattn._options import (
     check_positive_int,
 )
 from xattn._primitives import finite_shift, join, nonzero_divisor
-from xattn._state import RAState, check_state_call, check_state_inputs, empty_cache
+from xattn._state import RAState, check_state_call
 from xattn.random import as_generator
 
 __all__ = ["ra"]
@@ -435,10 +435,7 @@ def ra(
                                check_finite=check_finite, continuing=stateful)
     offset = 0  # the position of the first query: keys before it are in the cache
     if stateful:  # attend the cached keys and the new ones (xattn._decode)
-        state = empty_cache(RAState, inputs) if state is None else state
-        check_state_inputs(state, inputs)
-        offset = state.position
-        inputs, state = extend_cache(inputs, state)
+        inputs, state, offset = extend_cache(inputs, state, RAState)
     keys = _key_side(inputs)
     generator = None if deterministic else as_generator(rng)
     if inputs.is_empty:

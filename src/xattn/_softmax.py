@@ -21,7 +21,7 @@ from xattn._options import (
     check_positive_int,
 )
 from xattn._primitives import causal_allowed, join, merge_maxima, nonzero_divisor
-from xattn._state import SoftmaxState, check_state_call, check_state_inputs, empty_cache
+from xattn._state import SoftmaxState, check_state_call
 
 __all__ = ["softmax_attention"]
 
@@ -149,10 +149,7 @@ def softmax_attention(
         check_choice(implementation, "implementation", IMPLEMENTATIONS)
     offset = 0  # the position of the first query: keys before it are in the cache
     if stateful:  # attend the cached keys and the new ones (xattn._decode)
-        state = empty_cache(SoftmaxState, inputs) if state is None else state
-        check_state_inputs(state, inputs)
-        offset = state.position
-        inputs, state = extend_cache(inputs, state)
+        inputs, state, offset = extend_cache(inputs, state, SoftmaxState)
     if inputs.is_empty:
         return (inputs.empty_result(), state) if return_state else inputs.empty_result()
     # the kernels' causal masks are top-left: with a cache, one query (which sees every key)
