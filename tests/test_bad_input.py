@@ -201,3 +201,19 @@ def cases():
 def test_bad_input_is_rejected_naming_the_argument(function, args, kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         function(*args, **kwargs)
+
+
+@pytest.mark.parametrize("argument", ["k", "v", "key_mask", "omega"])
+def test_an_array_on_another_device_is_named(argument):
+    """An input on another device than q is a ValueError naming it, before any work (on a
+    GPU this was a backend traceback for ``omega`` on the host)."""
+    import array_api_strict as xps
+
+    other = xps.Device("device1")
+    q, k, v = (xps.asarray(np.ones((2, 5, 4))) for _ in range(3))
+    arrays = {"k": k, "v": v, "key_mask": xps.ones((2, 5), dtype=xps.bool),
+              "omega": xps.asarray(np.ones((8, 4)))}
+    arrays[argument] = xps.asarray(arrays[argument], device=other)
+    key_mask, omega = arrays["key_mask"], arrays["omega"]
+    with pytest.raises(ValueError, match=rf"^{argument} is on device .* but q is on"):
+        xattn.rfa(q, arrays["k"], arrays["v"], key_mask=key_mask, omega=omega)

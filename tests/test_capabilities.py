@@ -11,9 +11,10 @@ fails when the committed page differs. Each cell of the page is one of
   asking for it raises a clear error naming the keyword: ``TypeError`` for a keyword the
   estimator does not take, ``ValueError`` for LARA's ``causal=True`` (the keyword exists,
   True is not supported yet);
-* ``untested``: a GPU backend, which no CI run of this project exercises yet (the same
-  tests run there with ``XATTN_BACKENDS=cupy,torch-cuda,jax-gpu`` and skip without a
-  GPU);
+* ``yes (GPU)``: as ``yes``, on a GPU backend; CI has no GPU, so these cases ran on a
+  lent NVIDIA H200 (``XATTN_BACKENDS=cupy,torch-cuda,jax-gpu``, the same tests, which
+  skip without a GPU), not on every commit;
+* ``untested``: could work, but no test exercises it (:data:`UNTESTED` says why);
 * ``—``: the library has no such mechanism (no compiler, no autodiff, no sharded arrays,
   no half-precision dtype).
 """
@@ -60,7 +61,7 @@ NOT_APPLICABLE = {
     ("array_api_strict", "half precision"): "no half-precision dtype in the standard",
 }
 #: Cells that could work but that no test exercises (rather than claim them).
-UNTESTED_CPU = {("torch", "sharding"): "torch's DTensor is not tested"}
+UNTESTED = {(b, "sharding"): "torch's DTensor is not tested" for b in ("torch", "torch-cuda")}
 
 HOW = {
     "causal": "``causal=True`` matches NumPy, and changing the last key and value leaves "
@@ -87,9 +88,9 @@ def cell(estimator: str, backend: str, feature: str) -> str:
         return "—"
     if (estimator, feature) in UNSUPPORTED:
         return "no"
-    if backend in GPU_BACKENDS or (backend, feature) in UNTESTED_CPU:
+    if (backend, feature) in UNTESTED:
         return "untested"
-    return "yes"
+    return "yes (GPU)" if backend in GPU_BACKENDS else "yes"
 
 
 def render_page() -> str:
@@ -103,10 +104,11 @@ def render_page() -> str:
         "`test_supported[<backend>-<estimator>-<feature>]`, run on every CPU backend;",
         "**no** means that the estimator does not offer the feature and raises an error",
         "naming the keyword (also tested: a `TypeError`, or a `ValueError` for `lara`'s",
-        "`causal=True`); **untested** marks GPU backends, which no CI run",
-        "of this project exercises yet (the same tests run on a GPU machine with",
-        "`XATTN_BACKENDS=cupy,torch-cuda,jax-gpu`); **—** means that the library has no",
-        "such mechanism.",
+        "`causal=True`); **yes (GPU)** is the same test case on a GPU backend: CI has no",
+        "GPU, so these ran on an NVIDIA H200 (CuPy 14.2, torch 2.11 with CUDA 13.0, JAX",
+        "0.11.2; `XATTN_BACKENDS=cupy,torch-cuda,jax-gpu python -m pytest`, 2026-11-24;",
+        "see {ref}`on-a-gpu`), not on every commit; **untested** could work but no test",
+        "exercises it; **—** means that the library has no such mechanism.",
         "",
     ]
     header = "| feature | " + " | ".join(BACKENDS.values()) + " |"
@@ -127,7 +129,7 @@ def render_page() -> str:
             reasons[reason].append(BACKENDS[backend])
     lines += [f"* {reason}: {', '.join(names)}." for reason, names in reasons.items()]
     lines += [f"* **untested** on {BACKENDS[b]} ({f}): {r}." for (b, f), r in
-              UNTESTED_CPU.items()]
+              UNTESTED.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -163,8 +165,7 @@ def _supported_cases() -> list:
     for backend in selected_backends():
         for estimator in ESTIMATORS:
             for feature in FEATURES:
-                testable = cell(estimator, backend, feature) in ("yes", "untested")
-                if testable and (backend, feature) not in UNTESTED_CPU:
+                if cell(estimator, backend, feature).startswith("yes"):
                     cases.append(pytest.param(backend, estimator, feature,
                                               id=f"{backend}-{estimator}-{feature}"))
     return cases

@@ -101,9 +101,10 @@ def ra_draws(seed, batch, num_queries, num_samples, head_dim):
             data.normal(size=(*batch, num_queries, num_samples, head_dim)))
 
 
-# Estimators with their randomness fixed: f(xp, q, k, v, key_mask=None, draws=None) where
-# draws = (uniforms, normals) are host arrays for RA (None: an int seed).
-def _softmax(xp, q, k, v, key_mask=None, draws=None):
+# Estimators with their randomness fixed: f(backend, q, k, v, key_mask=None, draws=None),
+# where the backend's device receives the fixed samples and draws, and draws =
+# (uniforms, normals) are host arrays for RA (None: an int seed).
+def _softmax(backend, q, k, v, key_mask=None, draws=None):
     return xattn.softmax_attention(q, k, v, key_mask=key_mask)
 
 
@@ -112,15 +113,15 @@ def _rfa(feature_map):
     # stays positive and no row is clamped (a clamp would break the identities)
     scale = 0.05 if feature_map == "trigonometric" else None
 
-    def estimator(xp, q, k, v, key_mask=None, draws=None):
-        return xattn.rfa(q, k, v, omega=fixed_omega(xp, q.shape[-1]), feature_map=feature_map,
+    def estimator(backend, q, k, v, key_mask=None, draws=None):
+        return xattn.rfa(q, k, v, omega=fixed_omega(backend, q.shape[-1]), feature_map=feature_map,
                          key_mask=key_mask, scale=scale)
     return estimator
 
 
 def _ra(biased, deterministic=False, num_samples=2):
-    def estimator(xp, q, k, v, key_mask=None, draws=None):
-        rng = 3 if draws is None else FixedDraws(xp, uniform=None if biased else draws[0],
+    def estimator(backend, q, k, v, key_mask=None, draws=None):
+        rng = 3 if draws is None else FixedDraws(backend, uniform=None if biased else draws[0],
                                                  normal=draws[1])
         return xattn.ra(q, k, v, biased=biased, deterministic=deterministic,
                         num_samples=num_samples, key_mask=key_mask, rng=rng, chunk_size=3)
@@ -128,7 +129,7 @@ def _ra(biased, deterministic=False, num_samples=2):
 
 
 def _lara(proposal="segment", weighting="decoupled", deterministic=False):
-    def estimator(xp, q, k, v, key_mask=None, draws=None):
+    def estimator(backend, q, k, v, key_mask=None, draws=None):
         return xattn.lara(q, k, v, num_samples=min(2, q.shape[-2]), proposal=proposal,
                           weighting=weighting, deterministic=deterministic,
                           key_mask=key_mask, rng=5)
@@ -171,11 +172,10 @@ def call(backend, name, q, k, v, **options):
     The trigonometric map must not clamp here (that would break the identities), so its
     warning is an error.
     """
-    xp = backend.ns
     mask = options.pop("key_mask", None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TrigonometricDenominatorWarning)
-        out = ESTIMATORS[name](xp, backend.asarray(q), backend.asarray(k), backend.asarray(v),
+        out = ESTIMATORS[name](backend, backend.asarray(q), backend.asarray(k), backend.asarray(v),
                                key_mask=None if mask is None else backend.asarray(mask), **options)
     return backend.to_numpy(out)
 
@@ -240,7 +240,6 @@ def segment_permutation(rng, length, num_segments, segment_order):
 @pytest.mark.parametrize("proposal", PROPOSALS)
 @pytest.mark.parametrize("weighting", ["decoupled", "balance", "coupled"])
 def test_lara_segment_respecting_permutations(backend, proposal, weighting):
-    xp = backend.ns
     if backend.name in ("dask", "jax", "array_api_strict") and (proposal, weighting) != (
             "segment", "decoupled"):
         pytest.skip("the full proposal x weighting grid runs on numpy and torch")
@@ -259,7 +258,7 @@ def test_lara_segment_respecting_permutations(backend, proposal, weighting):
             return backend.to_numpy(xattn.lara(
                 q, k, v, num_samples=num_segments,
                 proposal=proposal, weighting=weighting, deterministic=deterministic,
-                rng=FixedDraws(xp, normal=noise)))
+                rng=FixedDraws(backend, normal=noise)))
 
         out = run(q, k, v, noise)
         permuted = run(q[query_order], k[key_order], v[key_order], noise[segment_order])

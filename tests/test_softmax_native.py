@@ -145,3 +145,26 @@ def test_native_is_refused_by_name_where_there_is_none():
         xattn.softmax_attention(q, q, q, implementation=1)
     assert array_api_compat.is_numpy_array(
         xattn.softmax_attention(q, q, q, implementation="xattn"))
+
+
+def test_half_precision_reaches_the_kernel_in_its_own_dtype(monkeypatch):
+    """bfloat16 inputs reach torch SDPA as bfloat16 (its FlashAttention and cuDNN kernels
+    run only in half precision; found on an H200, where the float32 upcast left bfloat16
+    calls as slow as float32 ones), and the result is bfloat16."""
+    torch = pytest.importorskip("torch")
+    seen = []
+    kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **options):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return kernel(q, k, v, **options)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    q, k, v, _ = inputs(np.random.default_rng(0), 5, 7)
+    q, k, v = (torch.as_tensor(x, dtype=torch.bfloat16) for x in (q, k, v))
+    out = xattn.softmax_attention(q, k, v, implementation="native")
+    assert seen == [(torch.bfloat16,) * 3]
+    assert out.dtype == torch.bfloat16
+    expected = reference.softmax_attention(*(x.float().numpy().astype(np.float64)
+                                             for x in (q, k, v)))
+    np.testing.assert_allclose(out.float().numpy(), expected, rtol=0, atol=3e-2)

@@ -22,7 +22,7 @@ import numpy as np
 
 from xattn._options import check_bool, check_scale
 
-__all__ = ["AttentionInputs", "array_namespace", "check_samples", "compute_dtype",
+__all__ = ["AttentionInputs", "array_namespace", "check_device", "check_samples", "compute_dtype",
            "concrete_count", "host_to_device", "index_sizes", "is_real_floating",
            "library_name", "native_attention", "one_chunk_along", "prepare_attention", "qr",
            "register_pytree", "sequence_positions", "split_rows", "stop_gradient",
@@ -264,13 +264,7 @@ def prepare_attention(
         raise ValueError(f"the leading (batch) dims do not broadcast: {described}") from None
 
     device = array_api_compat.device(q)
-    for name, x in (("k", k), ("v", v), ("key_mask", key_mask), ("query_mask", query_mask)):
-        # traced JAX arrays have no device (None): nothing to compare
-        if x is None or device is None or array_api_compat.device(x) is None:
-            continue
-        if array_api_compat.device(x) != device:
-            raise ValueError(f"{name} is on device {array_api_compat.device(x)} but q is on "
-                             f"{device}; move them to one device")
+    check_device(q, k=k, v=v, key_mask=key_mask, query_mask=query_mask)
 
     dtype = xp.result_type(q, k, v)
     work = compute_dtype(xp, dtype)
@@ -280,6 +274,18 @@ def prepare_attention(
         scale=check_scale(scale, q.shape[-1]), dtype=dtype, compute_dtype=work,
         device=device, batch_shape=batch_shape,
     )
+
+
+def check_device(q: Array, **arrays: Array | None) -> None:
+    """Raise a ValueError naming the first of ``arrays`` (skipping None) that is not on the
+    device of ``q``; traced JAX arrays have no device (None), so nothing is compared."""
+    device = array_api_compat.device(q)
+    for name, x in arrays.items():
+        if x is None or device is None or array_api_compat.device(x) is None:
+            continue
+        if array_api_compat.device(x) != device:
+            raise ValueError(f"{name} is on device {array_api_compat.device(x)} but q is on "
+                             f"{device}; move them to one device")
 
 
 def check_samples(xp: Any, q: Array, omega: Any, num_features: int | None, head_dim: int,
@@ -297,6 +303,7 @@ def check_samples(xp: Any, q: Array, omega: Any, num_features: int | None, head_
         )
     if not xp.isdtype(omega.dtype, "real floating"):
         raise TypeError(f"omega must have a real floating dtype, got {omega.dtype}")
+    check_device(q, omega=omega)
     return omega if omega.dtype == work else xp.astype(omega, work)
 
 
@@ -451,8 +458,9 @@ def native_attention(inputs: AttentionInputs, causal: bool, *,
     ``key_mask`` stays ``(..., 1, M)``; with ``causal`` too, one ``(..., N, M)`` boolean
     mask is built), causal masking is top-left, and a query with no allowed key gets a
     zero row whose gradient is finite (it attends every key inside the kernel, and its
-    row is then replaced by zeros). Inputs are in the compute dtype (float32 for half
-    precision), as on the portable path.
+    row is then replaced by zeros). Half-precision inputs reach the kernel in their own
+    dtype (the fused kernels accumulate in float32 themselves, and only there do torch's
+    FlashAttention and cuDNN kernels run); the result is in the compute dtype.
 
     ``automatic`` (the choice of ``implementation=None``) also returns None for JAX on a
     CPU backend, where XLA's kernel forms the whole (N, M) score matrix and measured about
@@ -482,6 +490,8 @@ def native_attention(inputs: AttentionInputs, causal: bool, *,
     # torch's fused CPU kernel runs only on 4-D inputs (other ranks fall back to forming
     # the whole score matrix), and jax.nn wants (B, T, heads, H)
     flat = math.prod(batch)
+    if inputs.dtype != inputs.compute_dtype:  # half precision: exact, back to the caller's
+        q, k, v = (xp.astype(x, inputs.dtype) for x in (q, k, v))
     out: Array
     flat_mask = None if mask is None else xp.reshape(mask, (flat, 1, *mask.shape[-2:]))
     if is_torch:
@@ -496,4 +506,6 @@ def native_attention(inputs: AttentionInputs, causal: bool, *,
         out = jax.nn.dot_product_attention(q, k, v, mask=flat_mask, scale=inputs.scale,
                                            is_causal=causal and mask is None)
     out = xp.reshape(out, (*batch, num_queries, v.shape[-1]))
+    if out.dtype != inputs.compute_dtype:
+        out = xp.astype(out, inputs.compute_dtype)
     return out if has_keys is None else xp.where(has_keys, out, xp.zeros_like(out))
