@@ -45,13 +45,12 @@ BACKENDS = {"numpy": "NumPy", "array_api_strict": "array-api-strict",
 #: Features an estimator does not offer (asking for them raises UNSUPPORTED_ERROR's error,
 #: TypeError where it lists none).
 UNSUPPORTED = {
-    ("lara", "causal"): {"causal": True},
     ("softmax_attention", "query mask"): {"query_mask": "mask"},
     ("rfa", "query mask"): {"query_mask": "mask"},
     ("ra", "query mask"): {"query_mask": "mask"},
 }
 #: Unsupported features asked for by a keyword the estimator takes: a ValueError.
-UNSUPPORTED_ERROR = {("lara", "causal"): ValueError}
+UNSUPPORTED_ERROR: dict[tuple[str, str], type] = {}
 
 #: (backend, feature) pairs for which the library has no mechanism, with the reason.
 NOT_APPLICABLE = {
@@ -147,6 +146,9 @@ def _call(estimator: str, q, k, v, **options):
         return xattn.rfa(q, k, v, num_features=16, rng=0, **options)
     if estimator == "ra":
         return xattn.ra(q, k, v, num_samples=2, rng=0, **options)
+    if options.get("causal"):  # causal LARA: proposals that do not depend on later keys
+        options = {"proposal_means": 0.3 * q[..., :3, :], "weighting": "query_proposal",
+                   **options}
     return xattn.lara(q, k, v, num_samples=3, rng=0, **options)
 
 

@@ -209,7 +209,8 @@ def test_bad_arguments():
         layer(x, mask=jnp.ones((2, 1, 1, 5), dtype=bool))
     with pytest.raises(TypeError, match="mask must be boolean"):
         layer(x, mask=jnp.ones((2, 1, 1, 12)))
-    with pytest.raises(ValueError, match="'lara' has no causal mode") as from_layer:
+    segments_look_ahead = r"lara\(causal=True\): proposal='segment' looks ahead"
+    with pytest.raises(ValueError, match=segments_look_ahead) as from_layer:
         layer(x, is_causal=True)
     with pytest.raises(ValueError) as from_function:  # the function's own error
         xattn.lara(*(np.ones((1, 4, 2)),) * 3, num_samples=2, causal=True)

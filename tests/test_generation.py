@@ -503,9 +503,9 @@ def test_misuse_names_the_argument(rng):
          r"return_state= continues a causal sequence: softmax_attention\(\) needs causal"),
         (xattn.ra, dict(state=ra_cache, causal=False), ValueError, r"ra\(\) needs causal=True"),
         (xattn.rfa, dict(return_state=1), TypeError, r"return_state must be a bool"),
-        # LARA has no causal mode yet
+        # LARA has no generation state yet
         (xattn.lara, dict(state=state, num_samples=2), ValueError,
-         r"lara\(\) takes no state=: LARA has no causal mode yet"),
+         r"lara\(\) takes no state=: LARA has no generation state yet"),
         (xattn.lara, dict(return_state=True, num_samples=2), ValueError,
          r"lara\(\) takes no return_state="),
     ]

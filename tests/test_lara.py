@@ -48,7 +48,7 @@ def _grid_segments(allowed, grid, pools):
 
 
 def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting, beta,
-                 grid=None, pools=None):
+                 grid=None, pools=None, means=None, defensive=0):
     num_samples, dim = noise.shape
     if grid is None:
         q_segment_idx = _segments(query_allowed, num_samples)
@@ -59,7 +59,9 @@ def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting
     q_segments = [q[s].mean(0) if len(s) else np.zeros(dim) for s in q_segment_idx]
     k_segments = [k[s].mean(0) if len(s) else np.zeros(dim) for s in k_segment_idx]
     q_tilde, k_tilde = np.array(q_segments), np.array(k_segments)
-    if proposal == "standard":
+    if means is not None:  # the caller's proposal means
+        mu = np.array(means, dtype=np.float64)
+    elif proposal == "standard":
         mu = np.zeros((num_samples, dim))
     elif proposal == "segment":
         mu = q_tilde + k_tilde
@@ -78,14 +80,23 @@ def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting
             if nonempty.any():
                 p = np.exp(logits - logits.max())
                 mu[c] += (p / p.sum()) @ k_tilde[nonempty]
+    if defensive:  # the last proposals are N(0, I)
+        mu = mu.copy()
+        mu[num_samples - defensive:] = 0.0
     omega = mu + noise
     density = np.array([[_gaussian(omega[c], mu[d]) for d in range(num_samples)]
                         for c in range(num_samples)])  # q_d(omega_c)
     balance = np.diag(density) / density.sum(axis=1)
-    similarity = np.where(query_allowed[:, None], np.exp(q @ q_tilde.T), 0.0)
-    affinity = similarity / similarity.sum(axis=0, keepdims=True)  # r_nc: softmax over n
+    if weighting == "query_proposal":  # r_nc: softmax over proposals of q_n . mu_c
+        scores = q @ mu.T
+        affinity = np.exp(scores - scores.max(axis=1, keepdims=True))
+        affinity /= affinity.sum(axis=1, keepdims=True)
+        weighting = "decoupled"
+    elif weighting != "balance":
+        similarity = np.where(query_allowed[:, None], np.exp(q @ q_tilde.T), 0.0)
+        affinity = similarity / similarity.sum(axis=0, keepdims=True)  # r_nc: softmax over n
     if weighting == "balance":
-        alpha = np.broadcast_to(balance, affinity.shape)
+        alpha = np.broadcast_to(balance, (len(q), num_samples))
     elif weighting == "decoupled":
         alpha = balance + beta * (affinity - affinity.mean(axis=1, keepdims=True))
     else:
@@ -106,10 +117,11 @@ def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting
 
 def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decoupled",
                    beta=2.0, scale=None, key_mask=None, query_mask=None, seed=None, grid=None,
-                   noise_scale=1.0):
+                   noise_scale=1.0, proposal_means=None, defensive=0):
     """LARA in float64 with explicit densities; ``seed=None`` is the deterministic mode.
     The noise is what an int seed draws: ``default_rng(seed).standard_normal((*batch, C, D))``.
-    With ``grid=(H, W)``, ``num_samples`` is the pair (c_h, c_w)."""
+    With ``grid=(H, W)``, ``num_samples`` is the pair (c_h, c_w). ``proposal_means``
+    (..., C, D) broadcasts against the batch; ``defensive`` zeroes the last means."""
     pools = None
     if grid is not None:
         pools, num_samples = num_samples, num_samples[0] * num_samples[1]
@@ -128,11 +140,14 @@ def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decou
     shape = (*batch, num_samples, dim)
     noise = (np.zeros(shape) if seed is None
              else noise_scale * np.random.default_rng(seed).standard_normal(shape))
+    means = (None if proposal_means is None
+             else np.broadcast_to(proposal_means, (*batch, num_samples, dim)))
     out = np.zeros((*batch, num_queries, v.shape[-1]))
     for index in np.ndindex(*batch):
         out[index] = _lara_single(q[index], k[index], v[index], key_mask[index],
                                   query_mask[index], noise[index], proposal, weighting, beta,
-                                  grid, pools)
+                                  grid, pools, None if means is None else means[index],
+                                  defensive)
     return out
 
 
@@ -571,16 +586,24 @@ def test_one_row_grid_equals_1d_lara(backend, rng, grid, pools, num_samples):
         backend.check(two_d, backend.to_numpy(one_d), dtype=xp.float64, rtol=1e-12)
 
 
-def test_causal_is_refused(rng):
-    """causal=False is the default; causal=True is a ValueError (not supported yet), the
+def test_causal_refuses_what_looks_ahead(rng):
+    """causal=False is the default; causal=True with an option that looks ahead (segment
+    proposals, a softmax over all queries, 2-D segments) is a ValueError naming it, the
     error the layers raise for causal masking with estimator='lara'; a non-bool causal is
     a TypeError."""
     q, k, v = (rng.normal(size=(2, 6, 4)) for _ in range(3))
     np.testing.assert_array_equal(xattn.lara(q, k, v, num_samples=2, rng=0, causal=False),
                                   xattn.lara(q, k, v, num_samples=2, rng=0))
-    with pytest.raises(ValueError, match=r"^estimator 'lara' has no causal mode \(causal=True "
-                                         r"is not supported yet"):
-        xattn.lara(q, k, v, num_samples=2, causal=True)
+    for options, message in [
+            (dict(), r"^lara\(causal=True\): proposal='segment' looks ahead"),
+            (dict(proposal="key_attention", defensive=1),
+             r"^lara\(causal=True\): proposal='key_attention' looks ahead"),
+            (dict(proposal="standard"), r"^lara\(causal=True\): weighting='decoupled' looks"),
+            (dict(defensive=2, weighting="coupled"), r"weighting='coupled' looks ahead"),
+            (dict(proposal="standard", weighting="balance", grid=(2, 3)),
+             r"^lara\(causal=True\): grid= looks ahead")]:
+        with pytest.raises(ValueError, match=message):
+            xattn.lara(q, k, v, num_samples=2, causal=True, **options)
     with pytest.raises(TypeError, match=r"^causal must be a bool"):
         xattn.lara(q, k, v, num_samples=2, causal=1)
 

@@ -316,7 +316,8 @@ def test_bad_arguments():
         layer(x, x, x, attn_mask=torch.zeros(8, 12, 12, dtype=torch.bool))
     with pytest.raises(ValueError, match="attn_mask is not supported except as the causal"):
         layer(x, x, x, attn_mask=torch.eye(12, dtype=torch.bool))
-    with pytest.raises(ValueError, match="'lara' has no causal mode") as from_layer:
+    segments_look_ahead = r"lara\(causal=True\): proposal='segment' looks ahead"
+    with pytest.raises(ValueError, match=segments_look_ahead) as from_layer:
         layer(x, x, x, is_causal=True)
     with pytest.raises(ValueError) as from_function:  # the function's own error
         xattn.lara(*(np.ones((1, 4, 2)),) * 3, num_samples=2, causal=True)

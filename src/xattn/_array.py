@@ -22,7 +22,8 @@ import numpy as np
 
 from xattn._options import check_bool, check_scale
 
-__all__ = ["AttentionInputs", "array_namespace", "check_device", "check_samples", "compute_dtype",
+__all__ = ["AttentionInputs", "array_namespace", "check_device", "check_proposal_means",
+           "check_samples", "compute_dtype",
            "concrete_count", "host_to_device", "index_sizes", "is_real_floating",
            "library_name", "native_attention", "one_chunk_along", "prepare_attention", "qr",
            "register_pytree", "sequence_positions", "split_rows", "stop_gradient",
@@ -305,6 +306,34 @@ def check_samples(xp: Any, q: Array, omega: Any, num_features: int | None, head_
         raise TypeError(f"omega must have a real floating dtype, got {omega.dtype}")
     check_device(q, omega=omega)
     return omega if omega.dtype == work else xp.astype(omega, work)
+
+
+def check_proposal_means(inputs: AttentionInputs, proposal_means: Any,
+                         num_proposals: int) -> Array:
+    """LARA's caller-supplied proposal means: a real floating ``(..., C, D)`` array of the
+    library and device of ``q`` whose leading dims broadcast against the batch dims,
+    returned in the compute dtype."""
+    array_namespace(inputs.q, proposal_means, names=("q", "proposal_means"))
+    shape = tuple(proposal_means.shape)
+    head_dim = inputs.q.shape[-1]
+    expected = f"(..., C, D) = (..., {num_proposals}, {head_dim})"
+    if len(shape) < 2 or shape[-2:] != (num_proposals, head_dim):
+        raise ValueError(f"proposal_means must have shape {expected} (C = num_samples, D "
+                         f"the last dim of q), got shape {shape}")
+    try:
+        broadcast = np.broadcast_shapes(shape[:-2], inputs.batch_shape)
+    except ValueError:
+        broadcast = None
+    if broadcast != tuple(inputs.batch_shape):
+        raise ValueError(f"proposal_means's leading dims {shape[:-2]} must broadcast against "
+                         f"the batch dims {tuple(inputs.batch_shape)}")
+    if not inputs.xp.isdtype(proposal_means.dtype, "real floating"):
+        raise TypeError(f"proposal_means must have a real floating dtype, got "
+                        f"{proposal_means.dtype}")
+    check_device(inputs.q, proposal_means=proposal_means)
+    work = inputs.compute_dtype
+    return proposal_means if proposal_means.dtype == work else inputs.xp.astype(
+        proposal_means, work)
 
 
 _PYTREES: set[type] = set()

@@ -27,7 +27,7 @@ from xattn._primitives import finite_shift, masked_softmax, merge_maxima, nonzer
 __all__ = ["WEIGHTINGS", "WEIGHT_FLOOR", "QuerySoftmax", "balance_heuristic",
            "importance_weights", "lara_weights"]
 
-WEIGHTINGS = ("balance", "decoupled", "coupled")
+WEIGHTINGS = ("balance", "decoupled", "coupled", "query_proposal")
 
 #: Floor for the importance weights α_nc. The query-specific corrections of the
 #: "decoupled" and "coupled" weightings can make α_nc negative; like the authors' code,
@@ -83,7 +83,10 @@ def lara_weights(proposal_weights: Array, query_affinity: Array, *,
     - ``"decoupled"`` (eq. 38, the default): :math:`\alpha_{nc} = w_c + \beta\,(r_{nc} -
       \frac{1}{C}\sum_{c'} r_{nc'})`;
     - ``"coupled"`` (eq. 37): :math:`\alpha_{nc} = w_c + w_c\,(r_{nc} - \sum_{c'} w_{c'}
-      r_{nc'})`.
+      r_{nc'})`;
+    - ``"query_proposal"``: the decoupled formula, for the affinity
+      :math:`r_{nc} = \operatorname{softmax}_c(\hat q_n \cdot \mu_c)` over proposals,
+      which uses only :math:`q_n` and the proposals (causal LARA's).
 
     The corrections sum to zero over c, so whenever :math:`\sum_c w_c = 1` (the balance
     heuristic at one common point) every weighting sums to 1 over proposals, the
@@ -97,7 +100,7 @@ def lara_weights(proposal_weights: Array, query_affinity: Array, *,
     query_affinity : array, shape (..., N, C)
         :math:`r_{nc}`; LARA uses the softmax over queries n of :math:`\hat q_n \cdot
         \tilde q_c`.
-    weighting : {"balance", "decoupled", "coupled"}
+    weighting : {"balance", "decoupled", "coupled", "query_proposal"}
     beta : float
         Strength :math:`\beta` of the decoupled correction (2 in the paper's ViT runs).
 
@@ -122,7 +125,7 @@ def lara_weights(proposal_weights: Array, query_affinity: Array, *,
     weights = proposal_weights[..., None, :]
     if weighting == "balance":
         return weights + xp.zeros_like(query_affinity)
-    if weighting == "decoupled":
+    if weighting in ("decoupled", "query_proposal"):
         correction = query_affinity - xp.mean(query_affinity, axis=-1, keepdims=True)
         return weights + (correction if beta == 1.0 else beta * correction)
     weighted_mean = xp.sum(weights * query_affinity, axis=-1, keepdims=True)

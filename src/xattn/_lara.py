@@ -25,21 +25,24 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import Array, AttentionInputs, prepare_attention
+import array_api_compat
+
+from xattn._array import Array, AttentionInputs, check_proposal_means, prepare_attention
 from xattn._importance import (
     WEIGHTINGS,
     QuerySoftmax,
     balance_heuristic,
     importance_weights,
 )
+from xattn._lara_causal import causal_lara, check_lara_causal_options, query_proposal_affinity
 from xattn._options import (
     DEFAULT_CHUNK_SIZE,
     check_bool,
     check_choice,
     check_finite_real,
-    check_lara_causal,
     check_lara_state,
     check_noise_scale,
+    check_nonnegative_int,
     check_positive_int,
     check_segments,
 )
@@ -76,17 +79,20 @@ def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmark
 
 def _proposals(inputs: AttentionInputs, proposal: str, num_samples: int,
                grid: tuple[int, int] | None, pools: tuple[int, int] | None,
-               root_scale: float) -> tuple[Array, Array]:
+               root_scale: float, supplied_means: Array | None) -> tuple[Array, Array]:
     r"""The landmarks :math:`\tilde q_c` and the proposal means :math:`\mu_c`, (..., C, D).
 
     Landmarks are the means of C segments of the allowed queries and keys (Appendix
     G.3.1): contiguous runs, or the bins of 2-D adaptive average pooling on an image grid
-    (Appendix H), of the scaled inputs :math:`\hat q, \hat k`.
+    (Appendix H), of the scaled inputs :math:`\hat q, \hat k`. ``supplied_means`` (the
+    caller's, in the compute dtype) replace the means of the proposal family.
     """
     xp, device = inputs.xp, inputs.device
     query_landmarks, _ = segment_means(xp, inputs.q, inputs.query_mask, num_samples, device,
                                        grid=grid, pools=pools)
     query_landmarks = root_scale * query_landmarks  # q~_c, the means of q^
+    if supplied_means is not None:
+        return query_landmarks, supplied_means
     key_landmarks, key_segment_sizes = segment_means(xp, inputs.k, inputs.key_mask,
                                                      num_samples, device, grid=grid,
                                                      pools=pools)
@@ -94,6 +100,14 @@ def _proposals(inputs: AttentionInputs, proposal: str, num_samples: int,
     proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
                                      key_segment_sizes, inputs.k, root_scale, inputs.key_mask)
     return query_landmarks, proposal_means
+
+
+def _defensive(xp: Any, proposal_means: Array, count: int) -> Array:
+    """The means with their last ``count`` rows zero: those proposals are N(0, I)."""
+    kept = proposal_means[..., : proposal_means.shape[-2] - count, :]
+    nominal = xp.zeros((*proposal_means.shape[:-2], count, proposal_means.shape[-1]),
+                       dtype=proposal_means.dtype, device=array_api_compat.device(proposal_means))
+    return xp.concat([kept, nominal], axis=-2)
 
 
 def _samples(inputs: AttentionInputs, proposal_means: Array, num_samples: int, *,
@@ -160,7 +174,7 @@ def _query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means:
     projection_t = xp.matrix_transpose(root_scale * omega)
     affinities = None
     recompute = False
-    if weighting != "balance":  # r_nc = softmax over all queries of q^_n . q~_c
+    if weighting not in ("balance", "query_proposal"):  # r_nc = softmax_n of q^_n . q~_c
         scaled_landmarks = root_scale * query_landmarks
         recompute = num_samples > inputs.v.shape[-1]
         affinities = QuerySoftmax(xp, q, scaled_landmarks, query_mask, pieces,
@@ -176,7 +190,13 @@ def _query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means:
         if recompute:  # s_nc, then the logits of omega
             scores, logits = logits[..., :num_samples], logits[..., num_samples:]
         affinity = None if affinities is None else affinities.piece(index, scores)
-        weights = importance_weights(xp, own_weight, affinity, weighting, beta)  # alpha_nc
+        if weighting == "query_proposal":  # r_nc = softmax_c of q^_n . mu_c, then eq. 38
+            affinity = (query_proposal_affinity(xp, root_scale * q[..., start:stop, :],
+                                                proposal_means),
+                        xp.ones_like(own_weight)[..., None, :])
+        weights = importance_weights(xp, own_weight, affinity,
+                                     "decoupled" if weighting == "query_proposal" else weighting,
+                                     beta)  # alpha_nc
         out = weighted_readout(xp, logits + logit_offset, numerator, denominator,
                                coefficients=weights)
         if query_mask is not None:
@@ -193,6 +213,8 @@ def lara(
     num_samples: int | tuple[int, int],
     grid: tuple[int, int] | None = None,
     proposal: str = "segment",
+    proposal_means: Array | None = None,
+    defensive: int = 0,
     weighting: str = "decoupled",
     beta: float = 2.0,
     deterministic: bool = False,
@@ -264,6 +286,22 @@ def lara(
         dividing W this is 1-D LARA; otherwise the bins differ from the 1-D segments (they
         may overlap, the 1-D segments partition). See the theory page on LARA for a figure.
     proposal : {"segment", "key_attention", "landmark_attention", "standard"}
+    proposal_means : array, shape (..., C, D), optional
+        Caller-supplied proposal means :math:`\mu_c`, in place of ``proposal`` (leave it
+        at its default), for example a layer's parameters; the leading dims broadcast
+        against the batch dims. They live in the space of the scaled queries
+        :math:`\hat q = \sqrt{s}\,q` that the samples multiply. The samples
+        :math:`\omega_c = \mu_c + \sigma\epsilon_c` are reparameterized, so on torch and
+        JAX gradients reach ``proposal_means``. The segments still give the landmarks
+        :math:`\tilde q_c` of the decoupled and coupled weightings.
+    defensive : int
+        K, 0 <= K <= C (default 0): the last K proposals are the nominal distribution
+        :math:`N(0, I)` (defensive importance sampling; Hesterberg 1995, Owen & Zhou
+        2000), whatever ``proposal`` or ``proposal_means`` says for them. With
+        ``weighting="balance"`` every weight is then bounded,
+        :math:`\alpha_c\,N(\omega_c; 0, I)/q_c(\omega_c) = N(\omega_c; 0, I) /
+        \sum_{c'} q_{c'}(\omega_c) \le 1/K`, so one sample far from every proposal
+        cannot dominate (:doc:`/theory/04_lara`).
     weighting : {"decoupled", "balance", "coupled"}
     beta : float
         Strength of the query-specific correction of ``weighting="decoupled"``.
@@ -341,11 +379,14 @@ def lara(
         If ``num_samples < 1``, ``num_samples > N`` or ``chunk_size < 1``, or
         ``proposal`` / ``weighting`` is not one of the names above; with ``grid``, if N or
         M is not H W or a pool size exceeds its grid side; if ``causal=True`` (not
-        supported yet).
+        supported yet); if ``proposal_means`` is not (..., C, D) with leading dims that
+        broadcast against the batch, or comes with a ``proposal`` other than the
+        default, or on another device than ``q``; if ``defensive`` is not in 0..C.
     TypeError
         If ``num_samples`` is not an int (a pair ``(c_h, c_w)`` without ``grid``, or an
         int with ``grid``), ``grid`` is not a pair of ints, ``proposal`` /
-        ``weighting`` is not a string, or a flag is not a bool.
+        ``weighting`` is not a string, a flag is not a bool, ``defensive`` is not an int,
+        or ``proposal_means`` is not a real floating array of the library of ``q``.
 
     See Also
     --------
@@ -383,6 +424,14 @@ def lara(
     >>> bool(np.mean((evaluation - exact) ** 2) < np.mean(exact ** 2))
     True
 
+    Learned proposal means (C = 8 of them, in the scaled query space), 2 of the 8
+    proposals defensive N(0, I):
+
+    >>> means = 0.1 * rng.normal(size=(8, 8))
+    >>> xattn.lara(q, k, v, num_samples=8, proposal_means=means, defensive=2,
+    ...            weighting="balance", rng=0).shape
+    (2, 64, 4)
+
     A 14 x 14 patch grid with 7 x 7 = 49 two-dimensional segments:
 
     >>> q, k, v = (rng.normal(size=(3, 196, 8)) for _ in range(3))
@@ -392,14 +441,32 @@ def lara(
     check_lara_state(state, return_state)
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
                                check_finite=check_finite)
-    shapes = f"q shape {tuple(inputs.q.shape)}, k shape {tuple(inputs.k.shape)}"
-    num_samples, grid, pools = check_segments(num_samples, grid, inputs.num_queries,
-                                              inputs.num_keys, shapes)
+    causal = check_bool(causal, "causal")
+    pools = None
+    if causal:  # no segments: C may exceed N (a token at a time)
+        num_samples = check_positive_int(num_samples, "num_samples")
+    else:
+        shapes = f"q shape {tuple(inputs.q.shape)}, k shape {tuple(inputs.k.shape)}"
+        num_samples, grid, pools = check_segments(num_samples, grid, inputs.num_queries,
+                                                  inputs.num_keys, shapes)
     check_choice(proposal, "proposal", PROPOSALS)
+    supplied_means = None
+    if proposal_means is not None:
+        if proposal != "segment":
+            raise ValueError(f"proposal_means replaces proposal; leave proposal at its "
+                             f"default, got proposal={proposal!r}")
+        supplied_means = check_proposal_means(inputs, proposal_means, num_samples)
+    defensive = check_nonnegative_int(defensive, "defensive")
+    if defensive > num_samples:
+        raise ValueError(f"defensive must be at most C = {num_samples} (the number of "
+                         f"proposals), got {defensive}")
     check_choice(weighting, "weighting", WEIGHTINGS)
     beta = check_finite_real(beta, "beta")
     deterministic = check_bool(deterministic, "deterministic")
-    check_lara_causal(causal)
+    if causal:
+        check_lara_causal_options(proposal=proposal, supplied=supplied_means is not None,
+                                  defensive=defensive, num_samples=num_samples,
+                                  weighting=weighting, grid=grid)
     noise_scale = check_noise_scale(noise_scale)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     if inputs.is_empty:  # N = 0 or an empty batch: an empty result, whatever C
@@ -408,10 +475,21 @@ def lara(
     root_scale = math.sqrt(inputs.scale)
     # q^ = sqrt(s) q is never formed: sqrt(s) is folded into the (C, D) matrices that
     # multiply q in the query pass; k^ is formed a piece of keys at a time
-    query_landmarks, proposal_means = _proposals(inputs, proposal, num_samples, grid, pools,
-                                                 root_scale)
+    if causal:  # means that do not depend on the sequence: the caller's, or N(0, I)
+        query_landmarks, proposal_means = None, supplied_means
+        if proposal_means is None:
+            proposal_means = inputs.xp.zeros((num_samples, inputs.q.shape[-1]),
+                                             dtype=inputs.compute_dtype, device=inputs.device)
+    else:
+        query_landmarks, proposal_means = _proposals(inputs, proposal, num_samples, grid,
+                                                     pools, root_scale, supplied_means)
+    if defensive:
+        proposal_means = _defensive(inputs.xp, proposal_means, defensive)
     omega = _samples(inputs, proposal_means, num_samples, deterministic=deterministic,
                      noise_scale=noise_scale, rng=rng)
+    if causal:
+        return inputs.finish(causal_lara(inputs, omega, proposal_means, weighting=weighting,
+                                         beta=beta, chunk_size=chunk_size))
     statistics = _key_statistics(inputs, omega, root_scale, chunk_size)
     out = _query_pass(inputs, query_landmarks, proposal_means, omega, statistics,
                       weighting=weighting, beta=beta, root_scale=root_scale,

@@ -42,7 +42,6 @@ __all__ = [
     "check_choice",
     "check_estimator",
     "check_finite_real",
-    "check_lara_causal",
     "check_lara_state",
     "check_noise_scale",
     "check_nonnegative_int",
@@ -287,44 +286,12 @@ def check_segments(num_samples: Any, grid: Any, num_queries: int, num_keys: int,
     return pool_h * pool_w, (height, width), (pool_h, pool_w)
 
 
-def check_lara_causal(causal: Any) -> bool:
-    """Check LARA's ``causal`` flag, which only ``False`` passes for now.
-
-    The layers call :func:`xattn.lara` with their causal flag, so that
-    ``xattn.lara(..., causal=True)`` and a layer's ``is_causal=True`` with
-    ``estimator="lara"`` raise the same error.
-
-    Parameters
-    ----------
-    causal : Any
-        A bool (NumPy bools accepted).
-
-    Returns
-    -------
-    bool
-        False.
-
-    Raises
-    ------
-    TypeError
-        If ``causal`` is not a bool.
-    ValueError
-        If ``causal`` is True: LARA's segment proposals and its softmax over queries look
-        ahead (every output row depends on every query and key).
-    """
-    if check_bool(causal, "causal"):
-        raise ValueError("estimator 'lara' has no causal mode (causal=True is not supported "
-                         "yet: LARA's segment proposals and its query-softmax weights look "
-                         "ahead); use 'rfa', 'ra' or 'softmax' with causal masking")
-    return False
-
-
 def check_lara_state(state: Any, return_state: Any) -> None:
     """Check LARA's ``state`` and ``return_state``, which only None and False pass for now.
 
-    Continuing a sequence needs a causal mode, which LARA does not have yet
-    (:func:`check_lara_causal`); a later causal LARA will take the protocol of the other
-    estimators (``state=``, ``return_state=True``).
+    Causal LARA (``causal=True``) runs whole sequences; it carries no generation state
+    yet, which will take the protocol of the other estimators (``state=``,
+    ``return_state=True``).
 
     Raises
     ------
@@ -336,8 +303,8 @@ def check_lara_state(state: Any, return_state: Any) -> None:
     for name, given in (("state", state is not None),
                         ("return_state", check_bool(return_state, "return_state"))):
         if given:
-            raise ValueError(f"lara() takes no {name}=: LARA has no causal mode yet, so it "
-                             "cannot continue a sequence (generation); use 'rfa' (fixed-size "
+            raise ValueError(f"lara() takes no {name}=: LARA has no generation state yet, so "
+                             "it cannot continue a sequence; use 'rfa' (fixed-size "
                              "state), 'ra' or 'softmax_attention' (key-value caches) with "
                              f"causal=True and {name}=")
 

@@ -70,8 +70,7 @@ from xattn.features import (
     weighted_readout,
 )
 
-__all__ = ["TrigonometricDenominatorWarning", "default_num_features", "rfa"]
-
+__all__ = ["TrigonometricDenominatorWarning", "causal_scan", "default_num_features", "rfa"]
 
 
 class TrigonometricDenominatorWarning(RuntimeWarning):
@@ -411,7 +410,7 @@ def rfa(
                                     causal=causal, block_size=block_size,
                                     chunk_size=chunk_size, guard=trigonometric)
     elif causal:
-        out, invalid = _causal(xp, inputs, mapping, block_size, chunk_size, trigonometric)
+        out, invalid = causal_scan(xp, inputs, mapping, block_size, chunk_size, trigonometric)
     elif trigonometric:
         out, invalid = _trigonometric(xp, inputs, mapping, chunk_size)
     else:
@@ -468,9 +467,10 @@ def _trigonometric(xp: Any, inputs: Any, mapping: FeatureMap,
     return out.result(), clamped.result()
 
 
-def _causal(xp: Any, inputs: Any, mapping: FeatureMap, block_size: int, chunk_size: int,
-            guard: bool) -> tuple[Array, Array | None]:
-    """Causal RFA over blocks of positions (:func:`xattn._rf_scan.scan_partials`)."""
+def causal_scan(xp: Any, inputs: Any, mapping: FeatureMap, block_size: int, chunk_size: int,
+                guard: bool) -> tuple[Array, Array | None]:
+    """Causal attention by ``mapping``'s features over blocks of positions
+    (:func:`xattn._rf_scan.scan_partials`): RFA's, and causal LARA's."""
     num_queries = inputs.q.shape[-2]
     out = RowPieces(num_queries)
     clamped = RowPieces(num_queries) if guard else None

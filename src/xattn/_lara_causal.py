@@ -1,0 +1,117 @@
+r"""Causal LARA: proposals that do not look ahead, prefix sums over the keys.
+
+LARA's estimator (eq. 28 of Zheng et al., 2022) for query :math:`n`,
+
+.. math::
+
+    y_n = \frac{\sum_c \alpha'_{nc}\, \xi(\hat q_n, \omega_c) A_c(n)}
+               {\sum_c \alpha'_{nc}\, \xi(\hat q_n, \omega_c) b_c(n)}, \qquad
+    A_c(n) = \sum_{m \le n} \xi(\hat k_m, \omega_c) v_m, \quad
+    b_c(n) = \sum_{m \le n} \xi(\hat k_m, \omega_c),
+
+is causal when nothing in it depends on a position after :math:`n`: the samples
+:math:`\omega_c = \mu_c + \epsilon_c` do not when the means :math:`\mu_c` do not depend on
+the sequence (caller-supplied, ``"standard"`` or defensive), and the weights
+:math:`\alpha'_{nc} = \alpha_{nc} N(\omega_c; 0, I) / q_c(\omega_c)` do not when
+:math:`\alpha_{nc}` uses only :math:`q_n` and the proposals: the balance heuristic
+:math:`w_c`, or the ``"query_proposal"`` correction :math:`w_c + \beta (r_{nc} - 1/C)`
+with :math:`r_{nc} = \operatorname{softmax}_c(\hat q_n \cdot \mu_c)`. The paper's
+decoupled and coupled weightings take :math:`r_{nc}` as a softmax over all queries
+:math:`n`, which looks ahead. Every such :math:`\alpha_{nc}` sums to 1 over :math:`c` (the
+correction sums to zero), which keeps the self-normalized estimate consistent.
+
+The query factor :math:`\alpha'_{nc} \xi(\hat q_n, \omega_c)` is RFA's positive feature
+with the log weight added to its logit, so the prefix sums are RFA's causal scan
+(:func:`xattn._rf_scan.scan_partials`): the same blocks, stabilizer and cost,
+O(N C D).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xattn._array import Array, AttentionInputs
+from xattn._importance import balance_heuristic, importance_weights
+from xattn._rf_scan import PositiveMap
+from xattn._rfa import causal_scan
+
+__all__ = ["CAUSAL_BLOCK_SIZE", "CAUSAL_WEIGHTINGS", "ImportanceMap", "causal_lara",
+           "check_lara_causal_options", "query_proposal_affinity"]
+
+#: Positions per block of the causal scan (rfa's default ``block_size``).
+CAUSAL_BLOCK_SIZE = 128
+#: The weightings that use only q_n and the proposals.
+CAUSAL_WEIGHTINGS = ("balance", "query_proposal")
+
+
+def check_lara_causal_options(*, proposal: str, supplied: bool, defensive: int,
+                              num_samples: int, weighting: str, grid: Any) -> None:
+    """Raise a ValueError naming the first option of a causal LARA call that looks ahead."""
+    if not supplied and proposal != "standard" and defensive < num_samples:
+        raise ValueError(
+            f"lara(causal=True): proposal={proposal!r} looks ahead (its means come from "
+            f"segments of the whole sequence); pass proposal_means=, proposal='standard' or "
+            f"defensive=num_samples")
+    if weighting not in CAUSAL_WEIGHTINGS:
+        raise ValueError(
+            f"lara(causal=True): weighting={weighting!r} looks ahead (its query affinity is "
+            f"a softmax over all queries); use one of {CAUSAL_WEIGHTINGS}")
+    if grid is not None:
+        raise ValueError("lara(causal=True): grid= looks ahead (2-D segments of the whole "
+                         "image); leave it None")
+
+
+def query_proposal_affinity(xp: Any, q_hat: Array, proposal_means: Array) -> Array:
+    r""":math:`r_{nc} = \operatorname{softmax}_c(\hat q_n \cdot \mu_c)`, (..., N, C)."""
+    scores = q_hat @ xp.matrix_transpose(proposal_means)
+    scores = scores - xp.max(scores, axis=-1, keepdims=True)
+    exponential = xp.exp(scores)
+    return exponential / xp.sum(exponential, axis=-1, keepdims=True)
+
+
+class ImportanceMap(PositiveMap):
+    r"""RFA's positive map with LARA's log weights in the query logits:
+    :math:`p_{nc} = \omega_c \cdot \hat q_n + \log \alpha_{nc} + \log N(\omega_c; 0, I) -
+    \log q_c(\omega_c)` (the key side is RFA's, :math:`a_{mc}`)."""
+
+    def __init__(self, inputs: AttentionInputs, omega: Array, proposal_means: Array,
+                 own_weight: Array, *, weighting: str, beta: float) -> None:
+        xp = inputs.xp
+        super().__init__(xp, omega)
+        self.num_samples = omega.shape[-2]  # omega is (..., C, D)
+        offset = omega - proposal_means
+        # log N(omega_c; 0, I) - log q_c(omega_c), (..., 1, C)
+        self.log_ratio = (0.5 * (xp.sum(offset * offset, axis=-1)
+                                 - xp.sum(omega * omega, axis=-1)))[..., None, :]
+        self.proposal_means, self.own_weight = proposal_means, own_weight
+        self.weighting, self.beta = weighting, beta
+
+    def queries(self, q_hat: Array) -> Array:
+        xp = self.xp
+        affinity = None
+        if self.weighting == "query_proposal":  # (r_nc, rho = 1): the decoupled formula
+            affinity = (query_proposal_affinity(xp, q_hat, self.proposal_means),
+                        xp.ones_like(self.own_weight)[..., None, :])
+        weights = importance_weights(xp, self.own_weight, affinity,
+                                     "balance" if affinity is None else "decoupled", self.beta)
+        # the weights are floored at WEIGHT_FLOOR > 0, so their logs are finite
+        return q_hat @ self.omega_t + self.log_ratio + xp.log(weights)
+
+    def query_constant(self, q_hat: Array) -> Array:
+        xp = self.xp
+        return -0.5 * xp.sum(q_hat * q_hat, axis=-1, keepdims=True)
+
+
+
+def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
+                weighting: str, beta: float, chunk_size: int) -> Array:
+    """Causal LARA with the samples ``omega`` (..., C, D) of the proposals
+    ``proposal_means``: the output (..., N, Dv), masked queries 0."""
+    xp = inputs.xp
+    own_weight = xp.linalg.diagonal(balance_heuristic(omega, proposal_means))  # w_c
+    mapping = ImportanceMap(inputs, omega, proposal_means, own_weight, weighting=weighting,
+                            beta=beta)
+    out, _ = causal_scan(xp, inputs, mapping, CAUSAL_BLOCK_SIZE, chunk_size, guard=False)
+    if inputs.query_mask is not None:
+        out = xp.where(inputs.query_mask[..., None], out, 0.0)
+    return out
