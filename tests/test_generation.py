@@ -503,11 +503,11 @@ def test_misuse_names_the_argument(rng):
          r"return_state= continues a causal sequence: softmax_attention\(\) needs causal"),
         (xattn.ra, dict(state=ra_cache, causal=False), ValueError, r"ra\(\) needs causal=True"),
         (xattn.rfa, dict(return_state=1), TypeError, r"return_state must be a bool"),
-        # LARA has no generation state yet
-        (xattn.lara, dict(state=state, num_samples=2), ValueError,
-         r"lara\(\) takes no state=: LARA has no generation state yet"),
+        # LARA takes its own state, and causal=True
+        (xattn.lara, dict(state=state, num_samples=2, causal=True), TypeError,
+         r"state must be an xattn.LARAState, as returned by lara\(\.\.\., causal=True"),
         (xattn.lara, dict(return_state=True, num_samples=2), ValueError,
-         r"lara\(\) takes no return_state="),
+         r"return_state= continues a causal sequence: lara\(\) needs causal=True"),
     ]
     for function, options, error, message in cases:
         options = {"causal": True, **options} if function is not xattn.lara else options

@@ -128,3 +128,45 @@ def test_more_proposals_than_tokens(rng):
     out = xattn.lara(q, k, v, num_samples=8, proposal="standard", weighting="balance",
                      causal=True, rng=0)
     assert out.shape == (2, 3) and np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("pieces", [(19,), (1, 18), (5, 1, 1, 12), (7, 0, 12)])
+def test_pieces_with_the_state_equal_one_call(backend, rng, pieces):
+    """A sequence given in pieces (``return_state=True``, then ``state=``) has the outputs
+    of one causal call on all of it (the same samples: the first piece draws them), with a
+    key mask; one token at a time has C > N."""
+    xp = backend.ns
+    q, k, v, means = causal_inputs(rng)
+    key_mask = rng.random((2, q.shape[-2])) < 0.8
+    options = dict(num_samples=NUM_SAMPLES, proposal_means=backend.asarray(means),
+                   weighting="query_proposal", defensive=1, causal=True)
+    whole = xattn.lara(*map(backend.asarray, (q, k, v)), key_mask=backend.asarray(key_mask),
+                       rng=9, **options)
+    outputs, state, start = [], None, 0
+    for length in pieces:
+        part = [backend.asarray(x[:, start:start + length]) for x in (q, k, v)]
+        mask = backend.asarray(key_mask[:, start:start + length])
+        if state is None:
+            out, state = xattn.lara(*part, key_mask=mask, rng=9, return_state=True, **options)
+        else:
+            out, state = xattn.lara(*part, key_mask=mask, state=state, return_state=True,
+                                    **options)
+        assert isinstance(state, xattn.LARAState)
+        outputs.append(backend.to_numpy(out))
+        start += length
+    backend.check(xp.asarray(np.concatenate(outputs, axis=1)), backend.to_numpy(whole),
+                  dtype=xp.float64, rtol=1e-10)
+    assert int(state.features.position) == q.shape[-2]
+
+
+def test_state_misuse_names_it(rng):
+    q, k, v, means = causal_inputs(rng, batch=(), length=6)
+    options = dict(proposal_means=means, weighting="balance", causal=True, rng=0)
+    _, state = xattn.lara(q, k, v, num_samples=NUM_SAMPLES, return_state=True, **options)
+    with pytest.raises(ValueError, match=r"num_samples=3 differs from the state's C = 4"):
+        xattn.lara(q, k, v, num_samples=3, state=state, **options)
+    with pytest.raises(ValueError, match=r"state= continues a causal sequence"):
+        xattn.lara(q, k, v, num_samples=NUM_SAMPLES, state=state, proposal_means=means)
+    _, rfa_state = xattn.rfa(q, k, v, num_features=4, causal=True, return_state=True, rng=0)
+    with pytest.raises(TypeError, match=r"state must be an xattn.LARAState"):
+        xattn.lara(q, k, v, num_samples=NUM_SAMPLES, state=rfa_state, **options)

@@ -11,10 +11,10 @@ Estimators (each a function of ``q (..., N, D)``, ``k (..., M, D)``, ``v (..., M
 Helpers of the estimators: :func:`default_num_features`,
 :class:`TrigonometricDenominatorWarning`, :func:`lara_weights`, :func:`balance_heuristic`,
 the states that continue a causal sequence (generation: ``return_state=True``, then
-``state=``), :class:`RFAState` (fixed size), :class:`SoftmaxState` and :class:`RAState`
-(key-value caches), and the constants :data:`ESTIMATORS` (the four names, as the layers'
-``estimator=`` and ``xattn train`` take them), :data:`PROPOSALS`, :data:`WEIGHTINGS`,
-:data:`WEIGHT_FLOOR`.
+``state=``), :class:`RFAState` and :class:`LARAState` (fixed size),
+:class:`SoftmaxState` and :class:`RAState` (key-value caches), and the constants
+:data:`ESTIMATORS` (the four names, as the layers' ``estimator=`` and ``xattn train``
+take them), :data:`PROPOSALS`, :data:`WEIGHTINGS`, :data:`WEIGHT_FLOOR`.
 
 Submodules, reachable after ``import xattn`` (loaded on first use, so that a framework is
 imported only when its layer is asked for): :mod:`xattn.random` (the random-number
@@ -35,13 +35,14 @@ from xattn._options import ESTIMATORS
 from xattn._ra import ra
 from xattn._rfa import TrigonometricDenominatorWarning, default_num_features, rfa
 from xattn._softmax import softmax_attention
-from xattn._state import RAState, RFAState, SoftmaxState
+from xattn._state import LARAState, RAState, RFAState, SoftmaxState
 
 __all__ = [
     "ESTIMATORS",
     "PROPOSALS",
     "WEIGHTINGS",
     "WEIGHT_FLOOR",
+    "LARAState",
     "RAState",
     "RFAState",
     "SoftmaxState",

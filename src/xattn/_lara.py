@@ -25,8 +25,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import array_api_compat
-
 from xattn._array import Array, AttentionInputs, check_proposal_means, prepare_attention
 from xattn._importance import (
     WEIGHTINGS,
@@ -34,13 +32,18 @@ from xattn._importance import (
     balance_heuristic,
     importance_weights,
 )
-from xattn._lara_causal import causal_lara, check_lara_causal_options, query_proposal_affinity
+from xattn._lara_causal import (
+    causal_lara,
+    check_lara_causal_options,
+    query_proposal_affinity,
+    state_options,
+    with_defensive,
+)
 from xattn._options import (
     DEFAULT_CHUNK_SIZE,
     check_bool,
     check_choice,
     check_finite_real,
-    check_lara_state,
     check_noise_scale,
     check_nonnegative_int,
     check_positive_int,
@@ -49,6 +52,7 @@ from xattn._options import (
 from xattn._primitives import join, masked_softmax
 from xattn._rf_scan import stream_bounds
 from xattn._segments import segment_means
+from xattn._state import LARAState, check_state_call
 from xattn.features import merge_key_statistics, positive_key_statistics, weighted_readout
 from xattn.random import as_generator
 
@@ -100,14 +104,6 @@ def _proposals(inputs: AttentionInputs, proposal: str, num_samples: int,
     proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
                                      key_segment_sizes, inputs.k, root_scale, inputs.key_mask)
     return query_landmarks, proposal_means
-
-
-def _defensive(xp: Any, proposal_means: Array, count: int) -> Array:
-    """The means with their last ``count`` rows zero: those proposals are N(0, I)."""
-    kept = proposal_means[..., : proposal_means.shape[-2] - count, :]
-    nominal = xp.zeros((*proposal_means.shape[:-2], count, proposal_means.shape[-1]),
-                       dtype=proposal_means.dtype, device=array_api_compat.device(proposal_means))
-    return xp.concat([kept, nominal], axis=-2)
 
 
 def _samples(inputs: AttentionInputs, proposal_means: Array, num_samples: int, *,
@@ -334,16 +330,16 @@ def lara(
         fewer than C entries are allowed) has a zero mean; it still yields a proposal,
         never NaN.
     causal : bool
-        False (the default) only. True is not supported yet: LARA's segment proposals
-        and its query-softmax weights look ahead (every output row depends on every query
-        and key), so ``causal=True`` raises ``ValueError``, the error the layers raise for
-        causal masking with ``estimator="lara"``.
-    state : None
-        None only, and ``return_state`` False only: continuing a sequence (generation)
-        needs a causal mode, so a state raises ``ValueError``. A causal LARA will take the
-        protocol of :func:`xattn.rfa` (``state=``, ``return_state=True``).
+        Causal LARA (:doc:`/theory/04_lara`): allowed when nothing looks ahead (means from
+        ``proposal_means``, ``"standard"`` or ``defensive=C``; ``weighting`` ``"balance"``
+        or ``"query_proposal"``; no ``grid``), else ``ValueError`` naming the option.
+        C may then exceed N. Computed by RFA's causal scan, O(N C D).
+    state : LARAState, optional
+        Continue a causal sequence, as :func:`xattn.rfa`'s ``state=``: the samples,
+        proposal means, ``weighting`` and ``beta`` are the state's.
     return_state : bool
-        False only (see ``state``).
+        Return ``(out, state)``, the :class:`~xattn.LARAState` after these tokens
+        (``causal=True``).
     rng : None, int, xattn.random.Generator or native generator
         Source of the noise :math:`\epsilon_c \sim N(0, I)` (before ``noise_scale``),
         drawn with shape
@@ -438,9 +434,9 @@ def lara(
     >>> xattn.lara(q, k, v, num_samples=(7, 7), grid=(14, 14), rng=0).shape
     (3, 196, 8)
     """
-    check_lara_state(state, return_state)
+    stateful = check_state_call(state, return_state, check_bool(causal, "causal"), LARAState)
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
-                               check_finite=check_finite)
+                               check_finite=check_finite, continuing=stateful)
     causal = check_bool(causal, "causal")
     pools = None
     if causal:  # no segments: C may exceed N (a token at a time)
@@ -451,7 +447,9 @@ def lara(
                                                   inputs.num_keys, shapes)
     check_choice(proposal, "proposal", PROPOSALS)
     supplied_means = None
-    if proposal_means is not None:
+    if state is not None:  # the samples, means and weights of the sequence continued
+        omega, supplied_means, weighting, beta = state_options(state, num_samples)
+    elif proposal_means is not None:
         if proposal != "segment":
             raise ValueError(f"proposal_means replaces proposal; leave proposal at its "
                              f"default, got proposal={proposal!r}")
@@ -469,7 +467,7 @@ def lara(
                                   weighting=weighting, grid=grid)
     noise_scale = check_noise_scale(noise_scale)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
-    if inputs.is_empty:  # N = 0 or an empty batch: an empty result, whatever C
+    if inputs.is_empty and not stateful:  # N = 0 or an empty batch: empty, whatever C
         return inputs.empty_result()
 
     root_scale = math.sqrt(inputs.scale)
@@ -483,13 +481,17 @@ def lara(
     else:
         query_landmarks, proposal_means = _proposals(inputs, proposal, num_samples, grid,
                                                      pools, root_scale, supplied_means)
-    if defensive:
-        proposal_means = _defensive(inputs.xp, proposal_means, defensive)
-    omega = _samples(inputs, proposal_means, num_samples, deterministic=deterministic,
-                     noise_scale=noise_scale, rng=rng)
+    if defensive and state is None:
+        proposal_means = with_defensive(inputs.xp, proposal_means, defensive)
+    if state is None:
+        omega = _samples(inputs, proposal_means, num_samples, deterministic=deterministic,
+                         noise_scale=noise_scale, rng=rng)
     if causal:
-        return inputs.finish(causal_lara(inputs, omega, proposal_means, weighting=weighting,
-                                         beta=beta, chunk_size=chunk_size))
+        result = causal_lara(inputs, omega, proposal_means, weighting=weighting, beta=beta,
+                             chunk_size=chunk_size, stateful=stateful, state=state)
+        if not stateful:
+            return inputs.finish(result)
+        return (inputs.finish(result[0]), result[1]) if return_state else inputs.finish(result[0])
     statistics = _key_statistics(inputs, omega, root_scale, chunk_size)
     out = _query_pass(inputs, query_landmarks, proposal_means, omega, statistics,
                       weighting=weighting, beta=beta, root_scale=root_scale,

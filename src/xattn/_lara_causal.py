@@ -30,13 +30,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import array_api_compat
+
 from xattn._array import Array, AttentionInputs
+from xattn._decode import continue_rfa
 from xattn._importance import balance_heuristic, importance_weights
 from xattn._rf_scan import PositiveMap
 from xattn._rfa import causal_scan
+from xattn._state import LARAState, empty_rfa_state
 
 __all__ = ["CAUSAL_BLOCK_SIZE", "CAUSAL_WEIGHTINGS", "ImportanceMap", "causal_lara",
-           "check_lara_causal_options", "query_proposal_affinity"]
+           "check_lara_causal_options", "query_proposal_affinity", "state_options",
+           "with_defensive"]
 
 #: Positions per block of the causal scan (rfa's default ``block_size``).
 CAUSAL_BLOCK_SIZE = 128
@@ -59,6 +64,14 @@ def check_lara_causal_options(*, proposal: str, supplied: bool, defensive: int,
     if grid is not None:
         raise ValueError("lara(causal=True): grid= looks ahead (2-D segments of the whole "
                          "image); leave it None")
+
+
+def with_defensive(xp: Any, proposal_means: Array, count: int) -> Array:
+    """The means with their last ``count`` rows zero: those proposals are N(0, I)."""
+    kept = proposal_means[..., : proposal_means.shape[-2] - count, :]
+    nominal = xp.zeros((*proposal_means.shape[:-2], count, proposal_means.shape[-1]),
+                       dtype=proposal_means.dtype, device=array_api_compat.device(proposal_means))
+    return xp.concat([kept, nominal], axis=-2)
 
 
 def query_proposal_affinity(xp: Any, q_hat: Array, proposal_means: Array) -> Array:
@@ -104,14 +117,35 @@ class ImportanceMap(PositiveMap):
 
 
 def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
-                weighting: str, beta: float, chunk_size: int) -> Array:
+                weighting: str, beta: float, chunk_size: int, stateful: bool = False,
+                state: LARAState | None = None) -> Any:
     """Causal LARA with the samples ``omega`` (..., C, D) of the proposals
-    ``proposal_means``: the output (..., N, Dv), masked queries 0."""
+    ``proposal_means``: the output (..., N, Dv), masked queries 0; with ``stateful``, the
+    pair ``(out, LARAState)`` continuing ``state`` (None: a new sequence)."""
     xp = inputs.xp
     own_weight = xp.linalg.diagonal(balance_heuristic(omega, proposal_means))  # w_c
     mapping = ImportanceMap(inputs, omega, proposal_means, own_weight, weighting=weighting,
                             beta=beta)
-    out, _ = causal_scan(xp, inputs, mapping, CAUSAL_BLOCK_SIZE, chunk_size, guard=False)
+    if stateful:
+        features = (state.features if state is not None
+                    else empty_rfa_state(inputs, mapping, omega, "positive", 0, 0))
+        out, _, features = continue_rfa(xp, inputs, mapping, features,
+                                        block_size=CAUSAL_BLOCK_SIZE, chunk_size=chunk_size,
+                                        guard=False)
+    else:
+        out, _ = causal_scan(xp, inputs, mapping, CAUSAL_BLOCK_SIZE, chunk_size, guard=False)
     if inputs.query_mask is not None:
         out = xp.where(inputs.query_mask[..., None], out, 0.0)
-    return out
+    if not stateful:
+        return out
+    return out, LARAState(features, proposal_means, weighting, beta)
+
+
+def state_options(state: LARAState, num_samples: int) -> tuple[Array, Array, str, float]:
+    """The samples, proposal means, weighting and beta that ``state`` continues with;
+    ``ValueError`` if ``num_samples`` is not its C."""
+    omega = state.features.omega
+    if num_samples != omega.shape[-2]:
+        raise ValueError(f"num_samples={num_samples} differs from the state's C = "
+                         f"{omega.shape[-2]} proposals")
+    return omega, state.proposal_means, state.weighting, state.beta

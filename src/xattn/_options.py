@@ -42,7 +42,6 @@ __all__ = [
     "check_choice",
     "check_estimator",
     "check_finite_real",
-    "check_lara_state",
     "check_noise_scale",
     "check_nonnegative_int",
     "check_positive_int",
@@ -284,29 +283,6 @@ def check_segments(num_samples: Any, grid: Any, num_queries: int, num_keys: int,
                          f"queries and keys in row-major order; got N = {num_queries}, "
                          f"M = {num_keys} ({shapes})")
     return pool_h * pool_w, (height, width), (pool_h, pool_w)
-
-
-def check_lara_state(state: Any, return_state: Any) -> None:
-    """Check LARA's ``state`` and ``return_state``, which only None and False pass for now.
-
-    Causal LARA (``causal=True``) runs whole sequences; it carries no generation state
-    yet, which will take the protocol of the other estimators (``state=``,
-    ``return_state=True``).
-
-    Raises
-    ------
-    TypeError
-        If ``return_state`` is not a bool.
-    ValueError
-        If ``state`` is not None or ``return_state`` is True.
-    """
-    for name, given in (("state", state is not None),
-                        ("return_state", check_bool(return_state, "return_state"))):
-        if given:
-            raise ValueError(f"lara() takes no {name}=: LARA has no generation state yet, so "
-                             "it cannot continue a sequence; use 'rfa' (fixed-size "
-                             "state), 'ra' or 'softmax_attention' (key-value caches) with "
-                             f"causal=True and {name}=")
 
 
 # -- options of the layers --------------------------------------------------------------------

@@ -33,8 +33,8 @@ import numpy as np
 from xattn._array import Array, AttentionInputs, concrete_count, register_pytree
 from xattn._options import check_bool
 
-__all__ = ["RAState", "RFAState", "SoftmaxState", "check_state_call", "check_state_inputs",
-           "empty_cache", "empty_rfa_state", "rfa_state_options"]
+__all__ = ["LARAState", "RAState", "RFAState", "SoftmaxState", "check_state_call",
+           "check_state_inputs", "empty_cache", "empty_rfa_state", "rfa_state_options"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -250,7 +250,55 @@ class RAState(_KeyValueCache):
     """
 
 
-_ESTIMATOR_OF = {RFAState: "rfa", SoftmaxState: "softmax_attention", RAState: "ra"}
+@dataclass(frozen=True, eq=False)
+class LARAState:
+    r"""What causal :func:`xattn.lara` carries from one call to the next: fixed size.
+
+    Returned by ``xattn.lara(..., causal=True, return_state=True)`` as ``(out, state)``;
+    passed back as ``state=`` to continue the sequence, whose outputs and state are then
+    those of one causal call on all the tokens, up to rounding. Causal LARA's prefix sums
+    are RFA's with LARA's samples :math:`\omega_c` (:doc:`/theory/04_lara`), so the state
+    is an :class:`RFAState` of those samples with what the query weights need besides.
+    A call with ``state=`` takes the samples, the proposal means, ``weighting`` and
+    ``beta`` from here (``rng`` and ``proposal_means`` unused).
+
+    Attributes
+    ----------
+    features : RFAState
+        The prefix sums; its ``omega`` are LARA's samples, shape (..., C, D).
+    proposal_means : array, shape (..., C, D)
+        The means :math:`\mu_c` of the proposals, defensive ones included (zero).
+    weighting : str
+        ``"balance"`` or ``"query_proposal"``.
+    beta : float
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import xattn
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 3))
+    >>> options = dict(num_samples=6, proposal_means=0.3 * rng.normal(size=(6, 4)),
+    ...                weighting="query_proposal", causal=True)
+    >>> out, state = xattn.lara(q[:, :2], k[:, :2], v[:, :2], return_state=True, rng=0,
+    ...                         **options)
+    >>> out_t = xattn.lara(q[:, 2:], k[:, 2:], v[:, 2:], state=state, **options)
+    >>> whole = xattn.lara(q, k, v, rng=0, **options)
+    >>> bool(np.allclose(np.concatenate([out, out_t], axis=1), whole))
+    True
+    """
+
+    features: RFAState
+    proposal_means: Array
+    weighting: str
+    beta: float
+
+    def __post_init__(self) -> None:
+        register_pytree(type(self), ("features", "proposal_means"), ("weighting", "beta"))
+
+
+_ESTIMATOR_OF = {RFAState: "rfa", SoftmaxState: "softmax_attention", RAState: "ra",
+                 LARAState: "lara"}
 
 
 def _data_fields(cls: type) -> tuple[str, ...]:
