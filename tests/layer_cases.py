@@ -28,7 +28,8 @@ BAD_OPTION_VALUES = {
     "lara": {"num_samples": [0, 2.5, 2.0, -1, (2, 2)], "grid": [(0, 4), "8x8", (2.5, 4)],
              "proposal": ["uniform"],
              "weighting": ["uniform"], "beta": ["2", math.nan],
-             "noise_scale": [-0.5, True, math.inf], "scale": [-2.0], "chunk_size": [0, 1.5]},
+             "noise_scale": [-0.5, True, math.inf], "scale": [-2.0], "chunk_size": [0, 1.5],
+             "defensive": [-1, 1.5, "2"]},
 }
 BAD_OPTION_CASES = [(estimator, option, value)
                     for estimator, options in BAD_OPTION_VALUES.items()

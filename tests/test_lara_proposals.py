@@ -114,7 +114,7 @@ def test_gradients_reach_the_proposal_means_jax():
     (dict(proposal_means=np.zeros((3, 4, 6))), ValueError, r"must broadcast against"),
     (dict(proposal_means=np.zeros((4, 6), dtype=int)), TypeError, r"real floating"),
     (dict(proposal_means=np.zeros((4, 6)), proposal="standard"), ValueError,
-     r"proposal_means replaces proposal"),
+     r"proposal_means replaces proposal='standard'; leave it out"),
     (dict(defensive=5), ValueError, r"defensive must be at most C = 4"),
     (dict(defensive=-1), ValueError, r"defensive must be >= 0"),
     (dict(defensive=1.0), TypeError, r"defensive must be an int"),

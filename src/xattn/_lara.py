@@ -33,6 +33,7 @@ from xattn._importance import (
     importance_weights,
 )
 from xattn._lara_causal import (
+    CAUSAL_WEIGHTINGS,
     causal_lara,
     check_lara_causal_options,
     query_proposal_affinity,
@@ -438,8 +439,9 @@ def lara(
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
                                check_finite=check_finite, continuing=stateful)
     causal = check_bool(causal, "causal")
-    pools = None
-    if causal:  # no segments: C may exceed N (a token at a time)
+    pools, segmentless = None, causal or (proposal_means is not None
+                                          and weighting in CAUSAL_WEIGHTINGS)
+    if segmentless:  # no segments (nor landmarks): C may exceed N (a token at a time)
         num_samples = check_positive_int(num_samples, "num_samples")
     else:
         shapes = f"q shape {tuple(inputs.q.shape)}, k shape {tuple(inputs.k.shape)}"
@@ -451,8 +453,7 @@ def lara(
         omega, supplied_means, weighting, beta = state_options(state, num_samples)
     elif proposal_means is not None:
         if proposal != "segment":
-            raise ValueError(f"proposal_means replaces proposal; leave proposal at its "
-                             f"default, got proposal={proposal!r}")
+            raise ValueError(f"proposal_means replaces proposal={proposal!r}; leave it out")
         supplied_means = check_proposal_means(inputs, proposal_means, num_samples)
     defensive = check_nonnegative_int(defensive, "defensive")
     if defensive > num_samples:
@@ -473,7 +474,7 @@ def lara(
     root_scale = math.sqrt(inputs.scale)
     # q^ = sqrt(s) q is never formed: sqrt(s) is folded into the (C, D) matrices that
     # multiply q in the query pass; k^ is formed a piece of keys at a time
-    if causal:  # means that do not depend on the sequence: the caller's, or N(0, I)
+    if segmentless:  # means that do not depend on the sequence: the caller's, or N(0, I)
         query_landmarks, proposal_means = None, supplied_means
         if proposal_means is None:
             proposal_means = inputs.xp.zeros((num_samples, inputs.q.shape[-1]),
@@ -489,9 +490,8 @@ def lara(
     if causal:
         result = causal_lara(inputs, omega, proposal_means, weighting=weighting, beta=beta,
                              chunk_size=chunk_size, stateful=stateful, state=state)
-        if not stateful:
-            return inputs.finish(result)
-        return (inputs.finish(result[0]), result[1]) if return_state else inputs.finish(result[0])
+        out, state = result if stateful else (result, None)
+        return (inputs.finish(out), state) if return_state else inputs.finish(out)
     statistics = _key_statistics(inputs, omega, root_scale, chunk_size)
     out = _query_pass(inputs, query_landmarks, proposal_means, omega, statistics,
                       weighting=weighting, beta=beta, root_scale=root_scale,

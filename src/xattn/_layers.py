@@ -54,6 +54,7 @@ __all__ = [
     "attend",
     "draw_features",
     "fill_docstring",
+    "learned_proposal_means",
     "module_docstring",
 ]
 
@@ -76,13 +77,25 @@ def draw_features(rng: Any, num_features: int, head_dim: int, options: dict[str,
                         orthogonal=orthogonal, norm=sample_norm)
 
 
+def learned_proposal_means(seed: Any, num_heads: int, num_samples: int,
+                           head_dim: int) -> np.ndarray:
+    """The initial means of a layer's ``proposal="learned"``, (num_heads, C, head_dim),
+    float32: standard normal draws. In evaluation mode LARA uses the means as its
+    samples, so an untrained layer then is RFA with i.i.d. N(0, I) features (zero means
+    would make every sample 0 and the attention uniform), and distinct means let the
+    proposals separate as they learn."""
+    return np.random.default_rng(seed).standard_normal(
+        (num_heads, num_samples, head_dim)).astype(np.float32)
+
+
 def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, Any],
            key_mask: Array | None, causal: bool, training: bool, omega: Array | None = None,
            rng: Any = None, state: Any = None, stateful: bool = False) -> Any:
     """Run ``estimator`` on per-head inputs ``(..., L, head_dim)``.
 
     Training mode draws with ``rng``; evaluation mode is deterministic for every
-    estimator: RFA uses the fixed ``omega``, RA its biased deterministic form, LARA its
+    estimator: RFA uses the fixed ``omega`` (for LARA with ``proposal="learned"``, ``omega``
+    holds the layer's proposal means), RA its biased deterministic form, LARA its
     deterministic form (proposal means as samples). With ``stateful`` (causal softmax,
     RFA and RA only) the call continues ``state`` (None: starts a sequence) and returns
     ``(out, state)``.
@@ -109,8 +122,15 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
     call_options = dict(options)
     num_samples = lara_num_samples(call_options)
     call_options.pop("num_samples", None)
-    if call_options.get("grid") is None:  # C capped at the query length (at least 1)
+    if call_options.get("proposal") == "learned":  # omega: the layer's means (h, C, d)
+        call_options.pop("proposal")
+        call_options.setdefault("weighting", "query_proposal")
+        call_options["proposal_means"] = omega
+    elif call_options.get("grid") is None:  # C capped at the query length (at least 1)
         num_samples = min(num_samples, max(q.shape[-2], 1))
+    defensive = call_options.get("defensive")
+    if isinstance(defensive, numbers.Integral) and not isinstance(defensive, bool):
+        call_options["defensive"] = min(int(defensive), num_samples)  # capped with C
     # causal=True raises lara's own error (the same for the layers and the function)
     if training:
         return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask, causal=causal,
@@ -148,6 +168,7 @@ class LayerCore:
         self.redraw_interval = redraw_interval
         self.estimator_options = dict(options)
         self.num_features = None
+        self.learned_proposals = estimator == "lara" and options.get("proposal") == "learned"
         if estimator == "rfa":
             self.num_features = options.get("num_features", default_num_features(head_dim))
         self._check_option_values()
@@ -170,6 +191,8 @@ class LayerCore:
                        if name != "implementation"}
         probe = np.zeros((1, length, self.head_dim), dtype=np.float32)
         omega = None
+        if self.learned_proposals:
+            omega = learned_proposal_means(0, 1, lara_num_samples(options), self.head_dim)
         if self.estimator == "rfa":
             assert self.num_features is not None  # set for "rfa" by _setup_estimator
             omega = draw_features(0, self.num_features, self.head_dim, self.estimator_options,
@@ -356,6 +379,11 @@ The attention itself is computed by one of xattn's estimators, chosen by name:
   training mode, the biased deterministic form in evaluation mode;
 * ``"lara"``: linear randomized attention (:func:`xattn.lara`): fresh random samples at
   every training step, ``deterministic=True`` (the proposal means) in evaluation mode.
+  With ``proposal="learned"`` the means are a parameter ``proposal_means`` of shape
+  ``(num_heads, C, head_dim)``, initialized with standard normal draws (so that the
+  evaluation mode, which uses the means as samples, starts as RFA with N(0, I)
+  features), trained through the reparameterized samples; the layer's causal mode then
+  runs causal LARA (``weighting`` ``"query_proposal"``, the default, or ``"balance"``).
 
 Evaluation outputs are therefore deterministic for every estimator. Every option is checked
 when the layer is constructed (a short probe of the estimator on a tiny input, which draws
@@ -375,7 +403,8 @@ _ESTIMATOR_OPTIONS_DOC = """\
       ``grid``, a pair ``(c_h, c_w)``, default ``(4, 4)`` capped at the grid), ``grid``
       (``(H, W)``: the tokens are an H x W image in row-major order, segmented into the
       bins of 2-D adaptive average pooling, so every sequence must have H W tokens),
-      ``proposal``, ``weighting``, ``beta``, ``noise_scale``, ``scale``, ``chunk_size``;
+      ``proposal`` (also ``"learned"``, above), ``weighting``, ``beta``, ``noise_scale``,
+      ``scale``, ``chunk_size``, ``defensive``;
     * ``"ra"``: ``num_samples``, ``noise_scale``, ``scale``, ``chunk_size``;
     * ``"softmax"``: ``scale``, ``chunk_size``, ``implementation`` (default None: the
       framework's fused kernel, ``scaled_dot_product_attention`` for torch and

@@ -38,6 +38,7 @@ __all__ = [
     "ESTIMATORS",
     "ESTIMATOR_OPTIONS",
     "IMPLEMENTATIONS",
+    "LEARNED_WEIGHTINGS",
     "check_bool",
     "check_choice",
     "check_estimator",
@@ -301,8 +302,10 @@ ESTIMATOR_OPTIONS = {
             "block_size", "chunk_size", "window", "sinks"),
     "ra": ("num_samples", "noise_scale", "scale", "chunk_size"),
     "lara": ("num_samples", "grid", "proposal", "weighting", "beta", "noise_scale", "scale",
-             "chunk_size"),
+             "chunk_size", "defensive"),
 }
+LEARNED_WEIGHTINGS = ("balance", "query_proposal")
+"""The weightings of a layer's ``proposal="learned"`` (they need no segments)."""
 # Sample counts: checked here, since the probe of a short input would cap LARA's count.
 _COUNT_OPTIONS = {"rfa": "num_features", "ra": "num_samples"}
 
@@ -375,7 +378,15 @@ def check_estimator(estimator: Any, options: dict[str, Any], redraw_interval: An
         )
     if estimator in _COUNT_OPTIONS and _COUNT_OPTIONS[estimator] in options:
         check_positive_int(options[_COUNT_OPTIONS[estimator]], _COUNT_OPTIONS[estimator])
-    if estimator == "lara":  # C, or the pair (c_h, c_w) with grid=(H, W)
+    if estimator == "lara" and options.get("proposal") == "learned":
+        if options.get("grid") is not None:
+            raise ValueError("proposal='learned' takes no grid: the learned means replace "
+                             "the segments")
+        check_positive_int(lara_num_samples(options), "num_samples")
+        if options.get("weighting", "query_proposal") not in LEARNED_WEIGHTINGS:
+            raise ValueError(f"proposal='learned' takes weighting in {LEARNED_WEIGHTINGS} "
+                             f"(they need no segments), got {options['weighting']!r}")
+    elif estimator == "lara":  # C, or the pair (c_h, c_w) with grid=(H, W)
         grid = options.get("grid")
         tokens = math.prod(grid) if pair_of_ints(grid) else 0
         check_segments(lara_num_samples(options), grid, tokens, tokens, "the layer's grid")

@@ -35,9 +35,10 @@ from xattn._layers import (
     ESTIMATORS,
     draw_features,
     fill_docstring,
+    learned_proposal_means,
     module_docstring,
 )
-from xattn._options import check_bool, check_sizes
+from xattn._options import check_bool, check_sizes, lara_num_samples
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "FeatureState", "MultiHeadAttention"]
 
@@ -229,6 +230,13 @@ class MultiHeadAttention(Decoding, nnx.Module):
         else:
             self.features = nnx.data(None)
             self.steps_since_redraw = nnx.data(None)
+        # LARA's learned proposal means (num_heads, C, head_dim), a parameter
+        self.proposal_means: nnx.Param | None = nnx.data(None)
+        if self.learned_proposals:
+            seed = int(jax.random.randint(self.rngs(), (), 0, 2 ** 31 - 1))
+            self.proposal_means = nnx.Param(jnp.asarray(learned_proposal_means(
+                seed, num_heads, lara_num_samples(estimator_options), self.head_dim),
+                dtype=param_dtype))
         # the estimator's state and the count of tokens seen; set by init_cache
         self.cache: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
@@ -423,6 +431,8 @@ class MultiHeadAttention(Decoding, nnx.Module):
         if self.estimator == "rfa":
             assert self.features is not None  # set in __init__ for "rfa"
             features = self.features[...]
+        if self.proposal_means is not None:  # the learned means reach LARA as omega
+            features = self.proposal_means[...]
         heads = self._estimate(q, k, v, key_mask=key_mask, causal=is_causal,
                                training=not deterministic, features=features, rng=key)
         return self.out(jnp.swapaxes(heads, -3, -2))

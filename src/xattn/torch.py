@@ -30,9 +30,10 @@ from xattn._layers import (
     LayerCore,
     draw_features,
     fill_docstring,
+    learned_proposal_means,
     module_docstring,
 )
-from xattn._options import check_bool, check_sizes
+from xattn._options import check_bool, check_sizes, lara_num_samples
 from xattn._torch_layer import DefaultTorchGenerator, Projections, is_causal_mask
 from xattn.random import Generator, TorchGenerator
 
@@ -195,6 +196,13 @@ class MultiheadAttention(LayerCore, Projections):
             self.redraw_features()
         else:
             self.register_buffer("features", None)
+        self.proposal_means: torch.nn.Parameter | None = None
+        if self.learned_proposals:  # LARA's means, learned: (num_heads, C, head_dim)
+            device = None if self.generator is None else self.generator.device
+            seed = int(torch.randint(2 ** 31, (1,), generator=self.generator, device=device))
+            means = learned_proposal_means(seed, num_heads, lara_num_samples(estimator_options),
+                                           self.head_dim)
+            self.proposal_means = torch.nn.Parameter(torch.as_tensor(means).to(**factory))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -353,7 +361,9 @@ class MultiheadAttention(LayerCore, Projections):
                 self.redraw_features()
             self.steps_since_redraw = steps
         heads = self._estimate(q, k, v, key_mask=key_mask, causal=causal,  # (N, h, L, d)
-                               training=self.training, features=self.features,
+                               training=self.training,
+                               features=(self.proposal_means if self.learned_proposals
+                                         else self.features),
                                rng=self._random() if self.training else None)
         return self._merge_heads(heads, layout), None
 
