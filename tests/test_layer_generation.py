@@ -3,9 +3,10 @@
 
 The property under test: a sequence given to a layer in pieces (a prompt, single tokens,
 a chunk) gets the outputs of one causal call on the whole sequence, 1e-5 relative in
-float32, for softmax, RFA (plain, with window and sinks, with more sinks than the prompt)
-and RA (evaluation mode: its biased deterministic form), in evaluation mode and, where the
-estimator draws nothing per call (softmax, RFA), in training mode; under ``nnx.jit`` a
+float32, for softmax, RFA (plain, with window and sinks, with more sinks than the prompt),
+RA (evaluation mode: its biased deterministic form) and causal LARA with learned proposals
+(evaluation mode: the means as samples), in evaluation mode and, where the estimator draws
+nothing per call (softmax, RFA), in training mode; under ``nnx.jit`` a
 decoding step traces once. Then what is reproducible of RA's training mode (the prompt),
 gradients through the torch state, and the errors of misuse.
 """
@@ -32,10 +33,22 @@ CASES = {
     "rfa-window-sinks": ("rfa", {"num_features": 16, "window": 2, "sinks": 2}),
     "rfa-sinks-past-prompt": ("rfa", {"num_features": 16, "window": 1, "sinks": 7}),
     "ra": ("ra", {"num_samples": 2}),
+    "lara-learned": ("lara", {"num_samples": 6, "proposal": "learned"}),
+    "lara-learned-balance": ("lara", {"num_samples": 6, "proposal": "learned",
+                                      "weighting": "balance", "defensive": 2}),
 }
-# training mode draws per call for RA: only softmax and RFA are reproducible token by token
+# training mode draws per call for RA and LARA: only softmax and RFA are reproducible token
+# by token
 MODES = [(case, mode) for case in CASES for mode in ("eval", "train")
-         if mode == "eval" or CASES[case][0] != "ra"]
+         if mode == "eval" or CASES[case][0] not in ("ra", "lara")]
+
+
+def eval_samples(means, options, shape):
+    """LARA's samples in evaluation mode, broadcast to ``shape``: the means (h, C, d), the
+    last ``defensive`` of them 0 (N(0, I) proposals)."""
+    means = np.asarray(means)
+    kept = np.arange(means.shape[-2]) < means.shape[-2] - options.get("defensive", 0)
+    return np.broadcast_to(np.where(kept[:, None], means, 0.0), shape)
 
 
 def assert_close(out, expected):
@@ -66,7 +79,8 @@ def torch_steps(layer, x, pieces=PIECES, dim=1, **kwargs):
     return torch.cat(outputs, dim=dim), state
 
 
-STATE_CLASSES = {"softmax": xattn.SoftmaxState, "rfa": xattn.RFAState, "ra": xattn.RAState}
+STATE_CLASSES = {"softmax": xattn.SoftmaxState, "rfa": xattn.RFAState, "ra": xattn.RAState,
+                 "lara": xattn.LARAState}
 
 
 @pytest.mark.parametrize(("case", "mode"), MODES)
@@ -80,6 +94,11 @@ def test_torch_step_equals_causal_forward(case, mode):
     assert out.shape == whole.shape
     assert_close(out, whole)
     assert type(state) is STATE_CLASSES[estimator]
+    if estimator == "lara":  # evaluation mode's samples: the learned means (defensive: 0)
+        omega = np.asarray(state.features.omega)
+        assert np.array_equal(omega, eval_samples(layer.proposal_means.detach(), options,
+                                                  omega.shape))
+        state = state.features
     assert int(state.position) == LENGTH
     if estimator == "rfa":  # the layer's features, kept by the sequence
         assert torch.equal(state.omega, layer.features)
@@ -154,8 +173,12 @@ def test_torch_ra_training_prompt_uses_the_forward_draws():
 
 def test_torch_step_misuse():
     x = torch_inputs()
-    with pytest.raises(ValueError, match="estimator='lara' has no causal form"):
+    with pytest.raises(ValueError, match="step continues a causal sequence, but the LARA "
+                                         "layer's options have no causal form: "
+                                         r"lara\(causal=True\): proposal='segment' looks ahead"):
         torch_layer("lara", {"num_samples": 4}, batch_first=True).step(x)
+    with pytest.raises(ValueError, match="weighting='decoupled' looks ahead"):
+        torch_layer("lara", {"num_samples": 4, "proposal": "standard"}, batch_first=True).step(x)
     layer = torch_layer("rfa", {"num_features": 16}, batch_first=True).eval()
     _, state = layer.step(x[:, :5])
     with pytest.raises(TypeError, match=r"state must be an xattn.RFAState.*got SoftmaxState"):
@@ -209,7 +232,12 @@ def test_flax_decode_equals_causal_call(case, mode):
     state = layer.cache.get_value()
     assert type(state) is STATE_CLASSES[estimator]
     assert int(layer.cache_index[...]) == LENGTH
-    if estimator == "rfa":  # the layer's features; decoding never redraws nor counts
+    if estimator == "lara":  # fixed size: evaluation mode's samples, the learned means
+        assert int(state.features.position) == LENGTH
+        omega = np.asarray(state.features.omega)
+        assert np.array_equal(omega, eval_samples(layer.proposal_means[...], options,
+                                                  omega.shape))
+    elif estimator == "rfa":  # the layer's features; decoding never redraws nor counts
         assert int(state.position) == LENGTH
         assert bool(jnp.array_equal(state.omega, layer.features[...]))
         assert int(layer.steps_since_redraw[...]) == (1 if mode == "train" else 0)
@@ -218,7 +246,7 @@ def test_flax_decode_equals_causal_call(case, mode):
         assert bool(jnp.all(state.valid))
 
 
-@pytest.mark.parametrize("case", ["softmax", "rfa-window-sinks", "ra"])
+@pytest.mark.parametrize("case", ["softmax", "rfa-window-sinks", "ra", "lara-learned"])
 def test_flax_decode_under_nnx_jit_traces_once_per_length(case):
     """A prompt, then single tokens: each length traces once (the cache keeps its shapes);
     with a key mask on the new tokens; a batch of shape (2, 3)."""
@@ -301,7 +329,7 @@ def test_flax_redrawn_features_under_jit_keep_the_cache_features():
 def test_flax_decode_misuse():
     x = flax_inputs()
     with pytest.raises(ValueError, match="decode=True continues a causal sequence, but "
-                                         "estimator='lara'"):
+                                         "the LARA layer's options"):
         flax_layer("lara", {"num_samples": 4}, decode=True)
     lara = flax_layer("lara", {"num_samples": 4})
     with pytest.raises(ValueError, match="init_cache continues a causal sequence"):

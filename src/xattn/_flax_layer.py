@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xattn._layers import LayerCore
+from xattn._layers import FIXED_SIZE_STATES, LayerCore
 from xattn._options import check_bool
 
 __all__ = ["Decoding", "constructor_signature", "key_mask", "variable_signature"]
@@ -70,6 +70,7 @@ class Decoding(LayerCore):
     deterministic: bool
     decode: bool
     features: Any
+    proposal_means: Any
     cache: Any
     cache_index: Any
 
@@ -83,6 +84,9 @@ class Decoding(LayerCore):
         with the layer's ``features``, which the sequence keeps (a decoding call refuses a
         cache whose features are no longer the layer's, where it can compare them: not
         under :func:`flax.nnx.jit`, which goes on with the cache's); no length limit.
+        ``"lara"`` with ``proposal="learned"``: an :class:`xattn.LARAState` of fixed size
+        whose samples are the layer's proposal means at this call (evaluation mode's
+        samples, kept by the sequence); no length limit.
         ``"softmax"`` and ``"ra"``: a key-value cache of ``max_length`` slots (a
         decoding call refuses tokens past them where it can read ``cache_index``).
 
@@ -90,7 +94,7 @@ class Decoding(LayerCore):
         ----------
         input_shape : tuple of int
             ``(batch..., max_length, in_features)``: the shape of an input holding the
-            whole sequence (``max_length`` is unused by ``"rfa"``).
+            whole sequence (``max_length`` is unused by ``"rfa"`` and ``"lara"``).
         dtype : dtype
             Of the cached arrays: that of the projected tokens (float32 for half
             precision).
@@ -98,7 +102,8 @@ class Decoding(LayerCore):
         Raises
         ------
         ValueError
-            ``estimator="lara"``; ``input_shape`` of fewer than 2 dims, a size below 1 or
+            ``estimator="lara"`` with options that look ahead (segment proposals: use
+            ``proposal="learned"``); ``input_shape`` of fewer than 2 dims, a size below 1 or
             a last dim other than ``in_features``.
         TypeError
             ``input_shape`` not a tuple of ints.
@@ -125,7 +130,7 @@ class Decoding(LayerCore):
         if len(input_shape) < 2 or min(input_shape) < 1 or input_shape[-1] != self.in_features:
             raise ValueError(f"input_shape must be (batch..., max_length, {self.in_features}) "
                              f"with sizes >= 1, got {tuple(input_shape)}")
-        features = None if self.features is None else self.features[...]
+        features = self._estimator_features()
         batch = (*input_shape[:-2], self.num_heads)
         self.cache = nnx.Cache(self._empty_cache(jnp, batch, input_shape[-2], dtype, None,
                                                  features))
@@ -156,11 +161,19 @@ class Decoding(LayerCore):
             return
         self.decode = check_bool(decode, "decode")
         if self.decode and self.cache is None:
-            if batch_size is None or (max_length is None and self.estimator != "rfa"):
+            if batch_size is None or (max_length is None
+                                      and self.estimator not in FIXED_SIZE_STATES):
                 raise TypeError("decode=True without a cache needs batch_size and "
                                 "max_length to make one (or call init_cache first)")
             batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
             self.init_cache((*batch, max_length or 1, self.in_features))
+
+    def _estimator_features(self) -> jax.Array | None:
+        """What reaches the estimator as ``omega``: RFA's features, or LARA's learned
+        proposal means (evaluation mode's samples); None for the other estimators."""
+        if self.proposal_means is not None:
+            return self.proposal_means[...]
+        return None if self.features is None else self.features[...]
 
     def _decode_step(self, q: jax.Array, k: jax.Array, v: jax.Array, key_mask: Any,
                      deterministic: bool, key: Any) -> jax.Array:
@@ -170,7 +183,7 @@ class Decoding(LayerCore):
                              "(or nnx.view(layer, decode=True, batch_size=..., max_length=...))")
         heads, state, index = self._decode(
             q, k, v, key_mask=key_mask, training=not deterministic, rng=key,
-            features=None if self.features is None else self.features[...],
+            features=self._estimator_features(),
             cache=self.cache.get_value(), index=self.cache_index[...], name="cache",
             restart="call init_cache to begin a new sequence")
         self.cache.set_value(state)

@@ -30,6 +30,7 @@ import numpy as np
 
 import xattn
 from xattn._array import Array, compute_dtype, concrete_count
+from xattn._lara_causal import check_lara_causal_options
 from xattn._options import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATOR_OPTIONS,
@@ -41,13 +42,14 @@ from xattn._options import (
     lara_num_samples,
 )
 from xattn._rfa import default_num_features
-from xattn._state import RAState, RFAState, SoftmaxState, _KeyValueCache
+from xattn._state import LARAState, RAState, RFAState, SoftmaxState, _KeyValueCache
 from xattn.features import SAMPLE_NORMS, sample_omega
 
 __all__ = [
     "DEFAULT_LARA_SAMPLES",
     "ESTIMATORS",
     "ESTIMATOR_OPTIONS",
+    "FIXED_SIZE_STATES",
     "PROBE_LENGTH",
     "STATE_CLASSES",
     "LayerCore",
@@ -96,9 +98,8 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
     Training mode draws with ``rng``; evaluation mode is deterministic for every
     estimator: RFA uses the fixed ``omega`` (for LARA with ``proposal="learned"``, ``omega``
     holds the layer's proposal means), RA its biased deterministic form, LARA its
-    deterministic form (proposal means as samples). With ``stateful`` (causal softmax,
-    RFA and RA only) the call continues ``state`` (None: starts a sequence) and returns
-    ``(out, state)``.
+    deterministic form (proposal means as samples). With ``stateful`` (causal attention)
+    the call continues ``state`` (None: starts a sequence) and returns ``(out, state)``.
     """
     generation = {"state": state, "return_state": True} if stateful else {}
     if estimator == "softmax":
@@ -126,7 +127,7 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
         call_options.pop("proposal")
         call_options.setdefault("weighting", "query_proposal")
         call_options["proposal_means"] = omega
-    elif call_options.get("grid") is None:  # C capped at the query length (at least 1)
+    elif call_options.get("grid") is None and not causal:  # C capped at N (at least 1)
         num_samples = min(num_samples, max(q.shape[-2], 1))
     defensive = call_options.get("defensive")
     if isinstance(defensive, numbers.Integral) and not isinstance(defensive, bool):
@@ -134,9 +135,9 @@ def attend(estimator: str, q: Array, k: Array, v: Array, *, options: dict[str, A
     # causal=True raises lara's own error (the same for the layers and the function)
     if training:
         return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask, causal=causal,
-                          rng=rng, **call_options)
+                          rng=rng, **generation, **call_options)
     return xattn.lara(q, k, v, num_samples=num_samples, key_mask=key_mask, causal=causal,
-                      deterministic=True, **call_options)
+                      deterministic=True, **generation, **call_options)
 
 
 def _python_where(condition: bool, if_true: Any, if_false: Any) -> Any:
@@ -246,10 +247,26 @@ class LayerCore:
     # -- generation: one causal sequence given in pieces (a prefill, then new tokens) -------
 
     def _require_causal_estimator(self, what: str) -> None:
-        """``ValueError`` for LARA, which has no causal form to continue."""
-        if self.estimator == "lara":
-            raise ValueError(f"{what} continues a causal sequence, but estimator='lara' has no "
-                             "causal form; use estimator='softmax', 'rfa' or 'ra'")
+        """``ValueError`` for a LARA layer whose options look ahead (segment proposals, a
+        weighting with a softmax over all queries, a grid): causal LARA needs
+        ``proposal="learned"`` (or ``"standard"``, or ``defensive`` = C) and the weighting
+        ``"balance"`` or ``"query_proposal"``."""
+        if self.estimator != "lara":
+            return
+        options = self.estimator_options
+        try:
+            if options.get("grid") is not None:
+                raise ValueError("grid= looks ahead (2-D segments of the whole image)")
+            num_samples = lara_num_samples(options)
+            check_lara_causal_options(
+                proposal=options.get("proposal", "segment"), supplied=self.learned_proposals,
+                defensive=min(options.get("defensive", 0), num_samples),
+                num_samples=num_samples, grid=None, weighting=options.get(
+                    "weighting", "query_proposal" if self.learned_proposals else "decoupled"))
+        except ValueError as problem:
+            raise ValueError(f"{what} continues a causal sequence, but the LARA layer's options "
+                             f"have no causal form: {problem} (a layer with "
+                             f"proposal='learned' has one)") from None
 
     def _check_state(self, state: Any, q: Array, v: Array, features: Array | None, *,
                      name: str, restart: str) -> None:
@@ -261,6 +278,8 @@ class LayerCore:
         if not isinstance(state, expected):
             raise TypeError(f"{name} must be an xattn.{expected.__name__}, made by a layer with "
                             f"estimator={self.estimator!r}; got {type(state).__name__}")
+        if isinstance(state, LARAState):  # its samples are its own (drawn when it began)
+            state, features = state.features, None
         rfa = isinstance(state, RFAState)
         keys, values = (state.sink_keys, state.sink_values) if rfa else (state.keys, state.values)
         held = (*keys.shape[:-2], keys.shape[-1], values.shape[-1])
@@ -300,12 +319,13 @@ class LayerCore:
     def _empty_cache(self, xp: Any, batch: tuple[int, ...], max_length: int, dtype: Any,
                      device: Any, features: Array | None) -> Any:
         """The state of no tokens for the heads ``batch = (batch..., num_heads)``, of fixed
-        size: RFA's own state (with the layer's ``features``); for softmax and RA a
+        size: RFA's and LARA's own states (with the layer's ``features``, for LARA its
+        learned proposal means: evaluation mode's samples); for softmax and RA a
         key-value cache of ``max_length`` slots, none valid yet (:meth:`_decode` fills
         them in order; a slot not filled is a masked key, which no query attends)."""
         self._require_causal_estimator("a decoding cache")
         dtype = compute_dtype(xp, dtype)
-        if self.estimator == "rfa":
+        if self.estimator in FIXED_SIZE_STATES:
             empty = xp.zeros((*batch, 0, self.head_dim), dtype=dtype, device=device)
             return self._continue(empty, empty, empty, key_mask=None, training=False,
                                   features=features, rng=None, state=None)[1]
@@ -331,7 +351,7 @@ class LayerCore:
         out, state = self._continue(q, k, v, key_mask=key_mask, training=training,
                                     features=features, rng=rng, state=cache, name=name,
                                     restart=restart)
-        if isinstance(state, RFAState):
+        if isinstance(state, RFAState | LARAState):
             return out, state, index + length
         xp = array_api_compat.array_namespace(q)
         slots = cache.keys.shape[-2]  # the new entries follow the slots in the grown cache
@@ -342,8 +362,13 @@ class LayerCore:
         return out, written, index + length
 
 
-STATE_CLASSES: dict[str, type[Any]] = {"softmax": SoftmaxState, "rfa": RFAState, "ra": RAState}
-"""The state class of each estimator that continues a causal sequence (not LARA)."""
+STATE_CLASSES: dict[str, type[Any]] = {"softmax": SoftmaxState, "rfa": RFAState, "ra": RAState,
+                                       "lara": LARAState}
+"""The state class of each estimator that continues a causal sequence (LARA with causal
+options only, see :meth:`LayerCore._require_causal_estimator`)."""
+
+FIXED_SIZE_STATES = ("rfa", "lara")
+"""The estimators whose state has a fixed size (no ``max_length`` for a decoding cache)."""
 
 
 def _concrete_int(x: Array) -> int | None:

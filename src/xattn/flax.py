@@ -98,7 +98,8 @@ class MultiHeadAttention(Decoding, nnx.Module):
     calls with ``decode=True`` attend their new tokens (a prompt, one token, a chunk)
     causally to every token before and update the cache; the outputs are those of one
     ``is_causal=True`` call on the whole sequence. ``cache`` holds the estimator's state:
-    :class:`xattn.RFAState` for ``"rfa"`` (fixed size, whatever the length), a
+    :class:`xattn.RFAState` for ``"rfa"`` (fixed size, whatever the length),
+    :class:`xattn.LARAState` for ``"lara"`` with ``proposal="learned"`` (fixed size), a
     :class:`xattn.SoftmaxState` or :class:`xattn.RAState` of ``max_length`` slots for
     ``"softmax"`` and ``"ra"``. A decoding step traces once under :func:`flax.nnx.jit`.
 
@@ -131,7 +132,8 @@ class MultiHeadAttention(Decoding, nnx.Module):
     decode : bool
         Generation mode (default False), as in :class:`flax.nnx.MultiHeadAttention`:
         calls continue the sequence in the cache (see :meth:`init_cache`); overridden per
-        call. Not with ``estimator="lara"``, which has no causal form.
+        call. With ``estimator="lara"``, only with options that do not look ahead
+        (``proposal="learned"``).
     rng_collection : str
         Name of the RNG stream the random draws come from.
     rngs : flax.nnx.Rngs
@@ -348,9 +350,10 @@ class MultiHeadAttention(Decoding, nnx.Module):
             Inputs whose last dim is not ``in_features`` / ``in_kv_features``;
             ``inputs_v`` without ``inputs_k``; a ``mask`` that is not a key mask of shape
             ``(batch..., 1 or num_heads, 1, kv_length)`` (the message names the wrong
-            dim); causal masking with ``estimator="lara"``; with LARA's ``grid``,
-            sequences of other than H W tokens. ``decode=True``: no cache (call
-            :meth:`init_cache`), ``estimator="lara"``, keys of another length than the
+            dim); causal masking with ``estimator="lara"`` and options that look ahead;
+            with LARA's ``grid``, sequences of other than H W tokens. ``decode=True``: no
+            cache (call :meth:`init_cache`), ``estimator="lara"`` with options that look
+            ahead (use ``proposal="learned"``), keys of another length than the
             queries, a batch other than the cache's, ``"rfa"`` features redrawn since
             :meth:`init_cache`, more tokens than ``max_length`` (the last two checked
             outside :func:`flax.nnx.jit` only).
@@ -415,7 +418,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
         # (batch..., length, heads, head_dim) -> (batch..., heads, length, head_dim)
         q, k, v = (jnp.swapaxes(projection(inputs), -3, -2) for projection, inputs in (
             (self.query, inputs_q), (self.key, inputs_k), (self.value, inputs_v)))
-        features, key = None, None
+        key = None
         if self.estimator in ("ra", "lara") and not deterministic:
             key = self._next_key(rngs)
         if decode:
@@ -428,13 +431,9 @@ class MultiHeadAttention(Decoding, nnx.Module):
             fresh = self._draw_features(self._next_key(rngs))
             self.features[...] = jnp.where(redraw, fresh, self.features[...])
             self.steps_since_redraw[...] = steps
-        if self.estimator == "rfa":
-            assert self.features is not None  # set in __init__ for "rfa"
-            features = self.features[...]
-        if self.proposal_means is not None:  # the learned means reach LARA as omega
-            features = self.proposal_means[...]
         heads = self._estimate(q, k, v, key_mask=key_mask, causal=is_causal,
-                               training=not deterministic, features=features, rng=key)
+                               training=not deterministic, features=self._estimator_features(),
+                               rng=key)
         return self.out(jnp.swapaxes(heads, -3, -2))
 
 # nnx.Module's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature and

@@ -218,6 +218,11 @@ class MultiheadAttention(LayerCore, Projections):
             return TorchGenerator(self.generator)
         return DefaultTorchGenerator()
 
+    def _estimator_features(self) -> torch.Tensor | None:
+        """What reaches the estimator as ``omega``: RFA's features, or LARA's learned
+        proposal means (evaluation mode's samples); None for the other estimators."""
+        return self.proposal_means if self.learned_proposals else self.features
+
     @torch.no_grad()
     def redraw_features(self) -> None:
         """Draw new RFA samples ``features`` in place of the old; ``steps_since_redraw``
@@ -306,8 +311,9 @@ class MultiheadAttention(LayerCore, Projections):
             ``need_weights=True``; inputs of the wrong rank or feature size, or key and
             value shapes that do not match the query batch; a ``key_padding_mask`` of the
             wrong shape or with float entries other than 0 and -inf; an ``attn_mask``
-            other than the causal mask; causal masking with ``estimator="lara"``; with
-            LARA's ``grid``, sequences of other than H W tokens.
+            other than the causal mask; causal masking with ``estimator="lara"`` and
+            options that look ahead (causal LARA needs ``proposal="learned"``, see
+            :func:`xattn.lara`); with LARA's ``grid``, sequences of other than H W tokens.
         TypeError
             A ``key_padding_mask`` that is neither bool nor float; ``need_weights``,
             ``average_attn_weights`` or ``is_causal`` not a bool (NumPy bools are
@@ -362,8 +368,7 @@ class MultiheadAttention(LayerCore, Projections):
             self.steps_since_redraw = steps
         heads = self._estimate(q, k, v, key_mask=key_mask, causal=causal,  # (N, h, L, d)
                                training=self.training,
-                               features=(self.proposal_means if self.learned_proposals
-                                         else self.features),
+                               features=self._estimator_features(),
                                rng=self._random() if self.training else None)
         return self._merge_heads(heads, layout), None
 
@@ -384,11 +389,14 @@ class MultiheadAttention(LayerCore, Projections):
         after them. The outputs of the pieces are those of one causal :meth:`forward`
         ``(x, x, x, is_causal=True)`` on the whole sequence, up to rounding, in
         evaluation mode and, for ``"softmax"`` and ``"rfa"``, in training mode (``"ra"``
-        in training mode draws for each piece: equal in distribution, not token by token).
+        in training mode draws for each piece: equal in distribution, not token by token;
+        ``"lara"`` in training mode draws its samples in the first piece and keeps them).
 
         The state is the estimator's (per head, leading dims ``(N, num_heads)``):
         :class:`xattn.RFAState` for ``"rfa"``, of fixed size, holding the layer's
-        ``features`` of the sequence's first piece; :class:`xattn.SoftmaxState` and
+        ``features`` of the sequence's first piece; :class:`xattn.LARAState` for
+        ``"lara"`` with ``proposal="learned"``, of fixed size, holding the samples of the
+        first piece (in evaluation mode the learned means); :class:`xattn.SoftmaxState` and
         :class:`xattn.RAState`, key-value caches, for ``"softmax"`` and ``"ra"``. It is an
         immutable value: keep one to branch a sequence. Autograd flows through it. A
         ``step`` never redraws the features nor counts towards ``redraw_interval``.
@@ -397,7 +405,7 @@ class MultiheadAttention(LayerCore, Projections):
         ----------
         query : Tensor, shape (L, N, E), (N, L, E) if ``batch_first``, or (L, E)
             The new tokens (self-attention: also the keys and values).
-        state : xattn.RFAState, xattn.SoftmaxState or xattn.RAState, optional
+        state : xattn.RFAState, xattn.LARAState, xattn.SoftmaxState or xattn.RAState, optional
             The state after the tokens before, as returned by ``step``; None (the default)
             begins a sequence.
         key, value : Tensor, optional
@@ -414,7 +422,8 @@ class MultiheadAttention(LayerCore, Projections):
         Raises
         ------
         ValueError
-            ``estimator="lara"`` (no causal form); ``key`` or ``value`` with another
+            ``estimator="lara"`` with options that look ahead (the default segment
+            proposals: use ``proposal="learned"``); ``key`` or ``value`` with another
             length than ``query``; a state of other heads or another batch; ``"rfa"``
             features redrawn or loaded since the sequence began (begin a new one); the
             input errors of :meth:`forward`.
@@ -446,7 +455,7 @@ class MultiheadAttention(LayerCore, Projections):
         q, k, v, mask, layout = self._split_heads(query, key, key if value is None else value,
                                                   key_padding_mask)
         heads, state = self._continue(q, k, v, key_mask=mask, training=self.training,
-                                      features=self.features, state=state,
+                                      features=self._estimator_features(), state=state,
                                       rng=self._random() if self.training else None,
                                       restart="begin a new one: step(query) without state")
         return self._merge_heads(heads, layout), state
