@@ -31,7 +31,9 @@ ROWS = [("softmax", "softmax", {}), ("native", "native", {}),
         ("rfa", "rfa", {"num_features": 8, "orthogonal": False, "redraw_interval": 1}),
         ("rfa-window", "rfa", {"num_features": 8, "orthogonal": False, "redraw_interval": 1,
                                "window": 3, "sinks": 2}),
-        ("ra", "ra", {"num_samples": 1})]
+        ("ra", "ra", {"num_samples": 1}),
+        ("lara-learned", "lara", {"num_samples": 4, "proposal": "learned"}),
+        ("lara-defensive", "lara", {"num_samples": 4, "proposal": "learned", "defensive": 1})]
 TINY = GPTConfig(layers=1, heads=2, dim=16)
 
 
@@ -98,6 +100,17 @@ def test_rfa_runs_also_with_a_window_and_sinks_and_lara_is_left_out():
         RFA_WINDOW, RFA_SINKS)
 
 
+def test_lara_variants_are_causal_on_shakespeare_and_segments_elsewhere():
+    from xattn.cli.train import attention_variants
+    variants = ["lara-learned", "lara-defensive"]
+    causal = attention_variants(get_task("shakespeare"), variants, 16, False)
+    assert causal == [("lara-learned", "lara", {"num_samples": 16, "proposal": "learned"}),
+                      ("lara-defensive", "lara", {"num_samples": 16, "proposal": "learned",
+                                                  "defensive": 4})]
+    bidirectional = attention_variants(get_task("mqar"), variants, 16, False)
+    assert bidirectional[1] == ("lara-defensive", "lara", {"num_samples": 16, "defensive": 4})
+
+
 def _trainer(framework: str, name: str, estimator: str, options: dict, **sizes):
     module = pytest.importorskip(f"xattn.cli.train_lm_{framework}")
     spec = LMSpec(name, estimator, options, seed=0, model=TINY, **{
@@ -151,7 +164,8 @@ def test_sampling_with_the_state_equals_recomputation(framework, row):
 
 @pytest.mark.parametrize("arguments, says", [
     (["--task", "shakespeare,digits"], "runs alone"),
-    (["--task", "shakespeare", "--estimators", "softmax,lara"], "lara has no causal"),
+    (["--task", "shakespeare", "--estimators", "softmax,lara"],
+     "lara's segment proposals look ahead; use lara-learned"),
     (["--task", "shakespeare", "--resume"], "--resume"),
     (["--task", "shakespeare", "--jobs", "2"], "--jobs"),
     (["--task", "shakespeare", "--length", "1"], "--length 1"),

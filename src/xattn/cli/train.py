@@ -47,11 +47,13 @@ from xattn.cli.options import (
 from xattn.cli.tasks import CLASSIFICATION_TASKS, TASKS, Task, get_task
 from xattn.cli.train_core import (
     ATTENTIONS,
+    LARA_VARIANTS,
     NATIVE,
     NATIVE_LAYERS,
     RunResult,
     RunSpec,
     attention_options,
+    lara_variant_options,
     train_run,
 )
 from xattn.cli.train_lm import LM_QUICK_STEPS, RFA_SINKS, RFA_WINDOW, RFA_WINDOW_ROW
@@ -95,7 +97,8 @@ DEFAULT_SAMPLES = 16
 #: ``--estimators`` by default: every estimator. The framework's own layer
 #: (:data:`~xattn.cli.train_core.NATIVE`) is opt-in: its losses and accuracies are those of
 #: the softmax row (tests/test_train.py), so by default the time goes to the estimators.
-DEFAULT_ATTENTIONS = tuple(name for name in ATTENTIONS if name != NATIVE)
+DEFAULT_ATTENTIONS = tuple(name for name in ATTENTIONS
+                           if name != NATIVE and name not in LARA_VARIANTS)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -132,7 +135,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="comma-separated attentions among "
                         f"{', '.join(ATTENTIONS)} (default: "
                         f"{','.join(DEFAULT_ATTENTIONS)}; shakespeare: softmax,rfa,ra, "
-                        f"no lara); on shakespeare, rfa runs also as {RFA_WINDOW_ROW} "
+                        "no lara, whose segments look ahead); lara-learned: LARA with "
+                        "learned proposal means; lara-defensive: a quarter of the proposals "
+                        "N(0, I), the others segment means (shakespeare: learned); on "
+                        f"shakespeare, rfa runs also as {RFA_WINDOW_ROW} "
                         f"(window {RFA_WINDOW}, {RFA_SINKS} sinks); on digits, lara runs with 2-D "
                         f"(8x8 image) and 1-D segments; {NATIVE} is the framework's own "
                         f"layer ({' or '.join(NATIVE_LAYERS.values())}, exact softmax "
@@ -206,7 +212,9 @@ def attention_variants(task: Task, estimators: list[str], samples: int,
                        ) -> list[tuple[str, str, dict[str, Any]]]:
     """(row name, layer estimator, options) of each run on ``task``. On an image task
     LARA runs twice: ``lara-2d`` (2-D segments on the image grid) and ``lara-1d``; on a
-    causal task RFA runs twice, plain and with a window and sinks (``rfa-window``).
+    causal task RFA runs twice, plain and with a window and sinks (``rfa-window``). The
+    rows of :data:`~xattn.cli.train_core.LARA_VARIANTS` run LARA with the options of
+    :func:`~xattn.cli.train_core.lara_variant_options`.
     :data:`~xattn.cli.train_core.NATIVE` is the row of ``framework``'s own layer, named
     after it (:data:`~xattn.cli.train_core.NATIVE_LAYERS`)."""
     variants = []
@@ -217,6 +225,9 @@ def attention_variants(task: Task, estimators: list[str], samples: int,
         elif estimator == "rfa" and task.causal:  # also with an exact window and sinks
             variants += [("rfa", "rfa", options), (RFA_WINDOW_ROW, "rfa", {
                 **options, "window": RFA_WINDOW, "sinks": RFA_SINKS})]
+        elif estimator in LARA_VARIANTS:
+            variants.append((estimator, "lara", lara_variant_options(
+                estimator, min(samples, task.length), causal=task.causal)))
         elif estimator == "lara" and task.grid is not None:
             if has_grid:
                 pools = grid_pools(samples, task.grid)

@@ -23,6 +23,7 @@ from xattn.cli.tasks import Dataset, Task
 
 __all__ = [
     "ATTENTIONS",
+    "LARA_VARIANTS",
     "NATIVE",
     "NATIVE_LAYERS",
     "WARMUP_STEPS",
@@ -33,6 +34,7 @@ __all__ = [
     "accuracy_counts",
     "attention_options",
     "batches",
+    "lara_variant_options",
     "learning_rate",
     "train_run",
 ]
@@ -47,8 +49,13 @@ NATIVE = "native"
 #: ``estimator="softmax"`` equals it to float32 rounding (except for a query whose keys are
 #: all masked, which no task has).
 NATIVE_LAYERS = {"torch": "torch.nn.MultiheadAttention", "flax": "nnx.MultiHeadAttention"}
-#: What ``xattn train --estimators`` takes: the layers' estimators and :data:`NATIVE`.
-ATTENTIONS = (*ESTIMATORS, NATIVE)
+#: LARA with proposals beyond the paper's segments (opt-in rows of ``xattn train``, see
+#: :func:`lara_variant_options`): learned proposal means, and a quarter of the proposals
+#: defensive (N(0, I)). Both have a causal form, so they also run on the causal task.
+LARA_VARIANTS = ("lara-learned", "lara-defensive")
+#: What ``xattn train --estimators`` takes: the layers' estimators, :data:`LARA_VARIANTS`
+#: and :data:`NATIVE`.
+ATTENTIONS = (*ESTIMATORS, *LARA_VARIANTS, NATIVE)
 
 #: Steps not timed (compilation, warm-up); the last of them measures the peak memory.
 WARMUP_STEPS = 5
@@ -149,6 +156,20 @@ def attention_options(estimator: str, samples: int, *, grid: tuple[int, int] | N
     if estimator == "ra":
         return {"num_samples": 1}
     return {}
+
+
+def lara_variant_options(name: str, samples: int, *, causal: bool) -> dict[str, Any]:
+    """Layer options of a row of :data:`LARA_VARIANTS` at ``samples`` proposals.
+
+    ``"lara-learned"``: ``proposal="learned"`` (means as parameters, the weighting
+    ``"query_proposal"``). ``"lara-defensive"``: ``defensive = max(1, samples // 4)`` of
+    the proposals N(0, I) (Hesterberg, 1995), the others the segment means, or on a causal
+    task, where segments look ahead, learned means.
+    """
+    if name == "lara-learned":
+        return {"num_samples": samples, "proposal": "learned"}
+    defensive = {"num_samples": samples, "defensive": max(1, samples // 4)}
+    return {**defensive, "proposal": "learned"} if causal else defensive
 
 
 def learning_rate(step: int, spec: RunSpec) -> float:

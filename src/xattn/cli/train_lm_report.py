@@ -34,7 +34,8 @@ from xattn.cli.train_lm import LM_QUICK_STEPS, LMResult, LMSpec, train_lm_run
 __all__ = ["DEFAULT_LM_ATTENTIONS", "LM_QUICK_EVAL_ITERS", "plan_lm", "run_lm", "summarize_lm"]
 
 #: ``--estimators`` of ``--task shakespeare`` by default (rfa gives two rows, plain and
-#: with a window and sinks); lara has no causal form.
+#: with a window and sinks); lara's segment proposals look ahead (lara-learned and
+#: lara-defensive, causal LARA, are opt-in).
 DEFAULT_LM_ATTENTIONS = ("softmax", "rfa", "ra")
 #: Batches of the final loss estimate with ``--quick`` (200 without).
 LM_QUICK_EVAL_ITERS = 50
@@ -48,7 +49,8 @@ def _check(args: argparse.Namespace) -> list[str]:
     estimators = list(dict.fromkeys(args.estimators or DEFAULT_LM_ATTENTIONS))
     if "lara" in estimators:
         raise CommandError("--estimators lara: --task shakespeare needs causal attention and "
-                           "lara has no causal form; choose from softmax, rfa, ra, native")
+                           "lara's segment proposals look ahead; use lara-learned or "
+                           "lara-defensive (causal LARA), or softmax, rfa, ra, native")
     if args.resume:
         raise CommandError("--resume is not available with --task shakespeare")
     if args.jobs != 1:
