@@ -132,7 +132,8 @@ def _print_table(rows: list[dict[str, Any]], memory_method: str, length: int) ->
           "over seeds, estimated as nanoGPT does on random windows of the context (every "
           "position counted), attention in its evaluation mode; tok/s: sampling speed with "
           "the layers' generation state and by recomputing the whole context (at most "
-          f"{length} tokens) for each token; ms/step: median after 5 warm-up steps; peak "
+          f"{length} tokens) for each token, timed in a second generation (the first one "
+          "compiles); ms/step: median after 5 warm-up steps; peak "
           f"memory: {memory_method}")
 
 
