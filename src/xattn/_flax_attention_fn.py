@@ -1,7 +1,7 @@
 r"""xattn's estimators as the ``attention_fn=`` of :class:`flax.nnx.MultiHeadAttention`.
 
 :func:`attention_fn` returns an :class:`AttentionFunction`: a callable with the signature
-of :func:`flax.nnx.dot_product_attention` (Flax's default ``attention_fn``), which is
+of ``flax.nnx.dot_product_attention`` (Flax's default ``attention_fn``), which is
 also a small :class:`flax.nnx.Module`, so that the layer that holds it holds its state
 (the random stream, RFA's feature key) and its train/eval switch.
 
@@ -39,7 +39,7 @@ def attention_fn(estimator: str, *, rngs: nnx.Rngs | None = None,
     r"""An xattn estimator as the ``attention_fn=`` of :class:`flax.nnx.MultiHeadAttention`.
 
     Returns an :class:`AttentionFunction`: a callable with the signature of
-    :func:`flax.nnx.dot_product_attention`, ``(query, key, value, bias=None, mask=None,
+    ``flax.nnx.dot_product_attention``, ``(query, key, value, bias=None, mask=None,
     ..., is_causal=False)`` with ``query (batch..., q_length, num_heads, head_dim)``,
     ``key (batch..., kv_length, num_kv_heads, head_dim)``, ``value (batch...,
     kv_length, num_kv_heads, v_dim)`` and output ``(batch..., q_length, num_heads,
@@ -85,7 +85,7 @@ def attention_fn(estimator: str, *, rngs: nnx.Rngs | None = None,
     accumulated in float32). ``precision`` is accepted and ignored (the estimators use
     JAX's default matmul precision). ``bias``, ``dropout_rate > 0`` and ``module``
     (``sow_weights=True``) need the attention weights, which only softmax has: with
-    ``estimator="softmax"`` such a call is :func:`flax.nnx.dot_product_attention` itself
+    ``estimator="softmax"`` such a call is ``flax.nnx.dot_product_attention`` itself
     (dropout from ``dropout_rng``, following the ``deterministic`` argument, as in
     Flax); the other estimators raise a ``ValueError`` naming the argument.
 
@@ -143,17 +143,17 @@ def attention_fn(estimator: str, *, rngs: nnx.Rngs | None = None,
 
 class _Signature:
     """``__signature__`` of :class:`AttentionFunction`: the call's for an instance (the
-    signature of :func:`flax.nnx.dot_product_attention`), the constructor's for the class
+    signature of ``flax.nnx.dot_product_attention``), the constructor's for the class
     (nnx's metaclass defines ``__call__(*args, **kwargs)``, which would be shown)."""
 
     def __get__(self, instance: Any, owner: type) -> inspect.Signature:
-        method = owner.__init__ if instance is None else owner.__call__
+        method = vars(owner)["__init__" if instance is None else "__call__"]
         parameters = list(inspect.signature(method).parameters.values())[1:]  # no self
         return inspect.Signature(parameters)
 
 
 class AttentionFunction(nnx.Module):
-    """An xattn estimator with the signature of :func:`flax.nnx.dot_product_attention`;
+    """An xattn estimator with the signature of ``flax.nnx.dot_product_attention``;
     made by :func:`attention_fn` (see there for the modes, randomness and masks).
 
     Attributes
@@ -222,7 +222,15 @@ class AttentionFunction(nnx.Module):
 
     def num_features(self, head_dim: int) -> int:
         """``"rfa"``: the number of features S for heads of ``head_dim`` dims (the option
-        ``num_features``, or ``max(d, int(d ln d))``)."""
+        ``num_features``, or ``max(d, int(d ln d))``).
+
+        Examples
+        --------
+        >>> from flax import nnx
+        >>> import xattn.flax
+        >>> xattn.flax.attention_fn("rfa", rngs=nnx.Rngs(0)).num_features(64)
+        266
+        """
         return int(self.estimator_options.get("num_features", default_num_features(head_dim)))
 
     def features(self, head_dim: int, dtype: Any = jnp.float32) -> jax.Array:
@@ -268,7 +276,7 @@ class AttentionFunction(nnx.Module):
                  ) -> jax.Array:
         """Attention of ``query`` to ``key`` / ``value`` with the estimator, in Flax's
         layout ``(batch..., length, heads, head_dim)``; the arguments are those of
-        :func:`flax.nnx.dot_product_attention` (their treatment: :func:`attention_fn`).
+        ``flax.nnx.dot_product_attention`` (their treatment: :func:`attention_fn`).
 
         Raises
         ------
@@ -278,6 +286,16 @@ class AttentionFunction(nnx.Module):
             estimator other than ``"softmax"``, a training-mode draw without a key.
         TypeError
             A flag that is not a bool, a mask that is not boolean or real.
+
+        Examples
+        --------
+        >>> import jax.numpy as jnp
+        >>> import xattn.flax
+        >>> lara = xattn.flax.attention_fn("lara", num_samples=2, deterministic=True)
+        >>> q = jnp.ones((2, 6, 4, 8), dtype=jnp.float32)    # (batch, length, heads, dim)
+        >>> mask = (jnp.arange(6) < 4)[None, None, None, :]  # the first 4 keys
+        >>> lara(q, q, q, mask=mask).shape
+        (2, 6, 4, 8)
         """
         is_causal = check_bool(is_causal, "is_causal")
         if (not isinstance(dropout_rate, numbers.Real) or isinstance(dropout_rate, bool)
@@ -341,7 +359,7 @@ class AttentionFunction(nnx.Module):
         return self.rngs()
 
     def _flax_softmax(self, *args: Any, needs: list[str], **kwargs: Any) -> jax.Array:
-        """:func:`flax.nnx.dot_product_attention` for softmax calls that need the attention
+        """``flax.nnx.dot_product_attention`` for softmax calls that need the attention
         weights; ``ValueError`` naming ``needs`` for the other estimators."""
         if self.estimator != "softmax":
             raise ValueError(
