@@ -147,7 +147,7 @@ class _Signature:
     (nnx's metaclass defines ``__call__(*args, **kwargs)``, which would be shown)."""
 
     def __get__(self, instance: Any, owner: type) -> inspect.Signature:
-        method = vars(owner)["__init__" if instance is None else "__call__"]
+        method = getattr(owner, "__init__" if instance is None else "__call__")
         parameters = list(inspect.signature(method).parameters.values())[1:]  # no self
         return inspect.Signature(parameters)
 
