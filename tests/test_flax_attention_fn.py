@@ -112,6 +112,7 @@ def test_declared_masks_under_jit_and_grouped_query_attention():
     np.testing.assert_allclose(out[:, :6], layer()(x, mask=padding)[:, :6], atol=ATOL, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow:DeprecationWarning")  # Flax's own sow
 def test_weights_bias_and_dropout_go_to_flax_for_softmax():
     q, k, v = heads(0)
     fn, key = xflax.attention_fn("softmax"), jax.random.key(3)

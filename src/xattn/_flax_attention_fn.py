@@ -65,7 +65,9 @@ def attention_fn(estimator: str, *, rngs: nnx.Rngs | None = None,
     step under :func:`flax.nnx.jit`. A caller that passes a key as ``dropout_rng`` (with
     ``dropout_rate=0``; Flax's layer never does) draws from that key instead, which also
     works under plain :func:`jax.jit`. Without either a training-mode call of a random
-    estimator raises a ``ValueError``.
+    estimator raises a ``ValueError``. One function may serve several layers: they share
+    its stream (each call draws a new key), its mode and RFA's evaluation features; make
+    one per layer for separate features.
 
     **Masks.** Flax's ``mask`` (True or nonzero = attend) must be broadcastable to
     ``(batch..., num_heads, q_length, kv_length)``. A key mask (size 1 along
