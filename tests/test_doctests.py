@@ -23,7 +23,7 @@ import pytest
 import xattn
 
 # may need extras that are not installed (the layers' framework helpers too)
-OPTIONAL_MODULES = {"cli", "torch", "flax", "_torch_layer", "_flax_layer"}
+OPTIONAL_MODULES = {"cli", "torch", "flax", "_torch_layer", "_flax_layer", "_flax_attention_fn"}
 OPTION_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

@@ -16,6 +16,9 @@ Randomness comes from the ``rng_collection`` stream (default ``"attention"``, wh
 back to the ``default`` stream) of the :class:`flax.nnx.Rngs` given at construction, or
 from ``rngs=`` passed to the call. Everything works under :func:`flax.nnx.jit`.
 
+For Flax's own :class:`flax.nnx.MultiHeadAttention`, :func:`attention_fn` makes an
+estimator its ``attention_fn=`` (an :class:`AttentionFunction`).
+
 This module needs Flax, so ``import xattn`` does not import it: it is loaded on the first
 use of ``xattn.flax`` (or by ``import xattn.flax``).
 """
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xattn._flax_attention_fn import AttentionFunction, attention_fn
 from xattn._flax_layer import Decoding, constructor_signature, variable_signature
 from xattn._flax_layer import key_mask as flax_key_mask
 from xattn._layers import (
@@ -40,7 +44,8 @@ from xattn._layers import (
 )
 from xattn._options import check_bool, check_sizes, lara_num_samples
 
-__all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "FeatureState", "MultiHeadAttention"]
+__all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "AttentionFunction", "FeatureState",
+           "MultiHeadAttention", "attention_fn"]
 
 __doc__ = module_docstring(__doc__, features_home="the variable ``features`` (a "
                                                   ":class:`FeatureState`, part of the module "
