@@ -10,7 +10,7 @@
 * **Masks** (:func:`key_padding_mask`): Keras's ``attention_mask`` ``(B, T, S)`` (True =
   attend) translated exactly into xattn's ``key_mask`` where it is one; ``ValueError`` for
   a mask that is not (where its values can be read).
-* **Projections** (:func:`projection_equations`): the einsum equations of
+* **Projections** (:func:`projection_equations`, :func:`masks_detached`): the einsum equations of
   ``keras.layers.MultiHeadAttention``'s projections, for inputs ``(B, L, dim)``.
 
 Framework code (it imports Keras), kept apart from ``xattn/keras.py`` so that the layer
@@ -19,21 +19,23 @@ module stays short; loaded with :mod:`xattn.keras`.
 
 from __future__ import annotations
 
+import contextlib
 import string
+from collections.abc import Iterator
 from typing import Any
 
 import array_api_compat
 import keras
 
-# The mask attribute of a backend tensor (a weak dictionary for JAX arrays): Keras's own
-# MultiHeadAttention clears it on its inputs with this function, which keras does not export.
-from keras.src.backend import set_keras_mask
+# The mask attribute of a backend tensor (in a weak dictionary for JAX arrays), which
+# keras does not export: Keras's own MultiHeadAttention clears it with set_keras_mask.
+from keras.src.backend import get_keras_mask, set_keras_mask
 
 from xattn._array import Array, concrete_count
 from xattn.random import Generator
 
 __all__ = ["SUPPORTED_BACKENDS", "KerasGenerator", "backend_namespace", "check_backend",
-           "key_padding_mask", "projection_equations", "set_keras_mask"]
+           "key_padding_mask", "masks_detached", "projection_equations"]
 
 SUPPORTED_BACKENDS = ("jax", "torch")
 """The Keras backends whose tensors have an Array API namespace."""
@@ -156,6 +158,22 @@ def key_padding_mask(attention_mask: Array, *, query_length: int, key_length: in
                 "use_causal_mask=True instead of a causal attention_mask"
             )
     return keys
+
+
+@contextlib.contextmanager
+def masks_detached(*tensors: Any) -> Iterator[None]:
+    """Inside the block, ``tensors`` carry no Keras mask (the projections, which do not
+    support masking, would warn of one); their masks are restored after it. (Keras's own
+    MultiHeadAttention clears the masks of its inputs for good.)"""
+    masks = [get_keras_mask(tensor) for tensor in tensors]
+    for tensor in tensors:
+        set_keras_mask(tensor, None)
+    try:
+        yield
+    finally:
+        for tensor, mask in zip(tensors, masks, strict=True):
+            if mask is not None:
+                set_keras_mask(tensor, mask)
 
 
 def projection_equations(output_rank: int) -> tuple[str, str, str, str]:

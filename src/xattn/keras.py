@@ -47,8 +47,8 @@ from xattn._keras_layer import (
     backend_namespace,
     check_backend,
     key_padding_mask,
+    masks_detached,
     projection_equations,
-    set_keras_mask,
 )
 from xattn._layers import (
     DEFAULT_LARA_SAMPLES,
@@ -428,14 +428,13 @@ class MultiHeadAttention(LayerCore, keras.layers.Layer):
         training = False if training is None else check_bool(training, "training")
         causal = check_bool(use_causal_mask, "use_causal_mask")
         key = value if key is None else key
-        for tensor in (query, value, key):  # the projections would warn of the masks
-            set_keras_mask(tensor, None)
         keys = self._key_mask(value_mask, key_mask, attention_mask, query.shape[1],
                               value.shape[1], causal)
-
-        # (B, L, heads, head_dim) -> (B, heads, L, head_dim)
-        q, k, v = (keras.ops.transpose(dense(x), (0, 2, 1, 3)) for dense, x in (
-            (self._query_dense, query), (self._key_dense, key), (self._value_dense, value)))
+        with masks_detached(query, value, key):  # the projections would warn of the masks
+            # (B, L, heads, head_dim) -> (B, heads, L, head_dim)
+            q, k, v = (keras.ops.transpose(dense(x), (0, 2, 1, 3)) for dense, x in (
+                (self._query_dense, query), (self._key_dense, key),
+                (self._value_dense, value)))
         features = None
         if self._counts_training_steps(training):
             features = self._redraw_features()
