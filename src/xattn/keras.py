@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 try:
     import keras
 except ModuleNotFoundError as error:  # the configured backend's library is missing
@@ -59,7 +61,7 @@ from xattn._layers import (
     fill_docstring,
     module_docstring,
 )
-from xattn._options import check_bool, check_sizes, lara_num_samples
+from xattn._options import check_bool, check_nonnegative_int, check_sizes, lara_num_samples
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "SUPPORTED_BACKENDS", "MultiHeadAttention"]
 
@@ -226,13 +228,15 @@ class MultiHeadAttention(LayerCore, keras.layers.Layer):
                              "estimator='rfa' with window=... for an exact band")
         if check_bool(use_gate, "use_gate"):
             raise ValueError("use_gate=True is not supported")
-        if isinstance(output_shape, int) and not isinstance(output_shape, bool):
-            output_shape = (output_shape,)
         if output_shape is not None:
-            output_shape = tuple(output_shape)
+            if not isinstance(output_shape, int | np.integer | tuple | list):
+                raise TypeError(f"output_shape must be an int, a tuple of ints or None, got "
+                                f"{type(output_shape).__name__} {output_shape!r}")
+            output_shape = ((output_shape,) if isinstance(output_shape, int | np.integer)
+                            else tuple(output_shape))
             check_sizes(**{f"output_shape[{i}]": size for i, size in enumerate(output_shape)})
         if seed is not None:
-            check_sizes(seed=seed + 1)  # an int >= 0
+            seed = check_nonnegative_int(seed, "seed")
         self._setup_estimator(head_dim=key_dim, estimator=estimator,
                               redraw_interval=redraw_interval, options=options)
         self.supports_masking = True
