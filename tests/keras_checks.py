@@ -222,6 +222,11 @@ def check_compiled_attention_mask():
     eager = numpy(layer(x, x, attention_mask=mask))
     compiled = model.predict([x, mask], verbose=0)
     np.testing.assert_allclose(compiled, eager, rtol=FLOAT32_TOL, atol=FLOAT32_TOL)
+    hidden = mask.copy()
+    hidden[1] = False  # every key of sequence 1 masked: zero attention, the output bias
+    bias = numpy(layer.output_dense.weights[1])
+    np.testing.assert_array_equal(numpy(layer(x, x, attention_mask=hidden))[1],
+                                  np.broadcast_to(bias, (LENGTH, FEATURES)))
     general = mask.copy()
     general[0, 0, 1] = False  # key 1 hidden from query 0 only: not a key padding mask
     if BACKEND == "jax":

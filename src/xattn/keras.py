@@ -42,7 +42,6 @@ except ModuleNotFoundError as error:  # the configured backend's library is miss
         "KERAS_BACKEND=torch before importing keras"
     ) from error
 
-from xattn._array import compute_dtype
 from xattn._keras_layer import (
     SUPPORTED_BACKENDS,
     KerasGenerator,
@@ -134,9 +133,12 @@ class MultiHeadAttention(LayerCore, keras.layers.Layer):
         feature dim).
     attention_axes, sliding_window, use_gate
         Only their defaults (None, None, False; ``attention_axes`` may also name axis 1).
-    kernel_initializer, bias_initializer, kernel_regularizer, bias_regularizer, \
-    activity_regularizer, kernel_constraint, bias_constraint
+    kernel_initializer, bias_initializer
         As in ``keras.layers.MultiHeadAttention`` (for the projections).
+    kernel_regularizer, bias_regularizer, activity_regularizer
+        As in ``keras.layers.MultiHeadAttention``.
+    kernel_constraint, bias_constraint
+        As in ``keras.layers.MultiHeadAttention``.
     seed : int, optional
         Seed of the layer's ``keras.random.SeedGenerator``, the source of every random
         draw: the RFA features (at build time and at each redraw), and the samples of
@@ -337,7 +339,7 @@ class MultiHeadAttention(LayerCore, keras.layers.Layer):
         dtype = keras.backend.standardize_dtype(dtype or self.variable_dtype)
         omega = draw_features(KerasGenerator(self.seed_generator), shape[0], shape[1],
                               self.estimator_options, xp=xp,
-                              dtype=compute_dtype(xp, getattr(xp, dtype)))
+                              dtype=xp.float64 if dtype == "float64" else xp.float32)
         return keras.ops.cast(omega, dtype)
 
     def _standard_normal(self, shape: tuple[int, ...], dtype: Any = None) -> Any:
@@ -414,7 +416,8 @@ class MultiHeadAttention(LayerCore, keras.layers.Layer):
 
         Returns
         -------
-        tensor, shape (B, T, *output_shape), in the layer's compute dtype
+        tensor, shape (B, T) + output_shape, in the layer's compute dtype
+            ``output_shape`` defaults to ``(dim,)``.
 
         Raises
         ------
