@@ -347,6 +347,7 @@ def check_errors():
     raises(ValueError, "return_attention_scores=True is not supported", layer, x, x,
            return_attention_scores=True)
     raises(ValueError, "3-D (batch, length, features)", layer_class(2, 4), x[None], x[None])
+    raises(ValueError, "value must be 3-D", layer, x, x[None])  # built already
     general = RNG.random((BATCH, LENGTH, LENGTH)) < 0.5
     raises(ValueError, "not a key padding mask", layer, x, x, attention_mask=general)
     causal = np.tril(np.ones((LENGTH, LENGTH), dtype=bool))

@@ -435,6 +435,10 @@ class MultiHeadAttention(LayerCore, keras.layers.Layer):
         training = False if training is None else check_bool(training, "training")
         causal = check_bool(use_causal_mask, "use_causal_mask")
         key = value if key is None else key
+        for name, tensor in (("query", query), ("value", value), ("key", key)):
+            if len(tensor.shape) != 3:
+                raise ValueError(f"{name} must be 3-D (batch, length, features), got shape "
+                                 f"{tuple(tensor.shape)}")
         keys = self._key_mask(value_mask, key_mask, attention_mask, query.shape[1],
                               value.shape[1], causal)
         with masks_detached(query, value, key):  # the projections would warn of the masks
