@@ -1,4 +1,5 @@
-"""Sessions: ``nox -s tests`` (CPU backend matrix), ``tests_gpu``, ``lint``, ``docs``.
+"""Sessions: ``nox -s tests`` (CPU backend matrix), ``tests_gpu``, ``keras``, ``lint``,
+``docs``.
 
 Environments use ``constraints.txt`` (known-good pins; torch must be pinned). nox's
 ``uv`` backend does not read pip's local wheel folder, so sessions use virtualenv + pip.
@@ -22,6 +23,17 @@ def tests(session: nox.Session, backend: str) -> None:
     session.install(*CONSTRAINTS, "-e", ".[test]")
     session.run("python", "-m", "pytest", "-n", "auto", *session.posargs,
                 env={"XATTN_BACKENDS": backend})
+
+
+@nox.session
+@nox.parametrize("backend", ["jax", "torch"])
+def keras(session: nox.Session, backend: str) -> None:
+    """xattn.keras on one Keras backend, in a minimal environment: the layer's extra and
+    the backend's, without the other frameworks (the ``tests`` sessions run the same
+    checks with everything installed)."""
+    session.install(*CONSTRAINTS, "-e", f".[keras,{backend}]")
+    session.run("python", "tests/keras_checks.py", *session.posargs,
+                env={"KERAS_BACKEND": backend})
 
 
 @nox.session(venv_backend="none")

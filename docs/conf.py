@@ -70,6 +70,7 @@ myst_dmath_double_inline = True
 # -- sphinx-gallery ---------------------------------------------------------------------
 # Examples run with small sizes; the whole build stays within a few minutes on 2 cores.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the gallery's JAX example runs on the CPU
+os.environ.setdefault("KERAS_BACKEND", "jax")  # xattn.keras's page: Keras on JAX, not TF
 warnings.filterwarnings("ignore", message="Matplotlib is currently using agg")
 
 sphinx_gallery_conf = {

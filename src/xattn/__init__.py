@@ -20,8 +20,8 @@ Submodules, reachable after ``import xattn`` (loaded on first use, so that a fra
 imported only when its layer is asked for): :mod:`xattn.random` (the random-number
 adapter), :mod:`xattn.features` (random feature maps and samples),
 :mod:`xattn.diagnostics` (bias, variance and MSE against exact attention),
-:mod:`xattn.mrf` (linear-chain MRF partition functions), :mod:`xattn.torch` and
-:mod:`xattn.flax` (attention layers).
+:mod:`xattn.mrf` (linear-chain MRF partition functions), :mod:`xattn.torch`,
+:mod:`xattn.flax` and :mod:`xattn.keras` (attention layers).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ __all__ = [
     "diagnostics",
     "features",
     "flax",
+    "keras",
     "lara",
     "lara_weights",
     "mrf",
@@ -63,7 +64,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_SUBMODULES = ("diagnostics", "features", "flax", "mrf", "random", "torch")
+_SUBMODULES = ("diagnostics", "features", "flax", "keras", "mrf", "random", "torch")
 
 
 def __getattr__(name: str) -> Any:
