@@ -163,13 +163,14 @@ def run_lm(args: argparse.Namespace) -> int:
                              batch=spec.batch_size, length=spec.length, dim=spec.model.dim,
                              ffn=spec.model.ffn, heads=spec.model.heads,
                              layers=spec.model.layers, estimator=spec.estimator,
-                             samples=int(spec.options.get("num_features", 1))))
+                             samples=int(spec.options.get(
+                                 "num_features", spec.options.get("num_samples", 1)))))
                         for spec in specs], host_memory_available(), "this machine")
     out_dir = output_dir(args.out, ("train.json", "train.png"))
     load_framework(args.framework, args.threads)  # the threads; names a missing extra
     module = importlib.import_module(f"xattn.cli.train_lm_{args.framework}")
     config = {"framework": args.framework, "device": args.device, "threads": args.threads,
-              "task": "shakespeare", "estimators": sorted({spec.estimator for spec in specs}),
+              "task": "shakespeare", "estimators": list(dict.fromkeys(spec.name for spec in specs)),
               "seeds": sorted({spec.seed for spec in specs}), "samples": args.samples,
               "quick": args.quick, **({k: v for k, v in dataclasses.asdict(specs[0]).items()
                                        if k not in ("name", "estimator", "options", "seed")}
