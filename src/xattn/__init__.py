@@ -21,7 +21,8 @@ imported only when its layer is asked for): :mod:`xattn.random` (the random-numb
 adapter), :mod:`xattn.features` (random feature maps and samples),
 :mod:`xattn.diagnostics` (bias, variance and MSE against exact attention),
 :mod:`xattn.mrf` (linear-chain MRF partition functions), :mod:`xattn.torch` and
-:mod:`xattn.flax` (attention layers).
+:mod:`xattn.flax` (attention layers), :mod:`xattn.transformers` (the Hugging Face
+transformers hook).
 """
 
 from __future__ import annotations
@@ -60,10 +61,11 @@ __all__ = [
     "rfa",
     "softmax_attention",
     "torch",
+    "transformers",
 ]
 __version__ = "0.1.0"
 
-_SUBMODULES = ("diagnostics", "features", "flax", "mrf", "random", "torch")
+_SUBMODULES = ("diagnostics", "features", "flax", "mrf", "random", "torch", "transformers")
 
 
 def __getattr__(name: str) -> Any:
