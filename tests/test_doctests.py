@@ -2,9 +2,9 @@
 
 Modules (and the modules of subpackages such as ``xattn.cli``) are discovered with
 :func:`pkgutil.walk_packages`, so modules added later are picked up automatically. The
-framework and command-line modules (``torch``, ``flax``, ``cli``, and the layers' helpers
-``_torch_layer`` and ``_flax_layer``) are skipped only when
-an optional dependency they need is not installed.
+framework and command-line modules (``torch``, ``flax``, ``transformers``, ``cli``, and the
+layers' helpers ``_torch_layer`` and ``_flax_layer``) are skipped only when an optional
+dependency they need is not installed.
 Each docstring with examples is one test, so a failure names the function.
 """
 
@@ -23,7 +23,7 @@ import pytest
 import xattn
 
 # may need extras that are not installed (the layers' framework helpers too)
-OPTIONAL_MODULES = {"cli", "torch", "flax", "_torch_layer", "_flax_layer"}
+OPTIONAL_MODULES = {"cli", "torch", "flax", "transformers", "_torch_layer", "_flax_layer"}
 OPTION_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

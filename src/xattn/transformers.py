@@ -161,11 +161,12 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any
     elif mask_function is bidirectional_mask_function:
         causal = False
     else:
+        pattern = getattr(mask_function, "__qualname__", mask_function)
         raise ValueError(
             f"xattn attention takes causal or bidirectional masks with padding only; this "
-            f"model asks for another pattern ({getattr(mask_function, '__qualname__', mask_function)}"
-            "): sliding-window, chunked, packed-sequence (position_ids restarting within a "
-            "row) or overlaid masks cannot be applied by the linear estimators")
+            f"model asks for another pattern ({pattern}): sliding-window, chunked, "
+            "packed-sequence (position_ids restarting within a row) or overlaid masks cannot "
+            "be applied by the linear estimators")
     query_start = int(q_offset) - int(kv_offset)
     if query_start < 0:
         raise ValueError(f"the queries start before the keys (q_offset {int(q_offset)} < "
