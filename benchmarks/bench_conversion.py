@@ -29,8 +29,8 @@ training speeches (the first 90 % of the text, truncated to 64 tokens for this p
 with the attention modules in training mode (fresh random features or samples at each
 step) and the rest in evaluation mode (no dropout); then the held-out cosine is measured
 again in evaluation mode. Only ``rfa`` at S = 64 and ``lara`` at C = 16 are fine-tuned by
-default (``--finetune LABEL S`` to choose), to keep the script near 20 minutes on 2 CPU
-cores.
+default (``--finetune LABEL S`` to choose), to bound the runtime (48 minutes on 2 shared,
+heavily loaded CPU cores for the committed results).
 
 Run::
 
