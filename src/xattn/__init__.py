@@ -21,7 +21,8 @@ imported only when its layer is asked for): :mod:`xattn.random` (the random-numb
 adapter), :mod:`xattn.features` (random feature maps and samples),
 :mod:`xattn.diagnostics` (bias, variance and MSE against exact attention),
 :mod:`xattn.mrf` (linear-chain MRF partition functions), :mod:`xattn.torch`,
-:mod:`xattn.flax` and :mod:`xattn.keras` (attention layers).
+:mod:`xattn.flax` and :mod:`xattn.keras` (attention layers), :mod:`xattn.transformers`
+(the Hugging Face transformers hook).
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ __all__ = [
     "rfa",
     "softmax_attention",
     "torch",
+    "transformers",
 ]
 __version__ = "0.1.0"
 
-_SUBMODULES = ("diagnostics", "features", "flax", "keras", "mrf", "random", "torch")
+_SUBMODULES = ("diagnostics", "features", "flax", "keras", "mrf", "random", "torch",
+               "transformers")
 
 
 def __getattr__(name: str) -> Any:

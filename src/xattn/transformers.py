@@ -1,0 +1,468 @@
+r"""Hugging Face transformers hook: xattn's estimators as an ``attn_implementation``.
+
+:func:`register` adds a named attention function to transformers' ``AttentionInterface``
+and the matching mask function to its ``AttentionMaskInterface``; every model that
+dispatches its attention through them (BERT, GPT-2, Llama and most others in
+transformers 5) then runs with an xattn estimator when loaded with that name:
+
+.. code-block:: python
+
+    import xattn.transformers
+    from transformers import AutoModel
+
+    xattn.transformers.register("xattn_rfa", estimator="rfa", num_features=64,
+                                window=16, sinks=1)
+    model = AutoModel.from_pretrained("some/model", attn_implementation="xattn_rfa")
+    # or, on a model already loaded: model.set_attn_implementation("xattn_rfa")
+
+**What the hook does with each call.** The model's ``scaling`` becomes xattn's
+``scale=``; grouped-query key and value heads are repeated to the query heads (as
+transformers' ``repeat_kv``). The mask that the registered mask function builds is not
+a ``(batch, 1, L, S)`` tensor but an :class:`AttentionMask`: the padding of the keys
+(from the model's 2-D ``attention_mask``) and whether the attention is causal. These two
+are all the hook accepts, and they reach the estimator exactly (``key_mask=`` and
+``causal=True``); a sliding-window, chunked, packed-sequence or any other mask pattern
+raises a ``ValueError`` when the model builds its masks, and a prepared 4-D mask tensor
+is accepted only if it is a padding mask, possibly causal (checked entry by entry),
+else ``ValueError``.
+
+**Training and evaluation** follow ``module.training``, as in xattn's layers. In
+evaluation mode every estimator is deterministic: RFA uses fixed features, one
+``(num_features, head_dim)`` matrix per attention module, shared by its heads, drawn
+from the integer seed ``np.random.SeedSequence([seed, layer, crc32(class name)])`` with
+``layer`` the module's ``layer_idx`` (every BERT, GPT-2 and Llama attention has one; a
+module without it is numbered in the order of its first call); being drawn from an
+integer seed on the host, they are the same on every device and in every process. RA
+runs its biased deterministic form and LARA its deterministic form. In training mode
+each call draws afresh (RFA new features at every call, RA and LARA new samples) from
+``generator`` (a :class:`torch.Generator`) or, without one, from torch's default
+generator, as :class:`torch.nn.Dropout` does.
+
+**Generation.** Decoder models work for training, prefill and ``model.generate``: with
+a cache the new queries are the last positions of the keys that transformers' cache
+holds, and the hook runs the causal estimator over all of those keys with the earlier
+query positions left empty, then keeps the new rows. This is exact (the same tokens as
+a forward pass over the whole prefix, to rounding), but it recomputes the prefix: a
+step costs O(T S d) per layer and head for RFA after T tokens (S features), where
+:meth:`xattn.torch.MultiheadAttention.step` and :class:`xattn.RFAState` cost O(S d) per
+token; the cache itself is transformers' key-value cache, which grows with T as for
+softmax attention. LARA has no causal form here (its proposals would look ahead):
+causal attention with ``estimator="lara"`` raises ``ValueError``.
+
+**Not supported** (``ValueError`` naming the cause): attention dropout in training mode
+(set the model's attention dropout to 0, e.g. ``attention_probs_dropout_prob=0.0`` for
+BERT, ``attn_pdrop=0.0`` for GPT-2), ``output_attentions=True`` (the linear estimators
+form no attention weights), and the keyword arguments ``softcap``, ``sliding_window``,
+``s_aux`` and ``position_bias``. The attention weights returned to the model are None.
+
+This module needs PyTorch and transformers (the ``xattn[transformers]`` extra), so
+``import xattn`` does not import it: it is loaded on the first use of
+``xattn.transformers`` (or by ``import xattn.transformers``).
+"""
+
+from __future__ import annotations
+
+import weakref
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+import numpy as np
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+    prepare_padding_mask,
+)
+
+from xattn._array import compute_dtype
+from xattn._layers import LayerCore, attend, draw_features
+from xattn._options import ESTIMATORS, check_nonnegative_int
+from xattn._torch_layer import DefaultTorchGenerator
+from xattn.random import Generator, TorchGenerator
+
+__all__ = ["ESTIMATORS", "AttentionMask", "XattnAttention", "attention_mask", "register"]
+
+# keyword arguments of an attention call that ask for something the hook cannot compute
+_UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "position_bias")
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """The mask an xattn attention function receives: key padding, and causal or not.
+
+    Built by :func:`attention_mask` (the mask function :func:`register` adds to
+    transformers' ``AttentionMaskInterface``) in place of a 4-D mask tensor.
+
+    Attributes
+    ----------
+    key_mask : torch.Tensor of bool, shape (batch, S), or None
+        True = the key takes part (None: every key does).
+    causal : bool
+        Query ``i`` attends the keys ``j <= query_start + i`` only.
+    query_start : int
+        The key position of the first query: the number of tokens a cache held before
+        the queries (0 without a cache).
+    kv_length : int
+        S, the number of keys the mask was made for.
+    """
+
+    key_mask: torch.Tensor | None
+    causal: bool
+    query_start: int
+    kv_length: int
+
+
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
+                   kv_offset: Any = 0, mask_function: Any = causal_mask_function,
+                   attention_mask: torch.Tensor | None = None, **kwargs: Any) -> AttentionMask:
+    """The mask function of an xattn attention (transformers' ``AttentionMaskInterface``
+    protocol, as ``sdpa_mask``): the model's 2-D padding mask and its causal or
+    bidirectional pattern as an :class:`AttentionMask`, without forming the
+    ``(batch, 1, L, S)`` tensor.
+
+    Parameters
+    ----------
+    batch_size, q_length, kv_length : int
+        Batch size, number of queries L and of keys S.
+    q_offset, kv_offset : int or 0-d tensor
+        Positions of the first query and the first key in the sequence.
+    mask_function : callable
+        transformers' ``causal_mask_function`` or ``bidirectional_mask_function``;
+        anything else (sliding window, chunks, packed sequences, overlays) raises.
+    attention_mask : torch.Tensor, shape (batch, >= kv_offset + kv_length), optional
+        The 2-D padding mask, True / 1 = token.
+    **kwargs
+        The other arguments of the protocol (dtype, device, flags): unused.
+
+    Returns
+    -------
+    AttentionMask
+
+    Raises
+    ------
+    ValueError
+        A mask pattern other than causal or bidirectional (plus padding).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from xattn.transformers import attention_mask
+    >>> padding = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    >>> mask = attention_mask(2, 4, 4, attention_mask=padding)  # causal by default
+    >>> mask.causal, mask.key_mask.tolist()
+    (True, [[True, True, True, False], [True, True, True, True]])
+    """
+    if mask_function is causal_mask_function:
+        causal = True
+    elif mask_function is bidirectional_mask_function:
+        causal = False
+    else:
+        pattern = getattr(mask_function, "__qualname__", mask_function)
+        raise ValueError(
+            f"xattn attention takes causal or bidirectional masks with padding only; this "
+            f"model asks for another pattern ({pattern}): sliding-window, chunked, "
+            "packed-sequence (position_ids restarting within a row) or overlaid masks cannot "
+            "be applied by the linear estimators")
+    query_start = int(q_offset) - int(kv_offset)
+    if query_start < 0:
+        raise ValueError(f"the queries start before the keys (q_offset {int(q_offset)} < "
+                         f"kv_offset {int(kv_offset)}): not a mask xattn can apply")
+    key_mask = None
+    if attention_mask is not None:
+        if attention_mask.ndim != 2:
+            raise ValueError(f"attention_mask must be the 2-D padding mask (batch, length), got "
+                             f"shape {tuple(attention_mask.shape)}")
+        padding = prepare_padding_mask(attention_mask.bool(), kv_length, int(kv_offset))
+        assert padding is not None
+        key_mask = padding[:, int(kv_offset):int(kv_offset) + kv_length]
+    return AttentionMask(key_mask, causal, query_start, kv_length)
+
+
+def _mask_from_tensor(mask: torch.Tensor, q_length: int, kv_length: int) -> AttentionMask:
+    """A prepared 4-D mask (bool, True = attend; or float, 0 = attend and -inf or the
+    dtype's minimum = blocked) of shape (batch or 1, 1, L, S) as an :class:`AttentionMask`,
+    if it is a padding mask, causal or not; ``ValueError`` otherwise."""
+    if mask.ndim != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_length, kv_length):
+        raise ValueError(f"a 4-D attention mask must have shape (batch, 1, {q_length}, "
+                         f"{kv_length}) to be read as padding (and causal) masking; got "
+                         f"{tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        allowed = mask[:, 0]
+    else:
+        allowed = mask[:, 0] == 0
+        blocked = mask[:, 0] <= torch.finfo(mask.dtype).min / 2
+        if not bool(torch.all(allowed | blocked)):
+            raise ValueError("a float attention mask must hold only 0 (attend) and -inf or the "
+                             "dtype's minimum (blocked): xattn applies no additive bias")
+    query_start = kv_length - q_length
+    key_mask = allowed[:, -1, :]  # the last query may attend every key in both patterns
+    padded = key_mask[:, None, :].expand_as(allowed)
+    positions = torch.arange(kv_length, device=mask.device)
+    before = positions[None, :] <= positions[-q_length:, None] if q_length else padded[0]
+    if bool(torch.equal(allowed, padded & before)):
+        return AttentionMask(key_mask, True, query_start, kv_length)
+    if bool(torch.equal(allowed, padded)):
+        return AttentionMask(key_mask, False, 0, kv_length)
+    raise ValueError("the attention mask is neither a padding mask nor a causal mask with "
+                     "padding; xattn's estimators apply only those two patterns exactly")
+
+
+class XattnAttention:
+    """An attention function of transformers' ``AttentionInterface`` running an xattn
+    estimator; made and registered by :func:`register` (see there and the module
+    documentation for its behaviour).
+
+    Attributes
+    ----------
+    name : str
+        The ``attn_implementation`` name it is registered under.
+    estimator : str
+        One of ``"softmax"``, ``"rfa"``, ``"ra"``, ``"lara"``.
+    options : dict
+        The estimator options.
+    seed : int
+        The seed of the evaluation-mode RFA features.
+    generator : torch.Generator or None
+        The source of training-mode draws (None: torch's default generator).
+    """
+
+    def __init__(self, name: str, estimator: str, options: dict[str, Any], seed: int,
+                 generator: torch.Generator | None) -> None:
+        self.name = name
+        self.estimator = estimator
+        self.options = dict(options)
+        self.seed = seed
+        self.generator = generator
+        self._cores: dict[int, LayerCore] = {}
+        self._core(8)  # checks the estimator and its options (the layers' probe)
+        self._features: weakref.WeakKeyDictionary[Any, dict[Any, torch.Tensor]] = (
+            weakref.WeakKeyDictionary())
+        self._unnumbered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    def __repr__(self) -> str:
+        return (f"XattnAttention(name={self.name!r}, estimator={self.estimator!r}, "
+                f"seed={self.seed}, options={self.options})")
+
+    def _core(self, head_dim: int) -> LayerCore:
+        if head_dim not in self._cores:
+            core = LayerCore()
+            core._setup_estimator(head_dim=head_dim, estimator=self.estimator,
+                                  redraw_interval=None, options=self.options)
+            self._cores[head_dim] = core
+        return self._cores[head_dim]
+
+    def _random(self) -> Generator:
+        if self.generator is not None:
+            return TorchGenerator(self.generator)
+        return DefaultTorchGenerator()
+
+    def module_seed(self, module: Any) -> int:
+        """The integer seed of ``module``'s evaluation-mode RFA features:
+        ``SeedSequence([seed, layer, crc32(class name)])``, ``layer`` its ``layer_idx``
+        (or, without one, ``-1 - n`` for the n-th such module seen)."""
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int):
+            if module not in self._unnumbered:
+                self._unnumbered[module] = len(self._unnumbered)
+            layer = -1 - self._unnumbered[module]
+        entropy = [self.seed, layer % 2 ** 32, zlib.crc32(type(module).__name__.encode())]
+        return int(np.random.SeedSequence(entropy).generate_state(1)[0])
+
+    def features(self, module: Any, head_dim: int, *, dtype: torch.dtype = torch.float32,
+                 device: Any = "cpu") -> torch.Tensor:
+        """The evaluation-mode RFA features of ``module``, ``(num_features, head_dim)``,
+        drawn once from :meth:`module_seed` (the same values on every device)."""
+        core = self._core(head_dim)
+        if core.num_features is None:
+            raise ValueError(f"features are those of estimator='rfa', not {self.estimator!r}")
+        cache = self._features.setdefault(module, {})
+        key = (head_dim, dtype, str(device))
+        if key not in cache:
+            xp = array_api_compat.array_namespace(torch.empty(0))
+            cache[key] = draw_features(self.module_seed(module), core.num_features, head_dim,
+                                       self.options, xp=xp, dtype=dtype, device=device)
+        return cache[key]
+
+    def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                 dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """Attention of ``query (B, H, L, d)`` to ``key (B, Hk, S, d)`` and ``value
+        (B, Hk, S, dv)``, Hk dividing H; returns ``(output (B, L, H, dv), None)``."""
+        training = bool(getattr(module, "training", False))
+        self._check_call(kwargs, dropout, training)
+        heads, kv_heads = query.shape[1], key.shape[1]
+        if heads != kv_heads:  # grouped-query attention: transformers' repeat_kv
+            if kv_heads == 0 or heads % kv_heads:
+                raise ValueError(f"the query heads ({heads}) must be a multiple of the key and "
+                                 f"value heads ({kv_heads})")
+            key = key.repeat_interleave(heads // kv_heads, dim=1)
+            value = value.repeat_interleave(heads // kv_heads, dim=1)
+        mask = self._mask(module, attention_mask, kwargs, query.shape[-2], key.shape[-2])
+        key_mask = None if mask.key_mask is None else mask.key_mask[:, None, :]
+        if mask.causal and self.estimator == "lara":
+            raise ValueError("estimator='lara' runs in bidirectional (encoder) attention only: "
+                             "its segment proposals look ahead, and this attention is causal; "
+                             "use 'rfa', 'ra' or 'softmax' in decoder models")
+        start, length = mask.query_start, query.shape[-2]
+        if mask.causal:
+            if start + length > key.shape[-2]:
+                raise ValueError(f"{length} queries from position {start} need "
+                                 f"{start + length} keys, got {key.shape[-2]}")
+            # keys past the last query are never attended (e.g. empty static-cache slots)
+            key, value = key[..., :start + length, :], value[..., :start + length, :]
+            key_mask = None if key_mask is None else key_mask[..., :start + length]
+            if start:  # earlier positions: empty queries whose rows are dropped
+                query = torch.cat([query.new_zeros((*query.shape[:2], start, query.shape[-1])),
+                                   query], dim=-2)
+        options = dict(self.options)
+        if scaling is not None:
+            options["scale"] = float(scaling)
+        omega = None
+        if self.estimator == "rfa":
+            dtype = compute_dtype(array_api_compat.array_namespace(query), query.dtype)
+            if training:
+                core = self._core(query.shape[-1])
+                assert core.num_features is not None
+                omega = draw_features(self._random(), core.num_features, query.shape[-1],
+                                      self.options, xp=array_api_compat.array_namespace(query),
+                                      dtype=dtype, device=query.device)
+            else:
+                omega = self.features(module, query.shape[-1], dtype=dtype, device=query.device)
+        else:
+            self._core(query.shape[-1])  # the options hold for this head size
+        out = attend(self.estimator, query, key, value, options=options, key_mask=key_mask,
+                     causal=mask.causal, training=training, omega=omega,
+                     rng=self._random() if training else None)
+        out = out[..., start:, :] if mask.causal else out
+        return out.transpose(1, 2).contiguous(), None
+
+    def _check_call(self, kwargs: dict[str, Any], dropout: float, training: bool) -> None:
+        for name in _UNSUPPORTED_KWARGS:
+            if kwargs.get(name) is not None:
+                raise ValueError(f"xattn attention ({self.name!r}) does not support {name}="
+                                 f"{kwargs[name]!r}; use the model's own attention")
+        if kwargs.get("output_attentions"):
+            raise ValueError(f"output_attentions=True is not supported by xattn attention "
+                             f"({self.name!r}): its estimators form no attention weights")
+        if training and dropout:
+            raise ValueError(
+                f"attention dropout {dropout} in training mode is not supported by xattn "
+                f"attention ({self.name!r}): dropout acts on attention weights, which the "
+                "estimators never form; set the model's attention dropout to 0 (e.g. "
+                "attention_probs_dropout_prob=0.0 for BERT, attn_pdrop=0.0 for GPT-2)")
+
+    def _mask(self, module: Any, mask: Any, kwargs: dict[str, Any], q_length: int,
+              kv_length: int) -> AttentionMask:
+        if isinstance(mask, AttentionMask):
+            if mask.kv_length != kv_length:
+                raise ValueError(f"the attention mask was made for {mask.kv_length} keys, the "
+                                 f"attention has {kv_length}")
+            return mask
+        if isinstance(mask, torch.Tensor):
+            return _mask_from_tensor(mask, q_length, kv_length)
+        if mask is not None:
+            raise ValueError(f"xattn attention ({self.name!r}) takes padding and causal masks "
+                             f"only, got a {type(mask).__name__}")
+        is_causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        return AttentionMask(None, causal, kv_length - q_length if causal else 0, kv_length)
+
+
+def register(name: str, estimator: str = "rfa", *, seed: int = 0,
+             generator: torch.Generator | None = None, **options: Any) -> XattnAttention:
+    r"""Register an xattn estimator as the transformers attention implementation ``name``.
+
+    Adds an :class:`XattnAttention` to transformers' ``AttentionInterface`` and the mask
+    function :func:`attention_mask` to its ``AttentionMaskInterface``, both under
+    ``name``; then ``from_pretrained(..., attn_implementation=name)`` or
+    ``model.set_attn_implementation(name)`` runs the model's attention
+    ``softmax(scaling * q k^T) v`` through the estimator, with the model's padding and
+    causal masks applied exactly (see :mod:`xattn.transformers` for training and
+    evaluation modes, generation and what is not supported). Registering a name again
+    replaces the earlier xattn function.
+
+    Parameters
+    ----------
+    name : str
+        The ``attn_implementation`` name, e.g. ``"xattn_rfa"``; not one of transformers'
+        own implementations (``"eager"``, ``"sdpa"``, ...) and without ``"/"`` (which
+        transformers reads as a Hub kernel).
+    estimator : {"rfa", "softmax", "ra", "lara"}
+        The estimator (default ``"rfa"``).
+    seed : int
+        Seed of the evaluation-mode RFA features (default 0); each attention module draws
+        its own from it and its layer index.
+    generator : torch.Generator, optional
+        Source of the training-mode draws; default torch's default generator.
+    **options
+        Estimator options, as the layers take them (e.g. ``num_features``, ``window``,
+        ``sinks``, ``feature_map`` for ``"rfa"``; ``num_samples``, ``proposal``,
+        ``weighting`` for ``"lara"``; ``num_samples`` for ``"ra"``); ``scale`` is the
+        model's and cannot be given, nor LARA's ``proposal="learned"`` (it needs
+        parameters the model does not have).
+
+    Returns
+    -------
+    XattnAttention
+        The registered attention function.
+
+    Raises
+    ------
+    TypeError
+        ``name`` not a str, ``generator`` not a :class:`torch.Generator`, ``seed`` not an
+        int, an option the estimator does not take or of the wrong type.
+    ValueError
+        An empty name, one with ``"/"`` or of transformers' own implementations; an
+        unknown estimator; ``scale``; ``proposal="learned"``; an option value the
+        estimator refuses.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import xattn.transformers
+    >>> from transformers import BertConfig, BertModel
+    >>> _ = xattn.transformers.register("xattn_rfa_doc", estimator="rfa", num_features=16)
+    >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+    ...                     num_attention_heads=4, intermediate_size=64)
+    >>> _ = torch.manual_seed(0)
+    >>> model = BertModel(config, add_pooling_layer=False).eval()
+    >>> model.set_attn_implementation("xattn_rfa_doc")
+    >>> ids = torch.randint(100, (2, 12))
+    >>> padding = torch.ones(2, 12, dtype=torch.long)
+    >>> padding[1, 8:] = 0  # the second sequence has 8 tokens
+    >>> out = model(ids, attention_mask=padding).last_hidden_state
+    >>> out.shape
+    torch.Size([2, 12, 32])
+    >>> bool(torch.equal(out, model(ids, attention_mask=padding).last_hidden_state))
+    True
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
+    if not name or "/" in name:
+        raise ValueError(f"name must be a non-empty str without '/' (transformers reads "
+                         f"'org/repo' as a Hub kernel), got {name!r}")
+    existing = AttentionInterface._global_mapping.get(name)
+    if name == "eager" or (existing is not None and not isinstance(existing, XattnAttention)) or (
+            name in AttentionMaskInterface._global_mapping
+            and AttentionMaskInterface._global_mapping[name] is not attention_mask):
+        raise ValueError(f"name {name!r} is one of transformers' own attention "
+                         "implementations; choose another (e.g. 'xattn_rfa')")
+    seed = check_nonnegative_int(seed, "seed")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got "
+                        f"{type(generator).__name__}")
+    if "scale" in options:
+        raise ValueError("scale is not an option here: the model passes its own scaling, "
+                         "which becomes xattn's scale")
+    if estimator == "lara" and options.get("proposal") == "learned":
+        raise ValueError("proposal='learned' needs parameters (the proposal means) that a "
+                         "transformers model does not have; use xattn.torch.MultiheadAttention"
+                         " or another proposal")
+    function = XattnAttention(name, estimator, options, seed, generator)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, attention_mask)
+    return function
