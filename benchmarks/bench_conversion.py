@@ -204,11 +204,19 @@ def run(args):
                         "python": platform.python_version()},
         "conversion": [], "fine_tuning": [],
     }
+    if args.finetune_only:  # the conversion rows and earlier fine-tunings of --output
+        previous = json.loads(args.output.read_text())
+        results["conversion"], results["fine_tuning"] = (previous["conversion"],
+                                                         previous["fine_tuning"])
+        results["settings"] = {**previous["settings"], "later_fine_tuning": [
+            *previous["settings"].get("later_fine_tuning", []), results["settings"]]}
     names = {}
     for label, estimator, count, options, training in configurations(samples):
         name = f"bench_{estimator}_{len(names)}"
         xattn.transformers.register(name, estimator=estimator, **options)
         names[(label, count)] = name
+        if args.finetune_only:
+            continue
         row = {"label": label, "estimator": estimator, "S": count, "options": options,
                "mode": "train (random draws)" if training else "eval (deterministic)",
                **measure(model, eval_texts, exact, name, training)}
@@ -259,11 +267,12 @@ def table(results):
     for row in results["conversion"]:
         lines.append(f"| {row['label']} | {row['S'] or '-'} | {row['mode']} | "
                      f"{row['mean']:.4f} | {row['p5']:.4f} | {row['min']:.4f} |")
-    lines += ["", "| attention | S = C | mean cos before | after | 5th pct after | "
-                  "share of the gap recovered |", "|---|---|---|---|---|---|"]
+    lines += ["", "| attention | S = C | steps | mean cos before | after | 5th pct after | "
+                  "share of the gap recovered |", "|---|---|---|---|---|---|---|"]
     for row in results["fine_tuning"]:
         recovered = "-" if row["recovered"] is None else f"{100 * row['recovered']:.0f} %"
-        lines.append(f"| {row['label']} | {row['S']} | {row['before']['mean']:.4f} | "
+        lines.append(f"| {row['label']} | {row['S']} | {row['steps']} | "
+                     f"{row['before']['mean']:.4f} | "
                      f"{row['after']['mean']:.4f} | {row['after']['p5']:.4f} | {recovered} |")
     return "\n".join(lines)
 
@@ -280,6 +289,9 @@ def main():
     parser.add_argument("--finetune", nargs=2, action="append", metavar=("LABEL", "S"),
                         help="a configuration to fine-tune (repeatable); default: rfa at "
                              "S = 64 and lara at C = 16")
+    parser.add_argument("--finetune-only", action="store_true",
+                        help="keep the conversion rows of --output and add fine-tuning rows "
+                             "(e.g. more --steps)")
     parser.add_argument("--output", type=Path, default=OUTPUT)
     args = parser.parse_args()
     if args.table:
