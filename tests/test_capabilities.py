@@ -9,8 +9,8 @@ fails when the committed page differs. Each cell of the page is one of
   property that defines the feature);
 * ``no``: the estimator does not offer the feature; :func:`test_unsupported` checks that
   asking for it raises a clear error naming the keyword: ``TypeError`` for a keyword the
-  estimator does not take, ``ValueError`` for LARA's ``causal=True`` (the keyword exists,
-  True is not supported yet);
+  estimator does not take, ``ValueError`` for a value of a keyword it takes
+  (:data:`UNSUPPORTED_ERROR`, empty since LARA has a causal form);
 * ``yes (GPU)``: as ``yes``, on a GPU backend; CI has no GPU, so these cases ran on a
   lent NVIDIA H200 (``XATTN_BACKENDS=cupy,torch-cuda,jax-gpu``, the same tests, which
   skip without a GPU), not on every commit;
@@ -102,8 +102,8 @@ def render_page() -> str:
         "suite fails when it is out of date. Every **yes** is a test case,",
         "`test_supported[<backend>-<estimator>-<feature>]`, run on every CPU backend;",
         "**no** means that the estimator does not offer the feature and raises an error",
-        "naming the keyword (also tested: a `TypeError`, or a `ValueError` for `lara`'s",
-        "`causal=True`); **yes (GPU)** is the same test case on a GPU backend: CI has no",
+        "naming the keyword (also tested: a `TypeError`); **yes (GPU)** is the same test",
+        "case on a GPU backend: CI has no",
         "GPU, so these ran on an NVIDIA H200 (CuPy 14.2, torch 2.11 with CUDA 13.0, JAX",
         "0.11.2; `XATTN_BACKENDS=cupy,torch-cuda,jax-gpu python -m pytest`, 2026-11-24;",
         "see {ref}`on-a-gpu`), not on every commit; **untested** could work but no test",
