@@ -11,7 +11,10 @@ Each round calls, in turn, SDPA (causal), ``xattn.rfa`` without and with ``causa
 (and ``causal=True`` at each of ``--block-sizes``, if given), so a change of load affects
 all alike; the best wall time (and, beside it, the best CPU time of the process) of the
 rounds is reported, after one warm-up call each. The same samples for every RFA call
-(``rng=0``). A full run (N = 1024, 2048; 5 rounds) takes about a minute on two cores::
+(``rng=0``). The whole measurement is repeated ``--runs`` times per length (the best
+times of a virtual machine's cores move by 10 to 20 % from one run to the next); the
+ratios reported are the medians over the runs, with their range beside them. A full run
+(N = 1024, 2048; 3 runs of 5 rounds) takes about two minutes on two cores::
 
     python benchmarks/bench_causal_rfa.py
     python benchmarks/bench_causal_rfa.py --lengths 256 --repeats 1 --output /tmp/x.json
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
 from _common import interleaved_best_wall_and_cpu_times
@@ -77,6 +81,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,2048")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3,
+                        help="measurements per length; the ratios are their medians")
     parser.add_argument("--block-sizes", default="",
                         help="extra causal rows at these block sizes (comma list)")
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -89,15 +95,29 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = []
     for length in lengths:
-        row = measure(length, args.repeats, block_sizes)
+        runs = []
+        for _ in range(args.runs):
+            runs.append(measure(length, args.repeats, block_sizes))
+            print(f"N = {length}: " + ", ".join(f"{name} {1e3 * t:.1f} ms"
+                                                for name, t in runs[-1]["wall_s"].items())
+                  + f"; causal / SDPA {runs[-1]['causal_over_sdpa']:.2f}"
+                  + f", causal / non-causal {runs[-1]['causal_over_noncausal']:.2f}")
+        row = {key: runs[0][key] for key in ("length", "shape", "num_features")}
+        for ratio in ("causal_over_sdpa", "causal_over_noncausal"):
+            values = [run[ratio] for run in runs]
+            row[ratio] = statistics.median(values)
+            row[f"{ratio}_range"] = [min(values), max(values)]
+        row.update({key: value for key, value in runs[0].items() if key.startswith("target")})
+        row["runs"] = runs
         rows.append(row)
-        print(f"N = {length}: " + ", ".join(f"{name} {1e3 * t:.1f} ms"
-                                            for name, t in row["wall_s"].items())
-              + f"; causal / SDPA {row['causal_over_sdpa']:.2f}"
-              + f", causal / non-causal {row['causal_over_noncausal']:.2f}")
+        print(f"N = {length}, median of {args.runs} runs: causal / SDPA "
+              f"{row['causal_over_sdpa']:.2f}, causal / non-causal "
+              f"{row['causal_over_noncausal']:.2f} (range "
+              f"{min(row['causal_over_noncausal_range']):.2f} to "
+              f"{max(row['causal_over_noncausal_range']):.2f})")
     result = {"machine": platform.platform(), "processor": platform.processor(),
               "cpu_count": os.cpu_count(), "torch": torch.__version__,
-              "torch_threads": args.threads, "repeats": args.repeats,
+              "torch_threads": args.threads, "repeats": args.repeats, "runs": args.runs,
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
               "xattn": xattn.__version__, "rows": rows}
     args.output.write_text(json.dumps(result, indent=2) + "\n")

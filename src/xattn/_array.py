@@ -402,6 +402,17 @@ def one_chunk_along(x: Array, axis: int) -> Array:
     return x
 
 
+def take(x: Array, indices: list[int], axis: int) -> Array:
+    """``x`` at the positions ``indices`` along ``axis`` (``xp.take``); on Dask with the
+    indices in memory, so that the chunks of the result stay known."""
+    if array_api_compat.is_dask_array(x):
+        import dask.array as da
+
+        return da.take(x, np.asarray(indices), axis=axis % x.ndim)
+    xp = array_api_compat.array_namespace(x)
+    return xp.take(x, xp.asarray(indices, device=array_api_compat.device(x)), axis=axis)
+
+
 def stream_bounds(x: Array, axis: int, chunk_size: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of the pieces of ``x`` along ``axis`` that an estimator streams
     through one at a time (bounded working memory).

@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 import array_api_compat
 import array_api_extra as xpx
 
-from xattn._array import Array, split_rows, written_in_place
+from xattn._array import Array, one_chunk_along, split_rows, written_in_place
 
 __all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_rows",
            "finite_shift", "join", "logsumexp", "masked_softmax", "merge_maxima",
-           "nonzero_divisor", "pad_rows", "value_columns"]
+           "nonzero_divisor", "pad_rows", "running_any", "running_max", "value_columns"]
 
 
 def finite_shift(xp: Any, maxima: Array) -> Array:
@@ -236,8 +236,8 @@ def finite_rows(xp: Any, x: Array) -> tuple[Array, Array]:
     that attend it, with no ``inf - inf`` or ``0 * inf`` on the way.
     """
     finite = xp.isfinite(x)
-    poison = xp.sum(xp.where(finite, xp.zeros_like(x), xp.full_like(x, xp.nan)), axis=-1)
-    return xp.where(finite, x, xp.zeros_like(x)), poison
+    nan = xp.asarray(xp.nan, dtype=x.dtype, device=array_api_compat.device(x))
+    return xp.where(finite, x, 0.0), xp.sum(xp.where(finite, 0.0, nan), axis=-1)
 
 
 def value_columns(xp: Any, v: Array) -> tuple[Array, Array]:
@@ -249,3 +249,25 @@ def value_columns(xp: Any, v: Array) -> tuple[Array, Array]:
     finite, poison = finite_rows(xp, v)
     ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=array_api_compat.device(v))
     return xp.concat([finite, ones], axis=-1), poison
+
+
+def running_max(xp: Any, x: Array) -> Array:
+    """``max(x[..., :i + 1, :], axis=-2)`` for every ``i`` (a cumulative maximum, by
+    doubling: log2 of the length steps)."""
+    step = 1
+    while step < x.shape[-2]:
+        fill = xp.full((*x.shape[:-2], step, x.shape[-1]), -xp.inf, dtype=x.dtype,
+                       device=array_api_compat.device(x))
+        x = xp.maximum(x, xp.concat([fill, x[..., :-step, :]], axis=-2))
+        step *= 2
+    return one_chunk_along(x, -2)  # Dask: not a chunk per step
+
+
+def running_any(xp: Any, x: Array) -> Array:
+    """``any(x[..., :i + 1])`` for every ``i`` along the last axis (boolean)."""
+    step = 1
+    while step < x.shape[-1]:
+        fill = xp.zeros((*x.shape[:-1], step), dtype=xp.bool, device=array_api_compat.device(x))
+        x = x | xp.concat([fill, x[..., :-step]], axis=-1)
+        step *= 2
+    return one_chunk_along(x, -1)  # Dask: not a chunk per step

@@ -10,11 +10,12 @@ Causal RFA needs, for every query :math:`n`, the random-feature sums over the ke
   :math:`K_s = \max_m a_{ms}`, :math:`A'_s = \sum_m e^{a_{ms} - K_s} [v_m, 1]` for the
   positive map, :math:`a_{ms} = \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2`;
 * inside a block, for the positive map, the keys are split into sub-blocks of
-  :data:`PAIR_BLOCK` positions: the keys of earlier sub-blocks are folded into exclusive
-  prefix states (the same statistics, one per sub-block), and a query and a key of the
-  same sub-block are paired **exactly**: :math:`\log \kappa_{nm} = \operatorname{LSE}_s
-  (\omega_s \cdot \hat q_n + a_{ms})` is summed with one shift per query, the largest term
-  of its row.
+  :data:`PAIR_BLOCK` positions: the carried state and the keys of earlier sub-blocks are
+  folded into the state before each sub-block (the same statistics, one per sub-block,
+  from one matrix product per sample), and a query and a key of the same sub-block are
+  paired **exactly**: :math:`\log \kappa_{nm} = \operatorname{LSE}_s (\omega_s \cdot
+  \hat q_n + a_{ms})` (computed by halving the sub-block, :func:`_pair_kernel`), all
+  summed with one shift per query, the largest term of its row.
 
 Every query therefore gets its sums with the shift of its own dominant term: the result
 equals the non-causal formula applied to its prefix, up to rounding, whatever the size
@@ -39,13 +40,14 @@ are selected away with ``where``, never multiplied by zero).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Generator
 from typing import Any, Protocol
 
 import array_api_compat
 
-from xattn._array import Array, one_chunk_along, stop_gradient, stream_bounds
+from xattn._array import Array, one_chunk_along, split_rows, stop_gradient, stream_bounds, take
 from xattn._primitives import (
     RowBlocks,
     finite_rows,
@@ -53,6 +55,8 @@ from xattn._primitives import (
     merge_maxima,
     nonzero_divisor,
     pad_rows,
+    running_any,
+    running_max,
     value_columns,
 )
 from xattn.features import log_positive_features
@@ -165,6 +169,53 @@ def _key_validity(xp: Any, key_mask: Array | None, first_key: int, start: int, s
     return valid
 
 
+def _pair_kernel(xp: Any, queries: Array, keys: Array) -> Array:
+    r"""The exact kernel of the pairs of a sub-block: (..., b, b), entry ``(n, m)``
+    :math:`\sum_s e^{x_{ns} + y_{ms}}` for ``m <= n`` and 0 above the diagonal.
+
+    ``queries`` :math:`x` and ``keys`` :math:`y` are (..., b, S), b a power of two. The
+    pairs are computed by halving: the diagonal, then for groups of 2, 4, ..., b
+    positions the dense block of the second half's queries against the first half's
+    keys. Every pair m <= n is computed once, no pair above the diagonal is (whose
+    exponential may overflow), and one gather puts them in place.
+    """
+    size = queries.shape[-2]
+    pieces = [xp.sum(xp.exp(queries + keys), axis=-1)]  # the diagonal, (..., b)
+    group = 1
+    while group < size:  # the second halves of groups of 2 * group against the first
+        halves = size // (2 * group)
+        second = xp.reshape(queries, (*queries.shape[:-2], halves, 2, group, queries.shape[-1]))
+        first = xp.reshape(keys, (*keys.shape[:-2], halves, 2, group, keys.shape[-1]))
+        cross = xp.sum(xp.exp(second[..., 1, :, None, :] + first[..., 0, None, :, :]), axis=-1)
+        pieces.append(xp.reshape(cross, (*cross.shape[:-3], halves * group * group)))
+        group *= 2
+    pieces.append(xp.zeros_like(pieces[0][..., :1]))  # above the diagonal
+    kernel = take(one_chunk_along(xp.concat(pieces, axis=-1), -1), _pair_places(size), axis=-1)
+    kernel = xp.reshape(kernel, (*kernel.shape[:-1], size, size))
+    return one_chunk_along(one_chunk_along(kernel, -1), -2)  # Dask: one chunk per sub-block
+
+
+@functools.cache
+def _pair_places(size: int) -> list[int]:
+    """For each entry ``(n, m)`` of a (size, size) kernel, row-major, its place in the
+    pieces of :func:`_pair_kernel`: the diagonal, the levels, then a zero."""
+    offsets, place, group = {}, size, 1
+    while group < size:
+        offsets[group], place, group = place, place + size * group // 2, group * 2
+    places = []
+    for row in range(size):
+        for column in range(size):
+            if column > row:
+                places.append(place)  # the zero, after the last level
+            elif column == row:
+                places.append(row)
+            else:
+                group = 1 << ((row ^ column).bit_length() - 1)  # the halves they differ in
+                places.append(offsets[group] + (row // (2 * group)) * group * group
+                              + (row % group) * group + column % group)
+    return places
+
+
 class PositiveMap:
     r"""Positive (and hyperbolic: samples :math:`\pm\omega`) features in the log domain.
 
@@ -180,7 +231,7 @@ class PositiveMap:
         self.omega = omega
         self.omega_t = xp.matrix_transpose(omega)
         self.num_samples = omega.shape[0]
-        self.multiple = pair_block
+        self.multiple = 1 << (pair_block.bit_length() - 1)  # a power of two, <= pair_block
 
     def queries(self, q_hat: Array) -> Array:
         return q_hat @ self.omega_t  # p_ns, (..., B, S)
@@ -230,13 +281,14 @@ class PositiveMap:
 
         Design: the B positions are J = B / b sub-blocks of b = ``PAIR_BLOCK``, so the
         intermediates carry a sub-block axis J besides the positions b and samples S.
-        (1) Each sub-block i gets its statistics :math:`K^i_s, A^i_s`. (2) Each
-        sub-block j gets its exclusive prefix state, the carried state merged with the
-        sub-blocks i < j, for all j at once through a (J, J) lower-triangular selection
-        (:func:`~xattn._primitives.merge_maxima`'s rule; the ``moveaxis`` pair puts S in
-        front so that the sum over i is one matrix product). (3) Each query takes its
-        prefix state and the exact pairs of its own sub-block ((..., J, b, b, S), b = 8)
-        with one shift, its largest term; the block is then folded into the state.
+        (1) Each sub-block i gets its statistics :math:`K^i_s, A^i_s`. (2) The state
+        before each sub-block j (the carried state and the sub-blocks i < j) is made for
+        all j at once, and the state after the block with them: the J + 1 parts are
+        merged by :func:`~xattn._primitives.merge_maxima`'s rule through a (J, J + 1)
+        lower-triangular selection, with S in front so that the sum over the parts is one
+        matrix product per sample. (3) Each query reads the state before its sub-block and
+        takes the exact pairs of its own sub-block (:func:`_pair_kernel`), all with one
+        shift, its largest term.
         """
         xp = self.xp
         (logits,) = keys
@@ -244,56 +296,67 @@ class PositiveMap:
         length, num_samples, width = queries.shape[-2], queries.shape[-1], values.shape[-1]
         num_sub = length // pair_block
         device = array_api_compat.device(queries)
+        dtype = queries.dtype
+        nan = xp.asarray(xp.nan, dtype=dtype, device=device)
         p = xp.reshape(queries, (*queries.shape[:-2], num_sub, pair_block, num_samples))
         a = xp.reshape(logits, (*logits.shape[:-2], num_sub, pair_block, num_samples))
         values = xp.reshape(values, (*values.shape[:-2], num_sub, pair_block, width))
         state_max, state_sums = state  # K (..., S), A' (..., S, E)
 
-        # statistics of each sub-block i: K^i_s, A^i_s (..., J, S) and (..., J, S, E)
-        sub_max = stop_gradient(xp.max(a, axis=-2))
-        sub_weights = xp.exp(a - finite_shift(xp, sub_max)[..., None, :])
+        # (1) statistics of each sub-block i: K^i_s (..., J, S) and A^i_s (..., J, S, E).
+        # A key with a NaN logit (a NaN key or value) is left out of A^i and of the pairs
+        # (logits -inf) and poisons K^i instead, hence every later state and row, but never
+        # an earlier one (no zero weight ever multiplies a NaN). The logits are never
+        # +inf, so a row's sum is NaN iff one of its logits is.
+        key_nan = xp.isnan(xp.sum(a, axis=-1))  # (..., J, b)
+        clean_a = xp.where(key_nan[..., None], -xp.inf, a)
+        sub_max = stop_gradient(xp.max(clean_a, axis=-2))
+        sub_weights = xp.exp(clean_a - finite_shift(xp, sub_max)[..., None, :])
         sub_sums = xp.matrix_transpose(sub_weights) @ values
-        # a NaN key or value poisons K^i (hence every later state and row) but must not
-        # reach earlier sub-blocks through a zero weight in the product below
-        sub_sums = xp.where(xp.isnan(sub_max)[..., None], xp.zeros_like(sub_sums), sub_sums)
+        sub_max = xp.where(xp.any(key_nan, axis=-1)[..., None], nan, sub_max)
 
-        # exclusive prefix state of sub-block j: the carried state and sub-blocks i < j
-        earlier = _lower_triangle(xp, num_sub, device, strict=True)[..., None]  # [j, i, 1]
-        earlier_max = xp.where(earlier, sub_max[..., None, :, :], -xp.inf)  # (..., J, J, S)
-        prefix_max = xp.maximum(state_max[..., None, :], xp.max(earlier_max, axis=-2))
-        prefix_safe = finite_shift(xp, prefix_max)
-        earlier_weights = xp.exp(earlier_max - prefix_safe[..., :, None, :])  # 0 for i >= j
-        prefix_sums = xp.moveaxis(
-            xp.moveaxis(earlier_weights, -1, -3) @ xp.moveaxis(sub_sums, -2, -3), -3, -2)
-        prefix_sums = prefix_sums + (xp.exp(state_max[..., None, :] - prefix_safe)[..., None]
-                                     * state_sums[..., None, :, :])  # (..., J, S, E)
+        # (2) the state before sub-block j, for every j, from the parts c = 0 (the carried
+        # state) and c = i + 1 (sub-block i): row j takes the parts c <= j; S in front, so
+        # that the sum over the parts is one matrix product per sample
+        lead = state_max.shape[:-1]  # the carried state has the full batch shape
+        part_max = xp.concat([xp.broadcast_to(state_max[..., None], (*lead, num_samples, 1)),
+                              xp.broadcast_to(xp.matrix_transpose(sub_max),
+                                              (*lead, num_samples, num_sub))],
+                             axis=-1)  # (..., S, J+1)
+        part_sums = xp.concat(
+            [xp.broadcast_to(state_sums[..., :, None, :], (*lead, num_samples, 1, width)),
+             xp.broadcast_to(xp.moveaxis(sub_sums, -2, -3),
+                             (*lead, num_samples, num_sub, width))],
+            axis=-2)  # (..., S, J+1, E)
+        taken = _lower_triangle(xp, num_sub + 1, device, strict=False)  # [j, c]
+        taken_max = xp.where(taken, part_max[..., None, :], -xp.inf)  # (..., S, J+1, J+1)
+        prefix_max = xp.max(taken_max, axis=-1)  # (..., S, J+1)
+        prefix_sums = xp.exp(taken_max - finite_shift(xp, prefix_max)[..., None]) @ part_sums
+        # rows j < J: the states before the sub-blocks; row J: the state after the block
+        prefix_sums, after = split_rows(prefix_sums, num_sub)  # (..., S, J | 1, E)
+        new_state = (prefix_max[..., num_sub], after[..., 0, :])
+        prefix_max = xp.matrix_transpose(prefix_max[..., :num_sub])  # (..., J, S)
 
-        # one shift per query: its largest term, from the prefix state or from an exact pair
-        state_logits = p + prefix_max[..., :, None, :]  # (..., J, b, S); -inf without keys
-        # the pairs i <= j get 0 added, the others -inf (cheaper than a where for autograd);
-        # a poisoned (NaN) key i is taken out of the pairs and adds its NaN to the rows j >= i
-        allowed = _lower_triangle(xp, pair_block, device, strict=False)  # [j, i]
-        nan_rows = xp.any(allowed & xp.any(xp.isnan(a), axis=-1)[..., None, :], axis=-1)
-        poison = xp.where(nan_rows, xp.asarray(xp.nan, dtype=a.dtype, device=device), 0.0)
-        bias = xp.where(allowed, xp.zeros(allowed.shape, dtype=a.dtype, device=device), -xp.inf)
-        pair_logits = (p[..., :, :, None, :] + xp.where(xp.isnan(a), -xp.inf, a)[..., None, :, :]
-                       + bias[..., None])  # (..., J, b, b, S)
-        shift = stop_gradient(xp.maximum(xp.max(state_logits, axis=-1, keepdims=True),
-                                         xp.max(pair_logits, axis=(-2, -1))[..., None]))
-        safe = finite_shift(xp, shift)
-        kernel = xp.sum(xp.exp(pair_logits - safe[..., None]), axis=-1)  # (..., J, b, b)
-        sums = (xp.exp(state_logits - safe) @ prefix_sums + kernel @ values
-                + poison[..., None])
-        sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
+        # (3) one shift per query n: its largest term, from the prefix state or a pair
+        # m <= n, max_s (p_ns + max_{m <= n} a_ms) (a running maximum)
+        shift = stop_gradient(xp.max(p + xp.maximum(prefix_max[..., :, None, :],
+                                                     running_max(xp, clean_a)),
+                                     axis=-1, keepdims=True))
+        # a row n at or after a NaN key of its sub-block is made NaN through its logits
+        poison = xp.where(running_any(xp, key_nan), nan, 0.0)[..., None]  # (..., J, b, 1)
+        shifted = p - finite_shift(xp, shift) + poison  # (..., J, b, S)
+        # the prefix state and the exact pairs read out in one product: weights
+        # (..., J, b, S + b) against the state's sums and the values, (..., J, S + b, E)
+        weights = xp.concat([xp.exp(shifted + prefix_max[..., :, None, :]),
+                             _pair_kernel(xp, shifted, clean_a)], axis=-1)
+        lead = weights.shape[:-3]
+        sums = weights @ xp.concat(
+            [xp.broadcast_to(xp.moveaxis(prefix_sums, -3, -2),
+                             (*lead, num_sub, num_samples, width)),
+             xp.broadcast_to(values, (*lead, num_sub, pair_block, width))], axis=-2)
+        sums = xp.reshape(sums, (*lead, length, width))
         shift = xp.reshape(shift, (*shift.shape[:-3], length, 1))
-
-        # fold the block into the carried state
-        new_max = xp.maximum(state_max, xp.max(sub_max, axis=-2))
-        new_safe = finite_shift(xp, new_max)
-        new_sums = (xp.exp(state_max - new_safe)[..., None] * state_sums
-                    + xp.sum(xp.exp(sub_max - new_safe[..., None, :])[..., None] * sub_sums,
-                             axis=-3))
-        return (shift, sums, sums[..., -1:]), (new_max, new_sums)
+        return (shift, sums, sums[..., -1:]), new_state
 
 
 class TrigonometricMap:
