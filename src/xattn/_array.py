@@ -27,7 +27,7 @@ __all__ = ["AttentionInputs", "array_namespace", "check_device", "check_proposal
            "concrete_count", "host_to_device", "index_sizes", "is_real_floating",
            "library_name", "native_attention", "one_chunk_along", "prepare_attention", "qr",
            "register_pytree", "sequence_positions", "split_rows", "stop_gradient",
-           "stream_bounds", "written_in_place"]
+           "stream_bounds", "take", "written_in_place"]
 
 Array = Any
 
