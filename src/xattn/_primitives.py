@@ -18,7 +18,7 @@ from xattn._array import Array, one_chunk_along, split_rows, written_in_place
 
 __all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_rows",
            "finite_shift", "join", "logsumexp", "masked_softmax", "merge_maxima",
-           "nonzero_divisor", "pad_rows", "running_any", "running_max", "value_columns"]
+           "nonzero_divisor", "pad_rows", "running_max", "value_columns"]
 
 
 def finite_shift(xp: Any, maxima: Array) -> Array:
@@ -261,13 +261,3 @@ def running_max(xp: Any, x: Array) -> Array:
         x = xp.maximum(x, xp.concat([fill, x[..., :-step, :]], axis=-2))
         step *= 2
     return one_chunk_along(x, -2)  # Dask: not a chunk per step
-
-
-def running_any(xp: Any, x: Array) -> Array:
-    """``any(x[..., :i + 1])`` for every ``i`` along the last axis (boolean)."""
-    step = 1
-    while step < x.shape[-1]:
-        fill = xp.zeros((*x.shape[:-1], step), dtype=xp.bool, device=array_api_compat.device(x))
-        x = x | xp.concat([fill, x[..., :-step]], axis=-1)
-        step *= 2
-    return one_chunk_along(x, -1)  # Dask: not a chunk per step

@@ -12,10 +12,11 @@ Causal RFA needs, for every query :math:`n`, the random-feature sums over the ke
 * inside a block, for the positive map, the keys are split into sub-blocks of
   :data:`PAIR_BLOCK` positions: the carried state and the keys of earlier sub-blocks are
   folded into the state before each sub-block (the same statistics, one per sub-block,
-  from one matrix product per sample), and a query and a key of the same sub-block are
-  paired **exactly**: :math:`\log \kappa_{nm} = \operatorname{LSE}_s (\omega_s \cdot
-  \hat q_n + a_{ms})` (computed by halving the sub-block, :func:`_pair_kernel`), all
-  summed with one shift per query, the largest term of its row.
+  from one matrix product per sample; in groups of :data:`SUB_GROUP` sub-blocks when a
+  block has more, :func:`_prefix_states`), and a query and a key of the same sub-block
+  are paired **exactly**: :math:`\log \kappa_{nm} = \operatorname{LSE}_s (\omega_s
+  \cdot \hat q_n + a_{ms})` (computed by halving the sub-block, :func:`_pair_kernel`),
+  all summed with one shift per query, the largest term of its row.
 
 Every query therefore gets its sums with the shift of its own dominant term: the result
 equals the non-causal formula applied to its prefix, up to rounding, whatever the size
@@ -55,7 +56,6 @@ from xattn._primitives import (
     merge_maxima,
     nonzero_divisor,
     pad_rows,
-    running_any,
     running_max,
     value_columns,
 )
@@ -64,8 +64,15 @@ from xattn.features import log_positive_features
 __all__ = ["PAIR_BLOCK", "FeatureMap", "PositiveMap", "TrigonometricMap", "combine_partials",
            "finish_partial", "scan_partials", "state_over_keys"]
 
-PAIR_BLOCK = 8
-"""Positions per sub-block whose query-key pairs are computed exactly (positive maps)."""
+PAIR_BLOCK = 16
+"""Positions per sub-block whose query-key pairs are computed exactly (positive maps):
+their cost per query grows with it, that of the states before the sub-blocks shrinks."""
+
+FACTORED_GROUP = 8
+"""From this size of half-group on, :func:`_pair_kernel` factorizes the cross pairs."""
+
+SUB_GROUP = 8
+"""Sub-blocks per group of the states before the sub-blocks (:func:`_prefix_states`)."""
 
 Partial = tuple[Array, Array, Array]
 """``(shift, sums, weight)`` of a block of queries over a set of keys (module docstring)."""
@@ -173,11 +180,20 @@ def _pair_kernel(xp: Any, queries: Array, keys: Array) -> Array:
     r"""The exact kernel of the pairs of a sub-block: (..., b, b), entry ``(n, m)``
     :math:`\sum_s e^{x_{ns} + y_{ms}}` for ``m <= n`` and 0 above the diagonal.
 
-    ``queries`` :math:`x` and ``keys`` :math:`y` are (..., b, S), b a power of two. The
-    pairs are computed by halving: the diagonal, then for groups of 2, 4, ..., b
-    positions the dense block of the second half's queries against the first half's
-    keys. Every pair m <= n is computed once, no pair above the diagonal is (whose
-    exponential may overflow), and one gather puts them in place.
+    ``queries`` :math:`x` and ``keys`` :math:`y` are (..., b, S), b a power of two, with
+    :math:`x_{ns} + y_{ms} \le 0` for every ``m <= n`` (the queries are shifted by their
+    rows' largest terms). The pairs are computed by halving: the diagonal, then for
+    groups of 2, 4, ..., b positions the dense block of the second half's queries
+    against the first half's keys. Every pair m <= n is computed once, no pair above the
+    diagonal is (whose exponential may overflow), and one gather puts them in place.
+
+    Halves of :data:`FACTORED_GROUP` positions or more are factorized through
+    :math:`c_s = \max_m y_{ms}` over the first half's keys, which every query of the
+    second half attends: :math:`e^{x_{ns} + y_{ms}} = e^{x_{ns} + c_s} e^{y_{ms} - c_s}`,
+    one matrix product. Both factors are at most 1 (:math:`x_{ns} + c_s \le 0` by the
+    condition above), so a factor that underflows leaves a product that underflows
+    anyway, and the exponents, both non-positive, add up to the exact one without
+    cancellation: the entries are those of the direct sum up to rounding.
     """
     size = queries.shape[-2]
     pieces = [xp.sum(xp.exp(queries + keys), axis=-1)]  # the diagonal, (..., b)
@@ -186,7 +202,14 @@ def _pair_kernel(xp: Any, queries: Array, keys: Array) -> Array:
         halves = size // (2 * group)
         second = xp.reshape(queries, (*queries.shape[:-2], halves, 2, group, queries.shape[-1]))
         first = xp.reshape(keys, (*keys.shape[:-2], halves, 2, group, keys.shape[-1]))
-        cross = xp.sum(xp.exp(second[..., 1, :, None, :] + first[..., 0, None, :, :]), axis=-1)
+        if group < FACTORED_GROUP:
+            cross = xp.sum(xp.exp(second[..., 1, :, None, :] + first[..., 0, None, :, :]),
+                           axis=-1)
+        else:
+            first_keys = first[..., 0, :, :]  # (..., halves, group, S)
+            key_max = stop_gradient(xp.max(first_keys, axis=-2, keepdims=True))
+            cross = (xp.exp(second[..., 1, :, :] + key_max)
+                     @ xp.matrix_transpose(xp.exp(first_keys - finite_shift(xp, key_max))))
         pieces.append(xp.reshape(cross, (*cross.shape[:-3], halves * group * group)))
         group *= 2
     pieces.append(xp.zeros_like(pieces[0][..., :1]))  # above the diagonal
@@ -214,6 +237,83 @@ def _pair_places(size: int) -> list[int]:
                 places.append(offsets[group] + (row // (2 * group)) * group * group
                               + (row % group) * group + column % group)
     return places
+
+
+def _merge_parts(xp: Any, part_max: Array, part_sums: Array, rows: int) -> tuple[Array, Array]:
+    """The statistics of the parts ``c <= j`` for ``j < rows``: parts along the last axis of
+    ``part_max`` (..., P) and axis -2 of ``part_sums`` (..., P, E); returns (..., rows) and
+    (..., rows, E), by :func:`~xattn._primitives.merge_maxima`'s rule through a
+    lower-triangular selection (one matrix product per leading index)."""
+    device = array_api_compat.device(part_max)
+    taken = (xp.arange(part_max.shape[-1], device=device)[None, :]
+             <= xp.arange(rows, device=device)[:, None])  # [j, c]
+    taken_max = xp.where(taken, part_max[..., None, :], -xp.inf)  # (..., rows, P)
+    merged_max = xp.max(taken_max, axis=-1)
+    return merged_max, xp.exp(taken_max - finite_shift(xp, merged_max)[..., None]) @ part_sums
+
+
+def _prefix_states(xp: Any, state: State, sub_max: Array, clean_max: Array,
+                   sub_sums: Array) -> tuple[Array, Array, State]:
+    r"""The states before each of J sub-blocks (the carried ``state`` and the sub-blocks
+    before it) and the state after all of them.
+
+    ``sub_max`` (..., S, J) holds the sub-blocks' maxima :math:`K^i_s`, NaN for a sub-block
+    with a NaN key, ``clean_max`` the same without the NaN, ``sub_sums`` (..., S, J, E)
+    their sums :math:`A^i_s`. Returns the maxima (..., S, J) and sums (..., S, J, E) before
+    each sub-block, and the state after the last one.
+
+    Up to :data:`SUB_GROUP` sub-blocks, the J + 1 parts (the carried state, then the
+    sub-blocks) are merged in one selection of J + 1 rows. More are taken in groups of
+    ``SUB_GROUP``: the groups' statistics, the states before each group (one selection
+    over the groups), then within each group the states before its sub-blocks, so that
+    the selections stay small (their cost grows with the square of their parts).
+    """
+    state_max, state_sums = state
+    carried_max, carried_sums = state_max[..., None], state_sums[..., None, :]
+    num_sub = sub_max.shape[-1]
+    if num_sub <= SUB_GROUP:
+        merged_max, merged_sums = _merge_parts(
+            xp, xp.concat([carried_max, sub_max], axis=-1),
+            xp.concat([carried_sums, sub_sums], axis=-2), num_sub + 1)
+        before_sums, after_sums = split_rows(merged_sums, num_sub)
+        return (merged_max[..., :num_sub], before_sums,
+                (merged_max[..., num_sub], after_sums[..., 0, :]))
+    num_groups = -(-num_sub // SUB_GROUP)
+    padding = num_groups * SUB_GROUP - num_sub  # empty sub-blocks: no keys
+
+    def grouped(x: Array, fill: float, axis: int) -> Array:
+        if padding:
+            shape = list(x.shape)
+            shape[axis] = padding
+            x = one_chunk_along(xp.concat(
+                [x, xp.full(tuple(shape), fill, dtype=x.dtype,
+                            device=array_api_compat.device(x))], axis=axis), axis)
+        shape, axis = list(x.shape), axis % x.ndim
+        shape[axis:axis + 1] = [num_groups, SUB_GROUP]
+        return xp.reshape(x, tuple(shape))
+
+    sub_max, clean_max = grouped(sub_max, -math.inf, -1), grouped(clean_max, -math.inf, -1)
+    sub_sums = grouped(sub_sums, 0.0, -2)  # (..., S, G, g, E)
+    # the groups' statistics: a group with a NaN key has a NaN maximum (max propagates it)
+    group_clean = stop_gradient(xp.max(clean_max, axis=-1))  # (..., S, G)
+    group_weights = xp.exp(clean_max - finite_shift(xp, group_clean)[..., None])
+    group_sums = (group_weights[..., None, :] @ sub_sums)[..., 0, :]  # (..., S, G, E)
+    group_max = xp.max(sub_max, axis=-1)
+    # the states before each group (rows g < G) and after the last (row G)
+    merged_max, merged_sums = _merge_parts(
+        xp, xp.concat([carried_max, group_max], axis=-1),
+        xp.concat([carried_sums, group_sums], axis=-2), num_groups + 1)
+    before_sums, after_sums = split_rows(merged_sums, num_groups)
+    new_state = (merged_max[..., num_groups], after_sums[..., 0, :])
+    # within each group, the state before each sub-block: parts c = 0 (the state before
+    # the group) and c = i + 1 (its sub-block i)
+    prefix_max, prefix_sums = _merge_parts(
+        xp, xp.concat([merged_max[..., :num_groups, None], sub_max], axis=-1),
+        xp.concat([before_sums[..., None, :], sub_sums], axis=-2), SUB_GROUP)
+    prefix_max = xp.reshape(prefix_max, (*prefix_max.shape[:-2], num_groups * SUB_GROUP))
+    prefix_sums = xp.reshape(prefix_sums, (*prefix_sums.shape[:-3], num_groups * SUB_GROUP,
+                                           prefix_sums.shape[-1]))
+    return prefix_max[..., :num_sub], prefix_sums[..., :num_sub, :], new_state
 
 
 class PositiveMap:
@@ -283,12 +383,12 @@ class PositiveMap:
         intermediates carry a sub-block axis J besides the positions b and samples S.
         (1) Each sub-block i gets its statistics :math:`K^i_s, A^i_s`. (2) The state
         before each sub-block j (the carried state and the sub-blocks i < j) is made for
-        all j at once, and the state after the block with them: the J + 1 parts are
-        merged by :func:`~xattn._primitives.merge_maxima`'s rule through a (J, J + 1)
-        lower-triangular selection, with S in front so that the sum over the parts is one
-        matrix product per sample. (3) Each query reads the state before its sub-block and
-        takes the exact pairs of its own sub-block (:func:`_pair_kernel`), all with one
-        shift, its largest term.
+        all j at once, and the state after the block with them (:func:`_prefix_states`:
+        the parts are merged by :func:`~xattn._primitives.merge_maxima`'s rule through
+        lower-triangular selections, with S in front so that the sum over the parts is
+        one matrix product per sample). (3) Each query reads the state before its
+        sub-block and takes the exact pairs of its own sub-block (:func:`_pair_kernel`),
+        all with one shift, its largest term.
         """
         xp = self.xp
         (logits,) = keys
@@ -301,7 +401,7 @@ class PositiveMap:
         p = xp.reshape(queries, (*queries.shape[:-2], num_sub, pair_block, num_samples))
         a = xp.reshape(logits, (*logits.shape[:-2], num_sub, pair_block, num_samples))
         values = xp.reshape(values, (*values.shape[:-2], num_sub, pair_block, width))
-        state_max, state_sums = state  # K (..., S), A' (..., S, E)
+        state_max = state[0]  # K (..., S); the state is (K, A' (..., S, E))
 
         # (1) statistics of each sub-block i: K^i_s (..., J, S) and A^i_s (..., J, S, E).
         # A key with a NaN logit (a NaN key or value) is left out of A^i and of the pairs
@@ -313,47 +413,29 @@ class PositiveMap:
         sub_max = stop_gradient(xp.max(clean_a, axis=-2))
         sub_weights = xp.exp(clean_a - finite_shift(xp, sub_max)[..., None, :])
         sub_sums = xp.matrix_transpose(sub_weights) @ values
-        sub_max = xp.where(xp.any(key_nan, axis=-1)[..., None], nan, sub_max)
+        clean_max, sub_max = sub_max, xp.where(xp.any(key_nan, axis=-1)[..., None], nan, sub_max)
 
-        # (2) the state before sub-block j, for every j, from the parts c = 0 (the carried
-        # state) and c = i + 1 (sub-block i): row j takes the parts c <= j; S in front, so
-        # that the sum over the parts is one matrix product per sample
+        # (2) the states before the sub-blocks and after the block (S in front, so that
+        # each merge of parts is one matrix product per sample)
         lead = state_max.shape[:-1]  # the carried state has the full batch shape
-        part_max = xp.concat([xp.broadcast_to(state_max[..., None], (*lead, num_samples, 1)),
-                              xp.broadcast_to(xp.matrix_transpose(sub_max),
-                                              (*lead, num_samples, num_sub))],
-                             axis=-1)  # (..., S, J+1)
-        part_sums = xp.concat(
-            [xp.broadcast_to(state_sums[..., :, None, :], (*lead, num_samples, 1, width)),
-             xp.broadcast_to(xp.moveaxis(sub_sums, -2, -3),
-                             (*lead, num_samples, num_sub, width))],
-            axis=-2)  # (..., S, J+1, E)
-        taken = _lower_triangle(xp, num_sub + 1, device, strict=False)  # [j, c]
-        taken_max = xp.where(taken, part_max[..., None, :], -xp.inf)  # (..., S, J+1, J+1)
-        prefix_max = xp.max(taken_max, axis=-1)  # (..., S, J+1)
-        prefix_sums = xp.exp(taken_max - finite_shift(xp, prefix_max)[..., None]) @ part_sums
-        # rows j < J: the states before the sub-blocks; row J: the state after the block
-        prefix_sums, after = split_rows(prefix_sums, num_sub)  # (..., S, J | 1, E)
-        new_state = (prefix_max[..., num_sub], after[..., 0, :])
-        prefix_max = xp.matrix_transpose(prefix_max[..., :num_sub])  # (..., J, S)
+        prefix_max, prefix_sums, new_state = _prefix_states(
+            xp, state, xp.broadcast_to(xp.matrix_transpose(sub_max), (*lead, num_samples, num_sub)),
+            xp.broadcast_to(xp.matrix_transpose(clean_max), (*lead, num_samples, num_sub)),
+            xp.broadcast_to(xp.moveaxis(sub_sums, -2, -3), (*lead, num_samples, num_sub, width)))
+        prefix_max = xp.matrix_transpose(prefix_max)  # (..., J, S)
 
         # (3) one shift per query n: its largest term, from the prefix state or a pair
-        # m <= n, max_s (p_ns + max_{m <= n} a_ms) (a running maximum)
+        # m <= n, max_s (p_ns + max_{m <= n} a_ms) (a running maximum). A NaN logit of
+        # the sub-block makes the running maximum, hence the shift and every term of the
+        # rows at and after it NaN, and no earlier row's.
         shift = stop_gradient(xp.max(p + xp.maximum(prefix_max[..., :, None, :],
-                                                     running_max(xp, clean_a)),
+                                                     running_max(xp, a)),
                                      axis=-1, keepdims=True))
-        # a row n at or after a NaN key of its sub-block is made NaN through its logits
-        poison = xp.where(running_any(xp, key_nan), nan, 0.0)[..., None]  # (..., J, b, 1)
-        shifted = p - finite_shift(xp, shift) + poison  # (..., J, b, S)
-        # the prefix state and the exact pairs read out in one product: weights
-        # (..., J, b, S + b) against the state's sums and the values, (..., J, S + b, E)
-        weights = xp.concat([xp.exp(shifted + prefix_max[..., :, None, :]),
-                             _pair_kernel(xp, shifted, clean_a)], axis=-1)
-        lead = weights.shape[:-3]
-        sums = weights @ xp.concat(
-            [xp.broadcast_to(xp.moveaxis(prefix_sums, -3, -2),
-                             (*lead, num_sub, num_samples, width)),
-             xp.broadcast_to(values, (*lead, num_sub, pair_block, width))], axis=-2)
+        shifted = p - finite_shift(xp, shift)  # (..., J, b, S)
+        # the prefix state and the exact pairs of each query, read out
+        sums = (xp.exp(shifted + prefix_max[..., :, None, :]) @ xp.moveaxis(prefix_sums, -3, -2)
+                + _pair_kernel(xp, shifted, clean_a) @ values)
+        lead = sums.shape[:-3]
         sums = xp.reshape(sums, (*lead, length, width))
         shift = xp.reshape(shift, (*shift.shape[:-3], length, 1))
         return (shift, sums, sums[..., -1:]), new_state

@@ -166,15 +166,16 @@ def rfa(
 
     **Causal mode** walks the positions in blocks of ``block_size`` with a carried
     ``(S, Dv)`` state :math:`K_s, A'_s, b'_s` of the earlier keys, rescaled as its
-    maximum grows. Inside a block, sub-blocks of 8 positions get the states before them
-    (the carried state merged with the earlier sub-blocks, all in one matrix product per
-    sample), and a query and a key of the same sub-block are paired exactly,
+    maximum grows. Inside a block, sub-blocks of 16 positions get the states before them
+    (the carried state merged with the earlier sub-blocks, in one matrix product per
+    sample for up to 8 sub-blocks, in groups of 8 beyond), and a query and a key of the
+    same sub-block are paired exactly,
     :math:`\log \kappa_{nm} = \operatorname{LSE}_s(\omega_s \cdot \hat q_n + a_{ms})`
     (positive and hyperbolic maps). Every row is stabilized by its own largest term, so
     the causal result equals the non-causal formula applied to each prefix up to
     rounding, for scores as large as the non-causal path takes (the log-domain terms
     only need to be finite), and no row underflows to zero while it has an allowed key.
-    Memory is ``O(S Dv (1 + block_size / 8) + S block_size (4 + block_size / 64))``
+    Memory is ``O(S Dv (1 + block_size / 16) + S block_size)``
     per batch-head
     besides inputs and output (**Memory** below), and every stabilizer a query uses
     depends only on keys at or before it: outputs at positions ``<= n`` do not depend on
