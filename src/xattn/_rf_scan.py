@@ -61,8 +61,9 @@ from xattn._primitives import (
 )
 from xattn.features import log_positive_features
 
-__all__ = ["PAIR_BLOCK", "FeatureMap", "PositiveMap", "TrigonometricMap", "combine_partials",
-           "finish_partial", "scan_partials", "state_over_keys"]
+__all__ = ["FACTORED_GROUP", "PAIR_BLOCK", "SUB_GROUP", "FeatureMap", "PositiveMap",
+           "TrigonometricMap", "combine_partials", "finish_partial", "scan_partials",
+           "state_over_keys"]
 
 PAIR_BLOCK = 16
 """Positions per sub-block whose query-key pairs are computed exactly (positive maps):
