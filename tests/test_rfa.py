@@ -288,6 +288,71 @@ def test_causal_equals_noncausal_formula_on_each_prefix(backend, feature_map, dt
                           atol=tolerance * np.abs(expected).max())
 
 
+# 160 tokens: blocks of 16 (one sub-block of 16, whose halves of 8 are factorized) and of
+# 160 (10 sub-blocks: the states before them in two groups of 8, the second padded)
+LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 160, (16, 160)
+
+
+@pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, feature_map,
+                                                                      dtype_name):
+    """As above for the paths that only longer blocks take: the pairs of halves of 8
+    positions factorized through the first half's largest key logit, and the states before
+    more than 8 sub-blocks merged in groups. Scores from 1 to 1e15, a random key mask:
+    each row equals the non-causal formula on its prefix, and no row with a key is zero."""
+    xp = backend.ns
+    dtype, host_dtype = getattr(xp, dtype_name), np.dtype(dtype_name)
+    tolerance = PREFIX_ROUNDING_EPS * np.finfo(host_dtype).eps
+    num_tokens, head_dim = LONG_CAUSAL_TOKENS, 8
+    for magnitude in (1.0, 1e3, 1e15):
+        draw = np.random.default_rng(7)
+        spread = np.sqrt(magnitude / np.sqrt(head_dim))
+        q, k = (spread * draw.normal(size=(1, num_tokens, head_dim)) for _ in range(2))
+        v = draw.normal(size=(1, num_tokens, 3))
+        omega = sample_omega(3, 16, head_dim, xp=np, dtype=np.float64)
+        q, k, v, omega = (a.astype(host_dtype).astype(np.float64) for a in (q, k, v, omega))
+        key_mask = draw.random((1, num_tokens)) < 0.7
+        key_mask[0, :2] = False  # rows 0 and 1 have no key
+        expected = prefix_rfa(q, k, v, omega, feature_map, key_mask=key_mask, scale=1.0)
+        has_key = np.cumsum(key_mask, axis=-1) > 0
+        for block_size in LONG_CAUSAL_BLOCKS:
+            out = attend(backend, *(backend.asarray(a, dtype=dtype) for a in (q, k, v)),
+                         omega=backend.asarray(omega, dtype=dtype), feature_map=feature_map,
+                         scale=1.0, causal=True, block_size=block_size,
+                         key_mask=backend.asarray(key_mask))
+            rows_zero = np.all(backend.to_numpy(out) == 0, axis=-1)
+            assert not np.any(rows_zero & has_key), (magnitude, block_size)
+            assert np.all(rows_zero[~has_key])
+            backend.check(out, expected, dtype=dtype, rtol=tolerance,
+                          atol=tolerance * np.abs(expected).max())
+
+
+def test_nonfinite_key_reaches_exactly_its_rows_in_long_blocks(backend, rng):
+    """NaN or infinity in a key or value m, in the first or a later group of sub-blocks, or
+    in the first or second half of a sub-block: causal rows >= m are NaN, rows < m
+    unchanged, with blocks of 16 and of 160 positions (see above)."""
+    q, k, v = make_qkv(rng, batch=(2,), num_queries=LONG_CAUSAL_TOKENS,
+                       num_keys=LONG_CAUSAL_TOKENS)
+    omega = backend.asarray(omega_for(rng))
+    corruptions = (("key", 3, np.nan), ("value", 12, np.inf), ("key", 77, -np.inf),
+                   ("value", 141, np.nan))
+    for block_size in LONG_CAUSAL_BLOCKS:
+        def run(k, v, block_size=block_size):
+            out = attend(backend, *map(backend.asarray, (q, k, v)), omega=omega, causal=True,
+                         block_size=block_size)
+            return backend.to_numpy(out)
+
+        clean = run(k, v)
+        for corrupt, position, bad in corruptions:
+            bad_k, bad_v = k.copy(), v.copy()
+            (bad_k if corrupt == "key" else bad_v)[1, position, 2] = bad
+            out = run(bad_k, bad_v)
+            assert np.all(np.isnan(out[1, position:])), (block_size, corrupt, position)
+            np.testing.assert_allclose(out[1, :position], clean[1, :position], rtol=1e-12)
+            np.testing.assert_allclose(out[0], clean[0], rtol=1e-12)  # another batch row
+
+
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
 def test_causal_large_scores_give_no_zero_rows_issue_example(backend, feature_map):
     """The reported case: float32, |score| up to ~ 300, values of ones: every row is 1."""

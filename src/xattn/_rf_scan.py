@@ -426,13 +426,16 @@ class PositiveMap:
         prefix_max = xp.matrix_transpose(prefix_max)  # (..., J, S)
 
         # (3) one shift per query n: its largest term, from the prefix state or a pair
-        # m <= n, max_s (p_ns + max_{m <= n} a_ms) (a running maximum). A NaN logit of
-        # the sub-block makes the running maximum, hence the shift and every term of the
-        # rows at and after it NaN, and no earlier row's.
+        # m <= n, max_s (p_ns + max_{m <= n} a_ms) (a running maximum; its last column
+        # marks the rows at or after a NaN key of the sub-block, made NaN through their
+        # logits: the running maximum of a NaN need not be NaN, XLA's may drop it)
+        running = running_max(xp, xp.concat(
+            [clean_a, xp.astype(key_nan, dtype)[..., None]], axis=-1))
         shift = stop_gradient(xp.max(p + xp.maximum(prefix_max[..., :, None, :],
-                                                     running_max(xp, a)),
+                                                     running[..., :-1]),
                                      axis=-1, keepdims=True))
-        shifted = p - finite_shift(xp, shift)  # (..., J, b, S)
+        poison = xp.where(running[..., -1:] > 0, nan, 0.0)  # (..., J, b, 1)
+        shifted = p - finite_shift(xp, shift) + poison  # (..., J, b, S)
         # the prefix state and the exact pairs of each query, read out
         sums = (xp.exp(shifted + prefix_max[..., :, None, :]) @ xp.moveaxis(prefix_sums, -3, -2)
                 + _pair_kernel(xp, shifted, clean_a) @ values)
