@@ -208,7 +208,7 @@ def _pair_kernel(xp: Any, queries: Array, keys: Array) -> Array:
                            axis=-1)
         else:
             first_keys = first[..., 0, :, :]  # (..., halves, group, S)
-            key_max = stop_gradient(xp.max(first_keys, axis=-2, keepdims=True))
+            key_max = xp.max(stop_gradient(first_keys), axis=-2, keepdims=True)
             cross = (xp.exp(second[..., 1, :, :] + key_max)
                      @ xp.matrix_transpose(xp.exp(first_keys - finite_shift(xp, key_max))))
         pieces.append(xp.reshape(cross, (*cross.shape[:-3], halves * group * group)))
@@ -409,9 +409,12 @@ class PositiveMap:
         # (logits -inf) and poisons K^i instead, hence every later state and row, but never
         # an earlier one (no zero weight ever multiplies a NaN). The logits are never
         # +inf, so a row's sum is NaN iff one of its logits is.
-        key_nan = xp.isnan(xp.sum(a, axis=-1))  # (..., J, b)
+        key_nan = xp.isnan(xp.sum(stop_gradient(a), axis=-1))  # (..., J, b)
         clean_a = xp.where(key_nan[..., None], -xp.inf, a)
-        sub_max = stop_gradient(xp.max(clean_a, axis=-2))
+        # the stabilizers are constants (no gradient): computed from detached logits, so
+        # that autograd records none of their operations
+        clean_logits = stop_gradient(clean_a)
+        sub_max = xp.max(clean_logits, axis=-2)
         sub_weights = xp.exp(clean_a - finite_shift(xp, sub_max)[..., None, :])
         sub_sums = xp.matrix_transpose(sub_weights) @ values
         clean_max, sub_max = sub_max, xp.where(xp.any(key_nan, axis=-1)[..., None], nan, sub_max)
@@ -430,10 +433,10 @@ class PositiveMap:
         # marks the rows at or after a NaN key of the sub-block, made NaN through their
         # logits: the running maximum of a NaN need not be NaN, XLA's may drop it)
         running = running_max(xp, xp.concat(
-            [clean_a, xp.astype(key_nan, dtype)[..., None]], axis=-1))
-        shift = stop_gradient(xp.max(p + xp.maximum(prefix_max[..., :, None, :],
+            [clean_logits, xp.astype(key_nan, dtype)[..., None]], axis=-1))
+        shift = xp.max(stop_gradient(p) + xp.maximum(prefix_max[..., :, None, :],
                                                      running[..., :-1]),
-                                     axis=-1, keepdims=True))
+                       axis=-1, keepdims=True)
         poison = xp.where(running[..., -1:] > 0, nan, 0.0)  # (..., J, b, 1)
         shifted = p - finite_shift(xp, shift) + poison  # (..., J, b, S)
         # the prefix state and the exact pairs of each query, read out
