@@ -288,6 +288,38 @@ def test_causal_equals_noncausal_formula_on_each_prefix(backend, feature_map, dt
                           atol=tolerance * np.abs(expected).max())
 
 
+def check_nonfinite_reaches_its_rows(backend, rng, num_tokens, block_sizes, corruptions,
+                                     feature_map="positive"):
+    """For each block size and each ``(array, position, value)`` of ``corruptions`` (entry
+    2 of key or value ``position`` of batch row 1 set to ``value``): causal rows >= the
+    position are NaN, earlier rows and the other batch row unchanged. Returns
+    ``run(causal, corrupt, block_size)``, the NumPy output with one corruption (or none)."""
+    q, k, v = make_qkv(rng, batch=(2,), num_queries=num_tokens, num_keys=num_tokens,
+                       spread=spread_for(feature_map))
+    omega = backend.asarray(omega_for(rng))
+
+    def run(causal=True, corrupt=None, block_size=block_sizes[0]):
+        bad_k, bad_v = k.copy(), v.copy()
+        if corrupt is not None:
+            which, position, bad = corrupt
+            (bad_k if which == "key" else bad_v)[1, position, 2] = bad
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
+            out = attend(backend, *map(backend.asarray, (q, bad_k, bad_v)), omega=omega,
+                         feature_map=feature_map, causal=causal, block_size=block_size)
+        return backend.to_numpy(out)
+
+    for block_size in block_sizes:
+        clean = run(block_size=block_size)
+        for corrupt in corruptions:
+            position = corrupt[1]
+            out = run(corrupt=corrupt, block_size=block_size)
+            assert np.all(np.isnan(out[1, position:])), (block_size, corrupt)
+            np.testing.assert_allclose(out[1, :position], clean[1, :position], rtol=1e-12)
+            np.testing.assert_allclose(out[0], clean[0], rtol=1e-12)  # another batch row
+    return run
+
+
 # 160 tokens: blocks of 16 (one sub-block of 16, whose halves of 8 are factorized) and of
 # 160 (10 sub-blocks: the states before them in two groups of 8, the second padded)
 LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 160, (16, 160)
@@ -332,25 +364,10 @@ def test_nonfinite_key_reaches_exactly_its_rows_in_long_blocks(backend, rng):
     """NaN or infinity in a key or value m, in the first or a later group of sub-blocks, or
     in the first or second half of a sub-block: causal rows >= m are NaN, rows < m
     unchanged, with blocks of 16 and of 160 positions (see above)."""
-    q, k, v = make_qkv(rng, batch=(2,), num_queries=LONG_CAUSAL_TOKENS,
-                       num_keys=LONG_CAUSAL_TOKENS)
-    omega = backend.asarray(omega_for(rng))
-    corruptions = (("key", 3, np.nan), ("value", 12, np.inf), ("key", 77, -np.inf),
-                   ("value", 141, np.nan))
-    for block_size in LONG_CAUSAL_BLOCKS:
-        def run(k, v, block_size=block_size):
-            out = attend(backend, *map(backend.asarray, (q, k, v)), omega=omega, causal=True,
-                         block_size=block_size)
-            return backend.to_numpy(out)
-
-        clean = run(k, v)
-        for corrupt, position, bad in corruptions:
-            bad_k, bad_v = k.copy(), v.copy()
-            (bad_k if corrupt == "key" else bad_v)[1, position, 2] = bad
-            out = run(bad_k, bad_v)
-            assert np.all(np.isnan(out[1, position:])), (block_size, corrupt, position)
-            np.testing.assert_allclose(out[1, :position], clean[1, :position], rtol=1e-12)
-            np.testing.assert_allclose(out[0], clean[0], rtol=1e-12)  # another batch row
+    check_nonfinite_reaches_its_rows(
+        backend, rng, LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS,
+        (("key", 3, np.nan), ("value", 12, np.inf), ("key", 77, -np.inf),
+         ("value", 141, np.nan)))
 
 
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
@@ -372,29 +389,11 @@ def test_nonfinite_key_or_value_reaches_exactly_the_rows_that_attend_it(backend,
     """NaN or +-inf in key (or value) m: causal rows >= m are NaN and rows < m are
     unchanged, for every block size (one position per block, several positions inside a
     block); without causal every row is NaN."""
-    num_tokens = 12
-    q, k, v = make_qkv(rng, batch=(2,), num_queries=num_tokens, num_keys=num_tokens,
-                       spread=spread_for(feature_map))
-    omega = backend.asarray(omega_for(rng))
-    corruptions = (("key", 0, np.nan), ("value", 4, np.inf), ("key", 8, -np.inf),
-                   ("value", 11, np.nan))
-    for block_size in (1, 5, 64):
-        def run(k, v, causal=True, block_size=block_size):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
-                out = attend(backend, *map(backend.asarray, (q, k, v)), omega=omega,
-                             feature_map=feature_map, causal=causal, block_size=block_size)
-            return backend.to_numpy(out)
-
-        clean = run(k, v)
-        for corrupt, position, bad in corruptions:
-            bad_k, bad_v = k.copy(), v.copy()
-            (bad_k if corrupt == "key" else bad_v)[1, position, 2] = bad
-            out = run(bad_k, bad_v)
-            assert np.all(np.isnan(out[1, position:])), (block_size, corrupt, position)
-            np.testing.assert_allclose(out[1, :position], clean[1, :position], rtol=1e-12)
-            np.testing.assert_allclose(out[0], clean[0], rtol=1e-12)  # another batch row
-    assert np.all(np.isnan(run(bad_k, bad_v, causal=False)[1]))
+    run = check_nonfinite_reaches_its_rows(
+        backend, rng, 12, (1, 5, 64),
+        (("key", 0, np.nan), ("value", 4, np.inf), ("key", 8, -np.inf),
+         ("value", 11, np.nan)), feature_map=feature_map)
+    assert np.all(np.isnan(run(causal=False, corrupt=("value", 11, np.nan))[1]))
 
 
 # streaming: chunk sizes change nothing, working memory does not grow with N ---------------
