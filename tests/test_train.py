@@ -677,3 +677,64 @@ def test_the_largest_seed_trains(tmp_path):
     from xattn.cli.options import MAX_SEED
     assert main([*RESUME_ARGUMENTS, "--seeds", str(MAX_SEED), "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "train.json").read_text())["runs"][0]["seed"] == MAX_SEED
+
+
+RESUME_DIGITS = ["train", "--task", "digits", "--steps", "2", "--batch-size", "4",
+                 "--no-progress"]
+
+
+def test_resume_keeps_finished_runs_the_command_does_not_plan(tmp_path, monkeypatch, capsys):
+    """--resume with other --estimators or --seeds keeps every finished run of the file
+    (in train.json and in the table) and trains only the planned runs it lacks."""
+    pytest.importorskip("torch")
+    from xattn.cli import train as train_command
+    trained = []
+    monkeypatch.setattr(train_command, "_execute", fake_execute(trained))
+    assert main([*RESUME_DIGITS, "--estimators", "softmax,rfa", "--seeds", "0",
+                 "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    trained.clear()
+    assert main([*RESUME_DIGITS, "--estimators", "softmax", "--seeds", "0,1",
+                 "--out", str(tmp_path), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert trained == [1] and "1 taken over" in out and "1 kept" in out
+    payload = json.loads((tmp_path / "train.json").read_text())
+    assert sorted((run["name"], run["seed"]) for run in payload["runs"]) == [
+        ("rfa", 0), ("softmax", 0), ("softmax", 1)]
+    assert sorted((row["name"], tuple(row["seeds"])) for row in payload["summary"]) == [
+        ("rfa", (0,)), ("softmax", (0, 1))]
+    assert payload["config"]["estimators"] == ["softmax", "rfa"]
+    assert payload["config"]["seeds"] == [0, 1] and payload["config"]["kept_runs"] == 1
+    assert "rfa" in out.split("wrote")[0]  # the table shows the kept row
+
+
+@pytest.mark.parametrize("first, again", [
+    (["--task", "digits", "--steps", "2"], ["--task", "digits", "--steps", "3"]),
+    (["--task", "digits", "--steps", "2"], ["--task", "digits"]),
+    (["--task", "digits", "--steps", "2"], ["--task", "mqar", "--steps", "2"]),
+    (["--task", "mqar", "--length", "64", "--steps", "2"],
+     ["--task", "mqar", "--length", "128", "--steps", "2"]),
+], ids=["steps", "default-steps", "task", "length"])
+def test_resume_refuses_runs_of_other_steps_or_task_and_leaves_the_file(
+        first, again, tmp_path, monkeypatch, capsys):
+    """A finished run is never dropped: where the file holds runs that this command
+    could not compare with its own (another --task, --steps or --length), --resume
+    refuses before any training, in one line naming the option, exit 2, the file byte
+    for byte as it was."""
+    pytest.importorskip("torch")
+    from xattn.cli import train as train_command
+    trained = []
+    monkeypatch.setattr(train_command, "_execute", fake_execute(trained))
+    common = ["train", "--estimators", "softmax", "--seeds", "0", "--batch-size", "4",
+              "--no-progress", "--out", str(tmp_path)]
+    assert main([*common, *first]) == 0
+    capsys.readouterr()
+    before = (tmp_path / "train.json").read_bytes()
+    trained.clear()
+    code = main([*common, *again, "--seeds", "0,1", "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and trained == [], err
+    assert len(err.strip().splitlines()) == 1 and "--resume" in err and "Traceback" not in err
+    option = next(item for item in ("--steps", "--task", "--length") if item in err)
+    assert option in {item for item in [*first, *again] if item.startswith("--")}
+    assert (tmp_path / "train.json").read_bytes() == before

@@ -61,9 +61,9 @@ from xattn.cli.train_lm_report import run_lm
 from xattn.cli.train_report import read_results, write_outputs, write_results
 
 __all__ = ["DEFAULT_ATTENTIONS", "DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS",
-           "RESUME_KEYS", "SETTINGS", "Job", "TaskSettings", "add_parser", "attention_variants",
-           "check_jobs", "dataset_sizes", "grid_pools", "load_framework", "plan_jobs",
-           "previous_runs", "run", "run_jobs"]
+           "RESUME_KEYS", "SETTINGS", "Job", "PreviousRuns", "TaskSettings", "add_parser",
+           "attention_variants", "check_jobs", "dataset_sizes", "grid_pools",
+           "load_framework", "plan_jobs", "previous_runs", "row_names", "run", "run_jobs"]
 
 FRAMEWORKS = ("torch", "flax")  # each also the name of the extra that installs it
 EXIT_INTERRUPTED = 130
@@ -120,8 +120,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "configuration, versions) and DIR/train.png (test accuracy against step). "
         "DIR/train.json is rewritten (atomically) as each run finishes, so neither "
         "Ctrl-C nor a crash loses a finished run; --resume then runs only the missing "
-        "ones. The memory the runs need is estimated first and too large a size is "
-        "refused before any work.")
+        "ones, keeping the runs it does not plan (see --resume). The memory the runs "
+        "need is estimated first and too large a size is refused before any work.")
     parser.add_argument("--framework", default="torch", choices=FRAMEWORKS,
                         metavar="|".join(FRAMEWORKS),
                         help=f"{' or '.join(FRAMEWORKS)} (default: torch)")
@@ -173,7 +173,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="take over the runs already in DIR/train.json (from a run "
                         "stopped by Ctrl-C, or with fewer seeds) and run only the missing "
-                        "ones; the settings must be the same")
+                        "ones. A finished run is never removed: runs of other --estimators "
+                        "or --seeds stay in DIR/train.json and in the table; a file with "
+                        "runs of another --task, --steps or --length, or written with "
+                        "another --framework, --device, --samples, --quick or --batch-size, "
+                        "is refused (exit 2, nothing trained, the file left as it is)")
     add_progress_options(parser, "the progress bars")
     parser.set_defaults(run=run)
     return parser
@@ -374,47 +378,103 @@ def run_jobs(jobs: list[Job], args: argparse.Namespace,
     return finished
 
 
-#: Configuration entries that must match for ``--resume`` to take runs over.
-RESUME_KEYS = ("framework", "device", "samples", "quick", "batch_size", "model",
-               "lara_2d_segments")
+#: Configuration entries that must match for ``--resume`` to take runs over, with the
+#: option that sets each (None: not an option, fixed by the version or the framework).
+RESUME_KEYS = {"framework": "--framework", "device": "--device", "samples": "--samples",
+               "quick": "--quick", "batch_size": "--batch-size", "model": None,
+               "lara_2d_segments": None}
 
 
-def previous_runs(path: Path, config: dict[str, Any],
-                  jobs: list[Job]) -> dict[int, RunResult]:
-    """The runs of an earlier ``train.json`` at ``path`` that ``jobs`` would repeat (same
-    task, attention, seed and steps, under the same settings), by job index.
+@dataclasses.dataclass
+class PreviousRuns:
+    """The runs of an earlier ``train.json``: ``taken`` are those this command plans (by
+    job index), ``kept`` those it does not plan (other attentions or seeds), kept in
+    the file and in the table."""
+
+    taken: dict[int, RunResult]
+    kept: list[RunResult]
+    wall_s: float
+
+
+def previous_runs(path: Path, config: dict[str, Any], jobs: list[Job],
+                  rows: dict[str, dict[str, str]]) -> PreviousRuns:
+    """The runs of an earlier ``train.json`` at ``path``: those ``jobs`` would repeat (same
+    task, attention and seed), and the others, which are kept. Nothing is dropped: a run
+    that this command could not put in one table with its own (another task, other task
+    settings such as the length, other steps) makes it refuse. ``rows`` maps each task to
+    its row names and their layers' estimators.
 
     Raises
     ------
     CommandError
         The file is not a ``train.json`` (any entry it reads has the wrong type or
-        range, see :func:`~xattn.cli.train_report.read_results`), or its settings differ
-        from ``config``.
+        range, see :func:`~xattn.cli.train_report.read_results`; a row that is not one
+        of ``xattn train``), its settings differ from ``config``, or it holds runs of
+        another task, task setting or number of steps. One line; the file is left as it is.
     """
     if not path.exists():
-        return {}
+        return PreviousRuns({}, [], 0.0)
+    untouched = "nothing was trained and the file is left as it is"
     try:
         previous_config, runs = read_results(path)
     except ValueError as problem:
-        raise CommandError(f"--resume: {path}: {problem}; nothing was trained and the file "
-                           "is left as it is") from None
-    for key in RESUME_KEYS:
+        raise CommandError(f"--resume: {path}: {problem}; {untouched}") from None
+    for key, option in RESUME_KEYS.items():
         if previous_config.get(key) != config[key]:
-            raise CommandError(f"--resume: {path} was written with {key} = "
-                               f"{previous_config.get(key)!r}, this run has {config[key]!r}")
-    done = {}
-    for result in runs:
-        if previous_config.get("tasks", {}).get(result.task) != config["tasks"].get(
-                result.task):
-            continue  # another length or other task settings: run it again
-        done[(result.task, result.name, result.seed, result.steps)] = result
-    taken = {}
-    for job in jobs:
-        spec = job.spec
-        previous = done.get((spec.task.name, spec.name, spec.seed, spec.steps))
-        if previous is not None:
-            taken[job.index] = previous
-    return taken
+            raise CommandError(f"--resume: {path} was written with {option or key} "
+                               f"{_setting(previous_config.get(key))}, this command has "
+                               f"{_setting(config[key])}; {untouched}")
+    planned = {(job.spec.task.name, job.spec.name, job.spec.seed): job for job in jobs}
+    steps = {job.spec.task.name: job.spec.steps for job in jobs}
+    taken: dict[int, RunResult] = {}
+    kept: dict[tuple[str, str, int], RunResult] = {}
+    for index, result in enumerate(runs):
+        where = f"--resume: {path} holds {result.task} runs"
+        if result.task not in config["tasks"]:
+            raise CommandError(f"{where}, a task this command does not train; add --task "
+                               f"{result.task}, or choose another --out; {untouched}")
+        settings = previous_config.get("tasks", {}).get(result.task)
+        if settings != config["tasks"][result.task]:
+            length = (settings or {}).get("length")
+            if length != config["tasks"][result.task]["length"]:
+                raise CommandError(f"{where} at --length {length}, this command has "
+                                   f"{config['tasks'][result.task]['length']}; {untouched}")
+            raise CommandError(f"{where} with other task settings ({settings!r:.60}); "
+                               f"choose another --out; {untouched}")
+        if result.steps != steps.get(result.task, result.steps):
+            raise CommandError(f"{where} of {result.steps} steps, this command trains "
+                               f"{steps[result.task]} (--steps); give --steps "
+                               f"{result.steps}, or choose another --out; {untouched}")
+        if rows[result.task].get(result.name) != result.estimator:
+            raise CommandError(f"--resume: {path}: runs[{index}] is not a row of xattn train "
+                               f"(attention {result.name!r:.40}, estimator "
+                               f"{result.estimator!r:.40}); {untouched}")
+        run_key = (result.task, result.name, result.seed)
+        if run_key in planned:
+            taken[planned[run_key].index] = result
+        else:
+            kept[run_key] = result
+    wall_s = previous_config.get("wall_s", 0.0) if runs else 0.0
+    return PreviousRuns(taken, list(kept.values()), wall_s)
+
+
+def _setting(value: Any) -> str:
+    """A recorded setting in a message (None: the option was not given)."""
+    return "the default" if value is None else f"{value!r:.60}"
+
+
+def row_names(tasks: list[Task], samples: int, has_grid: bool,
+              framework: str) -> dict[str, dict[str, str]]:
+    """Every row ``xattn train`` can run on each task: ``{task: {row name: attention}}``
+    (the name in ``--estimators``), for reading back a ``train.json``."""
+    names: dict[str, dict[str, str]] = {}
+    for task in tasks:
+        names[task.name] = {}
+        for attention in ATTENTIONS:
+            for name, _, _ in attention_variants(task, [attention], samples, has_grid,
+                                                 framework):
+                names[task.name][name] = attention
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -451,11 +511,21 @@ def run(args: argparse.Namespace) -> int:
     config = json.loads(json.dumps(config))
     finished: dict[int, RunResult] = {}
     earlier_wall_s = 0.0
+    kept = 0
     if args.resume:  # the whole file is checked here, before any training
-        finished = previous_runs(out_dir / "train.json", config, jobs)
-        if finished:
-            earlier_wall_s = read_results(out_dir / "train.json")[0].get("wall_s", 0.0)
-    taken_over = len(finished)
+        rows = row_names(tasks, args.samples, has_grid, args.framework)
+        previous = previous_runs(out_dir / "train.json", config, jobs, rows)
+        finished, earlier_wall_s, kept = previous.taken, previous.wall_s, len(previous.kept)
+        # the runs this command does not plan stay, after its own
+        finished.update(enumerate(previous.kept, len(jobs) + 1))
+        attentions = {name: attention for names in rows.values()
+                      for name, attention in names.items()}
+        config.update({
+            "estimators": list(dict.fromkeys([*config["estimators"], *(
+                attentions[result.name] for result in previous.kept)])),
+            "seeds": sorted({*seeds, *(result.seed for result in previous.kept)}),
+            "kept_runs": kept})
+    taken_over = len(finished) - kept
     started = time.perf_counter()
 
     def save(interrupted: bool) -> list[RunResult]:
@@ -470,7 +540,9 @@ def run(args: argparse.Namespace) -> int:
           f"({', '.join(task.name for task in tasks)}; seeds {', '.join(map(str, seeds))}; "
           f"{args.jobs} at a time)"
           + (f"; {taken_over} taken over from {out_dir / 'train.json'}" if taken_over
-             else ""), flush=True)
+             else "")
+          + (f"; {kept} kept from it that this command does not plan" if kept else ""),
+          flush=True)
     interrupted = False
     try:
         # each finished run is on disk at once (marked interrupted until the last one)
