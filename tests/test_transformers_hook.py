@@ -4,8 +4,9 @@ Tiny randomly initialized models built from configs (BERT, GPT-2, Llama with gro
 attention): softmax through the hook equals the eager model (1e-5), padding and causal
 masks included; RFA, RA and LARA in evaluation mode are deterministic and equal xattn's
 functions on the same inputs; training mode draws; ``generate`` gives the eager tokens
-with softmax and the recomputed (full-prefix) tokens with RFA; every unsupported mask or
-argument raises an error that names it.
+with softmax and the recomputed (full-prefix) tokens with RFA, and with a static cache the
+sdpa tokens with softmax and the dynamic-cache tokens with RFA and RA; every unsupported
+mask or argument (``output_attentions`` on every model) raises an error that names it.
 """
 
 from __future__ import annotations
@@ -35,19 +36,21 @@ def bert(**overrides):
     return transformers.BertModel(config, add_pooling_layer=False).eval()
 
 
-def gpt2():
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+def gpt2(width=32, **overrides):
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=width, n_layer=2, n_head=4,
                                      n_positions=64, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0, pad_token_id=0)
+                                     eos_token_id=0, pad_token_id=0, **overrides)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def llama():
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+def llama(width=32, **overrides):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width,
+                                      intermediate_size=2 * width,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                      **overrides)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -126,6 +129,59 @@ def test_generate_rfa_gives_the_recomputed_tokens(names, decoder):
             following = model(sequence).logits[:, -1].argmax(-1, keepdim=True)
             sequence = torch.cat([sequence, following], dim=1)
     assert torch.equal(generated, sequence)
+
+
+# weights 10x the default scale: the attention, the padding and the estimator then decide
+# the greedy tokens of these tiny models (at the default scale GPT-2 repeats one token)
+STRONG = {"width": 64, "initializer_range": 0.2}
+
+
+def left_padded_prompt():
+    """Two prompts of 6 and 3 tokens, the second left-padded (a padded batch for generate)."""
+    prompt = tokens(length=6)
+    padding = torch.ones(2, 6, dtype=torch.long)
+    padding[1, :3] = 0
+    return prompt, padding
+
+
+@pytest.mark.parametrize("decoder", sorted(DECODERS))
+def test_generate_softmax_with_a_static_cache_gives_the_sdpa_tokens(names, decoder):
+    """A static cache holds more key slots than tokens; transformers' generate builds the
+    masks itself and hands the model the hook's mask object, which the model must take
+    as a prepared mask; the empty slots and the left padding are masked exactly."""
+    model, (prompt, padding) = DECODERS[decoder](**STRONG), left_padded_prompt()
+    options = {"attention_mask": padding, "max_new_tokens": 6, "do_sample": False}
+    model.set_attn_implementation("sdpa")
+    expected = model.generate(prompt, cache_implementation="static", **options)
+    assert torch.equal(model.generate(prompt, **options), expected)  # the reference agrees
+    model.set_attn_implementation(names["softmax"])
+    actual = model.generate(prompt, cache_implementation="static", **options)
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("estimator", ["rfa", "ra"])
+@pytest.mark.parametrize("decoder", sorted(DECODERS))
+def test_generate_with_a_static_cache_equals_the_dynamic_cache(names, decoder, estimator):
+    model, (prompt, padding) = DECODERS[decoder](**STRONG), left_padded_prompt()
+    options = {"attention_mask": padding, "max_new_tokens": 6, "do_sample": False}
+    model.set_attn_implementation(names[estimator])
+    dynamic = model.generate(prompt, **options)
+    assert torch.equal(model.generate(prompt, cache_implementation="static", **options),
+                       dynamic)
+
+
+@pytest.mark.parametrize("decoder", sorted(DECODERS))
+def test_a_prepared_attention_mask_object_is_taken_by_the_model(names, decoder):
+    """The hook's own mask object passed as the model's attention_mask (as generate does
+    with a static cache) is a prepared mask: the model uses it as it is."""
+    model, ids = DECODERS[decoder](), tokens()
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[1, :3] = 0
+    expected = run(model, names["rfa"], ids, attention_mask=padding)
+    mask = xt.attention_mask(2, 12, 12, attention_mask=padding)
+    assert (mask.ndim, mask.shape) == (4, (2, 1, 12, 12))
+    torch.testing.assert_close(run(model, names["rfa"], ids, attention_mask=mask), expected,
+                               atol=TOLERANCE, rtol=TOLERANCE)
 
 
 # -- the estimators through the hook equal xattn's functions ------------------------------------
@@ -284,6 +340,28 @@ def test_lara_in_causal_attention_raises(names):
         model(tokens())
 
 
+MODELS = {"bert": bert, **DECODERS}
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_output_attentions_raises_on_every_model(names, model_name):
+    """GPT-2 does not pass output_attentions to its attention function: the weights the
+    model collects are checked for, not only the keyword."""
+    model, ids = MODELS[model_name](), tokens()
+    model.set_attn_implementation(names["softmax"])
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(ids, output_attentions=True)
+    model(ids, output_attentions=False)  # not asked for: runs
+
+
+def test_output_attentions_in_the_config_raises(names):
+    model, ids = gpt2(output_attentions=True), tokens()
+    model.set_attn_implementation(names["softmax"])
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(ids)
+    assert model(ids, output_attentions=False).attentions is None  # the call's own choice
+
+
 def test_dropout_and_output_attentions_raise(names):
     model, ids = bert(attention_probs_dropout_prob=0.0), tokens()
     with pytest.raises(ValueError, match="output_attentions"):
@@ -343,3 +421,8 @@ def test_mask_function_reads_offsets_and_padding():
     # a static cache: more key slots than tokens so far (the padding mask is extended)
     mask = xt.attention_mask(2, 2, 8, q_offset=3, attention_mask=padding)
     assert mask.key_mask.shape == (2, 8) and mask.query_start == 3
+    assert (mask.ndim, mask.dim(), mask.shape) == (4, 4, (2, 1, 2, 8))
+    # a mask made earlier for the call (static-cache generate) is returned as it is
+    assert xt.attention_mask(2, 2, 8, q_offset=3, attention_mask=mask) is mask
+    with pytest.raises(TypeError, match=r"attention_mask must be a torch\.Tensor"):
+        xt.attention_mask(2, 2, 8, attention_mask=[[1, 1]])

@@ -47,13 +47,26 @@ step costs O(T S d) per layer and head for RFA after T tokens (S features), wher
 :meth:`xattn.torch.MultiheadAttention.step` and :class:`xattn.RFAState` cost O(S d) per
 token; the cache itself is transformers' key-value cache, which grows with T as for
 softmax attention. LARA has no causal form here (its proposals would look ahead):
-causal attention with ``estimator="lara"`` raises ``ValueError``.
+causal attention with ``estimator="lara"`` raises ``ValueError``. A static cache
+(``model.generate(..., cache_implementation="static")``, the cache of compiled generation)
+works too, with every estimator: its key slots after the tokens so far are empty, and
+being after the last query they are never attended, so the tokens are those of the
+dynamic cache (with softmax, those of ``attn_implementation="sdpa"``). With such a cache
+``generate`` makes the masks before each forward pass and hands them to the model as its
+``attention_mask``; an :class:`AttentionMask` therefore stands for the 4-D mask tensor
+(``ndim`` 4, ``shape`` ``(batch, 1, L, S)``), which the model and transformers' mask
+functions take as an already prepared mask. Compiling gains nothing yet: the keys are cut
+to the filled slots, whose number changes at each step, so ``torch.compile`` traces the
+forward pass again at every step until its recompile limit, then runs it uncompiled.
 
 **Not supported** (``ValueError`` naming the cause): attention dropout in training mode
 (set the model's attention dropout to 0, e.g. ``attention_probs_dropout_prob=0.0`` for
 BERT, ``attn_pdrop=0.0`` for GPT-2), ``output_attentions=True`` (the linear estimators
-form no attention weights), and the keyword arguments ``softcap``, ``sliding_window``,
-``s_aux`` and ``position_bias``. The attention weights returned to the model are None.
+form no attention weights; refused on every model, whether the flag comes as a keyword
+or from the config and whether or not the model hands it to the attention function, as
+GPT-2 does not: the hook checks whether the forward pass collects attention weights),
+and the keyword arguments ``softcap``, ``sliding_window``, ``s_aux`` and
+``position_bias``. The attention weights returned to the model are None.
 
 This module needs PyTorch and transformers (the ``xattn[transformers]`` extra), so
 ``import xattn`` does not import it: it is loaded on the first use of
@@ -65,7 +78,7 @@ from __future__ import annotations
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import array_api_compat
 import numpy as np
@@ -84,6 +97,12 @@ from xattn._options import ESTIMATORS, check_nonnegative_int
 from xattn._torch_layer import DefaultTorchGenerator
 from xattn.random import Generator, TorchGenerator
 
+_active_collector: Any
+try:  # the per-forward record of the outputs a model collects through hooks (transformers 5)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # pragma: no cover - an older or later layout: the keyword is checked
+    _active_collector = None
+
 __all__ = ["ESTIMATORS", "AttentionMask", "XattnAttention", "attention_mask", "register"]
 
 # keyword arguments of an attention call that ask for something the hook cannot compute
@@ -95,7 +114,13 @@ class AttentionMask:
     """The mask an xattn attention function receives: key padding, and causal or not.
 
     Built by :func:`attention_mask` (the mask function :func:`register` adds to
-    transformers' ``AttentionMaskInterface``) in place of a 4-D mask tensor.
+    transformers' ``AttentionMaskInterface``) in place of a 4-D mask tensor, and
+    passed by transformers where that tensor would go. It stands for the
+    ``(batch, 1, L, S)`` mask: ``ndim`` is 4 and ``shape`` is that shape, so that model
+    code and transformers' mask functions take it as an already prepared mask, as they
+    do a 4-D tensor. ``model.generate`` with a static cache
+    (``cache_implementation="static"``) builds the masks before each forward pass and
+    hands them to the model as its ``attention_mask`` in this way.
 
     Attributes
     ----------
@@ -107,18 +132,41 @@ class AttentionMask:
         The key position of the first query: the number of tokens a cache held before
         the queries (0 without a cache).
     kv_length : int
-        S, the number of keys the mask was made for.
+        S, the number of keys the mask was made for: with a static cache, all its slots,
+        the filled ones and the empty ones after them.
+    q_length : int or None
+        L, the number of queries the mask was made for (None: not recorded).
+    batch_size : int or None
+        The batch size the mask was made for (None: not recorded).
+    ndim : int
+        4, the number of dimensions of the mask tensor this object stands for.
     """
 
     key_mask: torch.Tensor | None
     causal: bool
     query_start: int
     kv_length: int
+    q_length: int | None = None
+    batch_size: int | None = None
+    ndim: ClassVar[int] = 4
+
+    @property
+    def shape(self) -> tuple[int | None, int, int | None, int]:
+        """``(batch, 1, L, S)``, the shape of the mask tensor this object stands for."""
+        batch = self.batch_size
+        if batch is None and self.key_mask is not None:
+            batch = int(self.key_mask.shape[0])
+        return (batch, 1, self.q_length, self.kv_length)
+
+    def dim(self) -> int:
+        """4, as ``torch.Tensor.dim`` of the mask tensor this object stands for."""
+        return self.ndim
 
 
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0,
                    kv_offset: Any = 0, mask_function: Any = causal_mask_function,
-                   attention_mask: torch.Tensor | None = None, **kwargs: Any) -> AttentionMask:
+                   attention_mask: torch.Tensor | AttentionMask | None = None,
+                   **kwargs: Any) -> AttentionMask:
     """The mask function of an xattn attention (transformers' ``AttentionMaskInterface``
     protocol, as ``sdpa_mask``): the model's 2-D padding mask and its causal or
     bidirectional pattern as an :class:`AttentionMask`, without forming the
@@ -133,8 +181,11 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any
     mask_function : callable
         transformers' ``causal_mask_function`` or ``bidirectional_mask_function``;
         anything else (sliding window, chunks, packed sequences, overlays) raises.
-    attention_mask : torch.Tensor, shape (batch, >= kv_offset + kv_length), optional
-        The 2-D padding mask, True / 1 = token.
+    attention_mask : torch.Tensor or AttentionMask, optional
+        The 2-D padding mask, shape (batch, >= kv_offset + kv_length), True / 1 =
+        token; or an :class:`AttentionMask` made earlier for this call (``generate``
+        with a static cache makes the masks before the forward pass), returned as it
+        is, as transformers returns a prepared 4-D mask.
     **kwargs
         The other arguments of the protocol (dtype, device, flags): unused.
 
@@ -144,8 +195,11 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any
 
     Raises
     ------
+    TypeError
+        An ``attention_mask`` neither a tensor nor an :class:`AttentionMask`.
     ValueError
-        A mask pattern other than causal or bidirectional (plus padding).
+        A mask pattern other than causal or bidirectional (plus padding); an
+        ``attention_mask`` tensor that is not 2-D.
 
     Examples
     --------
@@ -167,19 +221,24 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any
             f"model asks for another pattern ({pattern}): sliding-window, chunked, "
             "packed-sequence (position_ids restarting within a row) or overlaid masks cannot "
             "be applied by the linear estimators")
+    if isinstance(attention_mask, AttentionMask):  # prepared earlier (static-cache generate)
+        return attention_mask
     query_start = int(q_offset) - int(kv_offset)
     if query_start < 0:
         raise ValueError(f"the queries start before the keys (q_offset {int(q_offset)} < "
                          f"kv_offset {int(kv_offset)}): not a mask xattn can apply")
     key_mask = None
     if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor, an AttentionMask or None, "
+                            f"got {type(attention_mask).__name__}")
         if attention_mask.ndim != 2:
             raise ValueError(f"attention_mask must be the 2-D padding mask (batch, length), got "
                              f"shape {tuple(attention_mask.shape)}")
         padding = prepare_padding_mask(attention_mask.bool(), kv_length, int(kv_offset))
         assert padding is not None
         key_mask = padding[:, int(kv_offset):int(kv_offset) + kv_length]
-    return AttentionMask(key_mask, causal, query_start, kv_length)
+    return AttentionMask(key_mask, causal, query_start, kv_length, q_length, batch_size)
 
 
 def _mask_from_tensor(mask: torch.Tensor, q_length: int, kv_length: int) -> AttentionMask:
@@ -204,11 +263,27 @@ def _mask_from_tensor(mask: torch.Tensor, q_length: int, kv_length: int) -> Atte
     positions = torch.arange(kv_length, device=mask.device)
     before = positions[None, :] <= positions[-q_length:, None] if q_length else padded[0]
     if bool(torch.equal(allowed, padded & before)):
-        return AttentionMask(key_mask, True, query_start, kv_length)
+        return AttentionMask(key_mask, True, query_start, kv_length, q_length)
     if bool(torch.equal(allowed, padded)):
-        return AttentionMask(key_mask, False, 0, kv_length)
+        return AttentionMask(key_mask, False, 0, kv_length, q_length)
     raise ValueError("the attention mask is neither a padding mask nor a causal mask with "
                      "padding; xattn's estimators apply only those two patterns exactly")
+
+
+def _attentions_collected() -> bool:
+    """Whether the running forward pass collects attention weights.
+
+    transformers 5 does not hand ``output_attentions`` to every attention function
+    (GPT-2 drops it): a model's ``forward`` records which outputs it collects, from its
+    keyword arguments or its config, and hooks on the attention modules then collect
+    the weights they return. A collected key ending in ``attentions`` (``attentions``,
+    ``cross_attentions``, ...) means the weights are asked for.
+    """
+    if _active_collector is None:
+        return False
+    collected = _active_collector.get()
+    return isinstance(collected, dict) and any(
+        isinstance(key, str) and key.endswith("attentions") for key in collected)
 
 
 class XattnAttention:
@@ -345,7 +420,7 @@ class XattnAttention:
             if kwargs.get(name) is not None:
                 raise ValueError(f"xattn attention ({self.name!r}) does not support {name}="
                                  f"{kwargs[name]!r}; use the model's own attention")
-        if kwargs.get("output_attentions"):
+        if kwargs.get("output_attentions") or _attentions_collected():
             raise ValueError(f"output_attentions=True is not supported by xattn attention "
                              f"({self.name!r}): its estimators form no attention weights")
         if training and dropout:
@@ -361,6 +436,9 @@ class XattnAttention:
             if mask.kv_length != kv_length:
                 raise ValueError(f"the attention mask was made for {mask.kv_length} keys, the "
                                  f"attention has {kv_length}")
+            if mask.q_length is not None and mask.q_length != q_length:
+                raise ValueError(f"the attention mask was made for {mask.q_length} queries, "
+                                 f"the attention has {q_length}")
             return mask
         if isinstance(mask, torch.Tensor):
             return _mask_from_tensor(mask, q_length, kv_length)
@@ -369,7 +447,8 @@ class XattnAttention:
                              f"only, got a {type(mask).__name__}")
         is_causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-        return AttentionMask(None, causal, kv_length - q_length if causal else 0, kv_length)
+        return AttentionMask(None, causal, kv_length - q_length if causal else 0, kv_length,
+                             q_length)
 
 
 def register(name: str, estimator: str = "rfa", *, seed: int = 0,
