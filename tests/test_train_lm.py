@@ -191,3 +191,94 @@ def test_command_prints_the_table_and_sample_and_writes_json(tmp_path, capsys):
     assert run["sample_same_as_recompute"] is True and len(run["sample"]) == 301
     assert payload["config"]["length"] == 8 and payload["config"]["weight_decay"] == 0.1
     assert (tmp_path / "train.png").exists()
+
+
+@pytest.mark.parametrize("row", [row for row in ROWS if row[1] in ("rfa", "lara")],
+                         ids=[row[0] for row in ROWS if row[1] in ("rfa", "lara")])
+def test_linear_attention_builds_no_length_by_length_tensor(row):
+    """A training step of the torch GPT with RFA (with or without a window and sinks) or
+    causal LARA makes no tensor of L x L entries or more (no causal mask: the layer is
+    told is_causal=True), forward and backward: its memory grows linearly with L."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    length = 1024  # L x L = 1M entries; the largest tensor here: the logits, 1024 x 65
+    _, trainer = _trainer("torch", *row, length=length, batch_size=1)
+    largest: list[tuple[int, str]] = []
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for item in (out if isinstance(out, tuple | list) else [out]):
+                if isinstance(item, torch.Tensor):
+                    largest.append((item.numel(), f"{func} {tuple(item.shape)}"))
+            return out
+
+    inputs, targets = random_windows(shakespeare.split()[0], length, 1,
+                                     np.random.default_rng(0))
+    with Largest():
+        trainer.step(inputs, targets, 1e-3)
+    numel, where = max(largest)
+    assert numel < length * length, (numel, where)
+
+
+def test_the_memory_estimate_counts_the_native_causal_mask_and_stays_linear_for_rfa():
+    """The framework's own layer needs an (L, L) causal mask in each block: the estimate
+    of a native row is softmax's plus the masks. RFA's (also with a window and sinks)
+    grows linearly with L."""
+    from xattn.cli.train import attention_variants
+    from xattn.cli.train_lm_report import lm_step_bytes
+    native, softmax = (lm_step_bytes(LMSpec(name, name, {}, seed=0, length=4096,
+                                            batch_size=3)) for name in ("native", "softmax"))
+    assert native - softmax == GPTConfig().layers * 2 * 3 * 4096**2
+    for name, estimator, options in attention_variants(get_task("shakespeare"), ["rfa"], 16,
+                                                        False):
+        short, long = (lm_step_bytes(LMSpec(name, estimator, options, seed=0, length=length,
+                                            batch_size=1)) for length in (10_000, 100_000))
+        assert 9 < long / short < 10, name
+
+
+@pytest.mark.parametrize("attention", ["softmax", "native", "rfa", "ra", "lara-learned",
+                                       "lara-defensive"])
+def test_the_memory_estimate_covers_a_measured_training_step(attention):
+    """The estimate up front is at least the peak that torch's CPU allocator reports for a
+    training step of the command's model (its options, context 1024, batch 1)."""
+    pytest.importorskip("torch")
+    from xattn.cli.train import attention_variants
+    from xattn.cli.train_lm_report import lm_step_bytes
+    from xattn.cli.train_lm_torch import TorchLMTrainer
+    inputs, targets = random_windows(shakespeare.split()[0], 1024, 1,
+                                     np.random.default_rng(0))
+    for name, estimator, options in attention_variants(get_task("shakespeare", 1024),
+                                                        [attention], 16, False):
+        spec = LMSpec(name, estimator, options, seed=0, length=1024, batch_size=1)
+        trainer = TorchLMTrainer(spec)
+        trainer.step(inputs, targets, 1e-3)  # the optimizer's moments exist from here on
+        _, peak = trainer.step(inputs, targets, 1e-3, measure_memory=True)
+        assert peak is not None and 0 < peak < lm_step_bytes(spec), (name, peak)
+
+
+def test_a_context_longer_than_the_validation_split_is_refused_before_training(
+        tmp_path, monkeypatch, capsys):
+    """--length must leave a window in the validation split (111,540 characters: at most
+    111,539): longer is one line naming --length, exit 2, before any training."""
+    from xattn.cli import train_lm_report
+
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(train_lm_report, "host_memory_available", lambda: 2**60)
+    monkeypatch.setattr(train_lm_report, "train_lm_run", started)
+    arguments = ["train", "--task", "shakespeare", "--estimators", "rfa", "--seeds", "0",
+                 "--steps", "1", "--batch-size", "1", "--no-progress"]
+    for length in (111_540, 120_000, 10**9):
+        out = tmp_path / f"out-{length}"
+        code = main([*arguments, "--length", str(length), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and f"--length {length}" in err and "111539" in err.replace(",", "")
+        assert len(err.strip().splitlines()) == 1 and not out.exists()
+    pytest.importorskip("torch")
+    with pytest.raises(Started):  # the longest context plans and starts
+        main([*arguments, "--length", "111539", "--out", str(tmp_path / "longest")])

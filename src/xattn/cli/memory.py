@@ -15,14 +15,17 @@ import xattn
 from xattn.cli.common import CommandError
 
 __all__ = ["HOST_ITEMSIZE", "TRAINING_ATTENTION_BYTES", "Problem", "dataset_bytes",
-           "format_size", "host_memory_available", "lara_bytes", "ra_bytes", "require_memory",
-           "rfa_bytes", "softmax_bytes", "softmax_training_bytes", "training_step_bytes"]
+           "format_size", "host_memory_available", "lara_bytes", "ra_bytes",
+           "ra_training_bytes", "require_memory", "rfa_band_bytes", "rfa_bytes",
+           "softmax_bytes", "softmax_training_bytes", "training_step_bytes"]
 
 HOST_ITEMSIZE = 8  # the host draws (int seeds) and generated inputs are float64
 # the estimators' default chunk sizes, read from their signatures (the one source)
 _SOFTMAX_CHUNK, _RA_CHUNK = (
     int(inspect.signature(estimator).parameters["chunk_size"].default)
     for estimator in (xattn.softmax_attention, xattn.ra))
+# RFA's positions per block in causal mode and with a window or sinks
+_RFA_BLOCK = int(inspect.signature(xattn.rfa).parameters["block_size"].default)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,27 @@ def lara_bytes(problem: Problem, samples: int) -> int:
     return device + HOST_ITEMSIZE * p.batch * samples * p.head_dim
 
 
+def rfa_band_bytes(problem: Problem, window: int, sinks: int) -> int:
+    """RFA's exact band (``window=w``, ``sinks=K``), block by block: each query's scores
+    against its block, the ``2w + 1`` keys around it and the ``K`` sinks, with their
+    exponentials and weights, as autograd keeps them (four arrays)."""
+    p = problem
+    if not window and not sinks:
+        return 0
+    block = min(p.num_queries, _RFA_BLOCK)
+    return 4 * p.itemsize * p.batch * p.num_queries * (block + 2 * window + 1 + sinks)
+
+
+def ra_training_bytes(problem: Problem, samples: int) -> int:
+    """RA under autograd: the backward pass keeps the (chunk, S, M) statistics of every
+    chunk of queries, so (N, S, M) of each for the whole call; host noise (N, S, D)."""
+    p = problem
+    device = p.itemsize * p.batch * (4 * p.num_queries * samples * p.num_keys
+                                     + 2 * p.num_queries * samples * p.head_dim
+                                     + 2 * p.num_queries * p.value_dim)
+    return device + HOST_ITEMSIZE * p.batch * p.num_queries * samples * (p.head_dim + 1)
+
+
 def softmax_training_bytes(problem: Problem, samples: int | None = None) -> int:
     """Exact softmax under autograd: the backward pass keeps every chunk's scores and
     probabilities, so N x M of each (and the exponentials) for the whole call."""
@@ -92,11 +116,11 @@ def softmax_training_bytes(problem: Problem, samples: int | None = None) -> int:
 
 
 #: Intermediates of one attention call in a training step, by the layers' estimator name
-#: (the forward estimates of the linear estimators hold every array the backward pass keeps),
-#: and ``"native"``, the framework's own layer of ``xattn train`` (exact softmax: softmax's
-#: estimate).
+#: (the forward estimates of the linear estimators hold every array the backward pass keeps;
+#: the quadratic ones keep every chunk), and ``"native"``, the framework's own layer of
+#: ``xattn train`` (exact softmax: softmax's estimate).
 TRAINING_ATTENTION_BYTES = {"softmax": softmax_training_bytes, "rfa": rfa_bytes,
-                            "ra": ra_bytes, "lara": lara_bytes,
+                            "ra": ra_training_bytes, "lara": lara_bytes,
                             "native": softmax_training_bytes}
 
 
@@ -108,14 +132,19 @@ def dataset_bytes(examples: int, length: int, fields: int, per_token: bool) -> i
 
 
 def training_step_bytes(*, batch: int, length: int, dim: int, ffn: int, heads: int,
-                        layers: int, estimator: str, samples: int) -> int:
+                        layers: int, estimator: str, samples: int, window: int = 0,
+                        sinks: int = 0) -> int:
     """One training step of the ``xattn train`` model in float32: per layer, the
     activations autograd keeps (about 12 floats per token and model width, 4 per token
     and feed-forward width, a generous count for a pre-norm block) and the attention's
-    intermediates (:data:`TRAINING_ATTENTION_BYTES`), with the heads as batch."""
+    intermediates (:data:`TRAINING_ATTENTION_BYTES`; RFA's exact band with ``window`` and
+    ``sinks``, :func:`rfa_band_bytes`), with the heads as batch. No ``(L, L)`` mask: the
+    xattn layers take ``is_causal=True`` (a caller that builds a mask adds it)."""
     head_dim = dim // heads
-    attention = TRAINING_ATTENTION_BYTES[estimator](
-        Problem(batch * heads, length, length, head_dim, head_dim, 4), samples)
+    problem = Problem(batch * heads, length, length, head_dim, head_dim, 4)
+    attention = TRAINING_ATTENTION_BYTES[estimator](problem, samples)
+    if estimator == "rfa":
+        attention += rfa_band_bytes(problem, window, sinks)
     return layers * (4 * batch * length * (12 * dim + 4 * ffn) + attention)
 
 

@@ -29,9 +29,11 @@ from xattn.cli.common import (
 from xattn.cli.figures import new_figure, save_figure
 from xattn.cli.memory import host_memory_available, require_memory, training_step_bytes
 from xattn.cli.tasks import get_task
+from xattn.cli.train_core import NATIVE
 from xattn.cli.train_lm import LM_QUICK_STEPS, LMResult, LMSpec, train_lm_run
 
-__all__ = ["DEFAULT_LM_ATTENTIONS", "LM_QUICK_EVAL_ITERS", "plan_lm", "run_lm", "summarize_lm"]
+__all__ = ["DEFAULT_LM_ATTENTIONS", "LM_QUICK_EVAL_ITERS", "lm_step_bytes", "plan_lm", "run_lm",
+           "summarize_lm"]
 
 #: ``--estimators`` of ``--task shakespeare`` by default (rfa gives two rows, plain and
 #: with a window and sinks); lara's segment proposals look ahead (lara-learned and
@@ -77,6 +79,30 @@ def plan_lm(args: argparse.Namespace, framework: str = "torch") -> list[LMSpec]:
             for seed in seeds
             for name, estimator, options in attention_variants(
                 task, estimators, args.samples, False, framework)]
+
+
+def lm_step_bytes(spec: LMSpec) -> int:
+    """Memory of a run of ``spec`` at its largest, a training step: the parameters
+    with their gradients and AdamW's two moments (float32; the position table grows with
+    the context), :func:`~xattn.cli.memory.training_step_bytes` (with RFA's window and
+    sinks), and for the framework's own layer (``native``) the causal mask it needs in
+    each block, ``(L, L)`` booleans (torch: the mask and the copy ``triu`` makes; Flax:
+    one per sequence of the batch), counted twice per sequence. The xattn layers take
+    ``is_causal=True`` and no mask, so the linear estimators (RFA, causal LARA) stay
+    linear in L. Evaluation and sampling (no gradients, at most the same windows) need
+    less."""
+    model = spec.model
+    parameters = (model.layers * (4 * model.dim**2 + 2 * model.dim * model.ffn
+                                  + 4 * model.dim + 2 * model.dim)
+                  + (model.vocabulary + spec.length + 1) * model.dim)
+    step = 16 * parameters + training_step_bytes(
+        batch=spec.batch_size, length=spec.length, dim=model.dim, ffn=model.ffn,
+        heads=model.heads, layers=model.layers, estimator=spec.estimator,
+        samples=int(spec.options.get("num_features", spec.options.get("num_samples", 1))),
+        window=int(spec.options.get("window") or 0), sinks=int(spec.options.get("sinks") or 0))
+    if spec.estimator == NATIVE:
+        step += model.layers * 2 * spec.batch_size * spec.length**2
+    return step
 
 
 def _payload(results: list[LMResult], config: dict[str, Any],
@@ -159,12 +185,7 @@ def run_lm(args: argparse.Namespace) -> int:
     specs = plan_lm(args, args.framework)
     if args.device == "cpu":
         require_memory([(f"shakespeare at context {spec.length} with batch size "
-                         f"{spec.batch_size} ({spec.name})", training_step_bytes(
-                             batch=spec.batch_size, length=spec.length, dim=spec.model.dim,
-                             ffn=spec.model.ffn, heads=spec.model.heads,
-                             layers=spec.model.layers, estimator=spec.estimator,
-                             samples=int(spec.options.get(
-                                 "num_features", spec.options.get("num_samples", 1)))))
+                         f"{spec.batch_size} ({spec.name})", lm_step_bytes(spec))
                         for spec in specs], host_memory_available(), "this machine")
     out_dir = output_dir(args.out, ("train.json", "train.png"))
     load_framework(args.framework, args.threads)  # the threads; names a missing extra

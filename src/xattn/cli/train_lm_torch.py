@@ -1,7 +1,9 @@
 """PyTorch side of ``xattn train --task shakespeare``: a causal GPT (nanoGPT's model, see
 :class:`xattn.cli.train_lm.GPTConfig`) with :class:`xattn.torch.MultiheadAttention`
-(``is_causal=True``) or, for the ``native`` row, :class:`torch.nn.MultiheadAttention`
-(with the causal ``attn_mask``), and nanoGPT's AdamW step."""
+(``is_causal=True``, no mask: the linear estimators never form an ``(L, L)`` array) or,
+for the ``native`` row, :class:`torch.nn.MultiheadAttention` (with the causal
+``attn_mask`` it needs, ``(L, L)``, counted in the memory estimate), and nanoGPT's AdamW
+step."""
 
 from __future__ import annotations
 
@@ -44,10 +46,16 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = self.attention_norm(x)
-        length = x.shape[1]
-        mask = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
-        x = x + self.attention(normed, normed, normed, attn_mask=mask, is_causal=True,
-                               need_weights=False)[0]
+        if isinstance(self.attention, xtorch.MultiheadAttention):
+            # the estimator masks by itself (linear ones never form an L x L array)
+            out = self.attention(normed, normed, normed, is_causal=True,
+                                 need_weights=False)[0]
+        else:  # torch.nn.MultiheadAttention takes is_causal only as a hint to a mask
+            length = x.shape[1]
+            mask = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
+            out = self.attention(normed, normed, normed, attn_mask=mask, is_causal=True,
+                                 need_weights=False)[0]
+        x = x + out
         return x + self.ffn_out(nn.functional.gelu(self.ffn_in(self.ffn_norm(x))))
 
     def step(self, x: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:

@@ -119,6 +119,11 @@ def get_task(name: str, length: int | None = None) -> Task:
         if length < 2:
             raise ValueError(f"--length {length} is too short for shakespeare: it needs at "
                              "least 2 characters of context")
+        if length > shakespeare.MAX_CONTEXT:
+            raise ValueError(f"--length {length} is too long for shakespeare: a window and "
+                             "its next character must fit in the validation split "
+                             f"({shakespeare.VALIDATION_SIZE:,} characters), so at most "
+                             f"{shakespeare.MAX_CONTEXT:,}")
         return Task("shakespeare", length, (shakespeare.VOCABULARY_SIZE,),
                     shakespeare.VOCABULARY_SIZE, per_token=True, causal=True,
                     description=f"tiny Shakespeare, {shakespeare.VOCABULARY_SIZE} characters, "

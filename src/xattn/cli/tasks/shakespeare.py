@@ -20,13 +20,18 @@ from importlib import resources
 
 import numpy as np
 
-__all__ = ["NUM_CHARACTERS", "SHA256", "TRAIN_FRACTION", "VOCABULARY_SIZE", "decode",
-           "encode", "load_text", "split", "vocabulary"]
+__all__ = ["MAX_CONTEXT", "NUM_CHARACTERS", "SHA256", "TRAIN_FRACTION", "VALIDATION_SIZE",
+           "VOCABULARY_SIZE", "decode", "encode", "load_text", "split", "vocabulary"]
 
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 NUM_CHARACTERS = 1_115_394
 VOCABULARY_SIZE = 65
 TRAIN_FRACTION = 0.9
+#: Characters of the validation split (the last 10 %).
+VALIDATION_SIZE = NUM_CHARACTERS - int(NUM_CHARACTERS * TRAIN_FRACTION)
+#: Longest context: a window of inputs and, one character later, its targets must fit in
+#: the validation split (``--length`` beyond it is refused before any work).
+MAX_CONTEXT = VALIDATION_SIZE - 1
 
 
 @cache
