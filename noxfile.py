@@ -7,6 +7,8 @@ Environments use ``constraints.txt`` (known-good pins; torch must be pinned). no
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.default_venv_backend = "virtualenv"
@@ -38,12 +40,21 @@ def keras(session: nox.Session, backend: str) -> None:
 
 @nox.session(venv_backend="none")
 def tests_gpu(session: nox.Session) -> None:
-    """GPU backends against the packages already installed on the machine.
+    """GPU backends against the packages already installed on the machine: the GPU cases
+    only (the rest are deselected), each backend skipping cleanly where no GPU (or no
+    package) is present.
 
-    Each backend skips cleanly where no GPU (or no package) is present.
+    Each test's outcome is written as it finishes to ``$XATTN_TEST_LOG`` (default
+    ``gpu_test_outcomes.txt``), which ``benchmarks/summarize_test_log.py`` counts per
+    backend, also after a run stopped at a time limit; the 25 slowest tests are listed.
     """
-    session.run("python", "-m", "pytest", *session.posargs,
-                env={"XATTN_BACKENDS": "cupy,torch-cuda,jax-gpu"})
+    log = os.environ.get("XATTN_TEST_LOG", "gpu_test_outcomes.txt")
+    session.run("python", "-m", "pytest", "-n", "auto", "-v", "--durations=25",
+                *session.posargs,
+                env={"XATTN_BACKENDS": "cupy,torch-cuda,jax-gpu", "XATTN_TEST_LOG": log,
+                     # the pytest-xdist workers share the GPU
+                     "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    session.run("python", "benchmarks/summarize_test_log.py", "--slowest", "0", log)
 
 
 @nox.session

@@ -11,12 +11,20 @@ extra installs them); GPU backends skip cleanly when no GPU is present, so the s
 runs on a GPU machine with plain ``python -m pytest`` against its installed packages::
 
     XATTN_BACKENDS=cupy,torch-cuda,jax-gpu python -m pytest
+
+When ``XATTN_BACKENDS`` names only GPU backends, the run keeps only the GPU cases (see
+:func:`is_gpu_case`) and deselects the rest, which the CPU runs cover. With the
+environment variable ``XATTN_TEST_LOG`` set to a file name, each test's outcome is
+written there as it finishes, one line ``nodeid outcome seconds``, so a run stopped at a
+time limit still says what passed and what failed (``benchmarks/summarize_test_log.py``
+counts the lines per backend).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,6 +172,71 @@ def _make_backend(name: str) -> Backend:
 # ``lazy_xp_modules = [xattn]``, and the ``backend`` fixture patches the tagged functions.
 for _estimator in (xattn.softmax_attention, xattn.rfa, xattn.ra, xattn.lara):
     lazy_xp_function(_estimator)
+
+
+def is_gpu_case(item: pytest.Item) -> bool:
+    """Whether a collected test exercises a GPU: one of its parameters names a GPU
+    backend (the ``backend`` fixture's, or a test's own such as ``backend_name``), or it
+    carries the ``gpu`` marker (a GPU test that does not take the fixture)."""
+    if item.get_closest_marker("gpu") is not None:
+        return True
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params.values() if callspec is not None else ()
+    return any(isinstance(value, str) and value in GPU_BACKENDS for value in params)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A GPU-only selection (``XATTN_BACKENDS`` names GPU backends only) runs the GPU
+    cases only: every other test runs the same on the CPU backends' runs."""
+    if not set(selected_backends()) <= set(GPU_BACKENDS):
+        return
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        (kept if is_gpu_case(item) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+_test_log: list[Any] = []  # the open XATTN_TEST_LOG file, in the process that reports
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = os.environ.get("XATTN_TEST_LOG")
+    if path and not hasattr(config, "workerinput"):  # not in a pytest-xdist worker
+        log = open(path, "w", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed at unconfigure)
+        log.write(f"# started {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                  f"XATTN_BACKENDS={os.environ.get('XATTN_BACKENDS', '')}\n")
+        _test_log.append(log)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """One ``XATTN_TEST_LOG`` line per outcome as pytest reports it (with pytest-xdist,
+    in the controller, as each worker's result arrives)."""
+    if not _test_log:
+        return
+    if report.when == "call":
+        outcome = report.outcome
+        if hasattr(report, "wasxfail"):
+            outcome = "xfailed" if report.skipped else "xpassed"
+    elif report.failed:
+        outcome = "error"  # in setup or teardown
+    elif report.when == "setup" and report.skipped:
+        outcome = "skipped"
+    else:
+        return
+    _test_log[0].write(f"{report.nodeid} {outcome} {report.duration:.3f}\n")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _test_log:
+        _test_log[0].write(f"# finished exit status {int(exitstatus)}\n")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _test_log:
+        _test_log.pop().close()
 
 
 @pytest.fixture(params=selected_backends())

@@ -40,6 +40,7 @@ def inputs(shape=(2, 12, IN_FEATURES), seed=1):
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype=jnp.float32)
 
 
+@pytest.mark.gpu  # on JAX's default device: the GPU on a machine where JAX has one
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_forward_backward_and_one_optimisation_step(estimator):
     """Shape, dtype and gradients of every parameter; then one jitted optax SGD step on the
