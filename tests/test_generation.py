@@ -12,6 +12,9 @@ the state, the fixed size of RFA's state, masked keys, and the errors of misuse.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import numpy as np
@@ -465,6 +468,9 @@ def _tokens(rng, length=4, head_dim=8, value_dim=3, batch=(2,)):
                          value_dim=value_dim)
 
 
+LARA_MEANS = 0.1 * np.arange(16.0).reshape(2, 8) / 16
+
+
 def test_misuse_names_the_argument(rng):
     q, k, v = _tokens(rng)
     _, state = xattn.rfa(q, k, v, num_features=8, rng=0, causal=True, return_state=True)
@@ -475,6 +481,9 @@ def test_misuse_names_the_argument(rng):
     _, cache = xattn.softmax_attention(q, k, v, causal=True, return_state=True)
     _, ra_cache = xattn.ra(q, k, v, causal=True, rng=0, return_state=True)
     omega = xattn.features.sample_omega(1, 8, 8, xp=np, dtype=np.float64)
+    _, lara_state = xattn.lara(q, k, v, num_samples=2, causal=True, rng=0,
+                               proposal_means=LARA_MEANS, weighting="query_proposal",
+                               return_state=True)
     cases = [
         # a state of another estimator
         (xattn.softmax_attention, dict(state=state), TypeError,
@@ -508,6 +517,20 @@ def test_misuse_names_the_argument(rng):
          r"state must be an xattn.LARAState, as returned by lara\(\.\.\., causal=True"),
         (xattn.lara, dict(return_state=True, num_samples=2), ValueError,
          r"return_state= continues a causal sequence: lara\(\) needs causal=True"),
+        # the feature sums inside a LARA state are LARA's, not an RFA state
+        (xattn.rfa, dict(state=lara_state.features), TypeError,
+         r"state is the feature sums of an xattn.LARAState"),
+        (xattn.rfa, dict(state=lara_state.features, num_features=2), TypeError,
+         r"pass the LARAState itself to xattn.lara"),
+        # LARA refuses conflicting options, as rfa does
+        (xattn.lara, dict(state=lara_state, num_samples=2, causal=True, weighting="balance"),
+         ValueError, r"weighting='balance' differs from the state's weighting "
+                     r"\('query_proposal'\)"),
+        (xattn.lara, dict(state=lara_state, num_samples=2, causal=True, beta=1.0), ValueError,
+         r"beta=1.0 differs from the state's beta \(2.0\)"),
+        (xattn.lara, dict(state=lara_state, num_samples=2, causal=True,
+                          proposal_means=np.zeros((2, 8))), ValueError,
+         r"proposal_means=<other values> differs"),
     ]
     for function, options, error, message in cases:
         options = {"causal": True, **options} if function is not xattn.lara else options
@@ -545,3 +568,70 @@ def test_omega_of_the_state_is_accepted(rng):
     same = xattn.rfa(q, k, v, causal=True, state=state, omega=state.omega.copy(),
                      num_features=8, feature_map="positive", window=0, sinks=0)
     np.testing.assert_array_equal(same, xattn.rfa(q, k, v, causal=True, state=state))
+
+
+def test_lara_accepts_the_options_of_its_own_state(rng):
+    """Options given again with state= that equal the state's are accepted; the
+    continuation then equals the one without them."""
+    q, k, v = _tokens(rng)
+    options = dict(num_samples=2, causal=True, proposal_means=LARA_MEANS,
+                   weighting="query_proposal", beta=2.0)
+    _, state = xattn.lara(q[:, :3], k[:, :3], v[:, :3], rng=0, return_state=True, **options)
+    again = xattn.lara(q[:, 3:], k[:, 3:], v[:, 3:], state=state, rng=1,
+                       **{**options, "proposal_means": LARA_MEANS.copy()})
+    bare = xattn.lara(q[:, 3:], k[:, 3:], v[:, 3:], state=state, num_samples=2, causal=True)
+    np.testing.assert_array_equal(again, bare)
+
+
+def test_softmax_prefill_uses_the_causal_kernel_without_a_mask(rng, monkeypatch):
+    """A prefill (return_state=True) reaches torch's fused kernel as the plain causal call
+    does, with is_causal and no (N, M) mask: its memory is that of the plain call."""
+    torch = pytest.importorskip("torch")
+    calls = []
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    q, k, v = (torch.tensor(x) for x in _tokens(rng))
+    plain = xattn.softmax_attention(q, k, v, causal=True)
+    prefill, cache = xattn.softmax_attention(q, k, v, causal=True, return_state=True)
+    assert calls == [(None, True), (None, True)]
+    torch.testing.assert_close(prefill, plain, rtol=0, atol=0)
+    assert cache.keys.shape == k.shape
+
+
+STATE_BEFORE_JAX = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import xattn
+
+    assert "jax" not in sys.modules
+    data = np.random.default_rng(0)
+    q, k, v = (data.normal(size=(2, 5, 4)) for _ in range(3))
+    _, rfa_state = xattn.rfa(q, k, v, num_features=8, rng=0, causal=True, return_state=True)
+    _, cache = xattn.softmax_attention(q, k, v, causal=True, return_state=True)
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    for state in (rfa_state, cache):
+        assert len(jax.tree_util.tree_leaves(state)) > 1, type(state)
+    @jax.jit
+    def step(state, x):
+        return xattn.rfa(x, x, x, causal=True, state=state, return_state=True)
+    out, after = step(jax.tree_util.tree_map(jnp.asarray, rfa_state), jnp.asarray(q[:, :1]))
+    assert int(after.position) == 6, after.position
+    print("ok")
+""")
+
+
+def test_a_state_made_before_jax_is_imported_is_a_pytree():
+    """In a fresh interpreter: states made with NumPy before ``import jax`` are pytrees
+    (their arrays are leaves) and go through jax.jit."""
+    result = subprocess.run([sys.executable, "-c", STATE_BEFORE_JAX], capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"

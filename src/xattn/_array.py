@@ -10,6 +10,8 @@ of the scalar options (flags, counts, choices, the score scale) are in
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import math
 import operator
 import sys
@@ -336,24 +338,62 @@ def check_proposal_means(inputs: AttentionInputs, proposal_means: Any,
         proposal_means, work)
 
 
-_PYTREES: set[type] = set()
+_PYTREES: list[tuple[type, tuple[str, ...], tuple[str, ...]]] = []
+"""The dataclasses to register as JAX pytrees, with their data and static fields."""
 
 
 def register_pytree(cls: type, data_fields: tuple[str, ...],
                     meta_fields: tuple[str, ...]) -> None:
-    """Register the dataclass ``cls`` as a JAX pytree (its arrays the ``data_fields``, the
-    static ``meta_fields`` hashable) once JAX is imported; without JAX, nothing.
+    """Make the dataclass ``cls`` a JAX pytree (its arrays the ``data_fields``, the static
+    ``meta_fields`` hashable), whenever JAX is imported, before or after xattn.
 
-    Called whenever an instance is made (``__post_init__``), so that importing xattn never
-    imports JAX and an instance holding JAX arrays is a pytree before it reaches
+    Importing xattn never imports JAX: if JAX is already imported, ``cls`` is registered
+    now; otherwise an import hook registers it right after ``import jax`` completes, so
+    that an instance made before JAX was imported is a pytree too when it reaches
     :func:`jax.jit` or :func:`jax.lax.scan`.
     """
+    _PYTREES.append((cls, data_fields, meta_fields))
+    if not _register_pending():
+        _watch_jax_import()
+
+
+def _register_pending() -> bool:
+    """Register the pending pytrees if JAX is imported; whether it is."""
     jax = sys.modules.get("jax")
-    if cls in _PYTREES or jax is None or not hasattr(jax, "tree_util"):
-        return
-    _PYTREES.add(cls)
-    jax.tree_util.register_dataclass(cls, data_fields=list(data_fields),
+    tree_util = getattr(jax, "tree_util", None)
+    if tree_util is None:
+        return False
+    while _PYTREES:
+        cls, data_fields, meta_fields = _PYTREES.pop(0)
+        tree_util.register_dataclass(cls, data_fields=list(data_fields),
                                      meta_fields=list(meta_fields))
+    return True
+
+
+class _JaxImportHook(importlib.abc.MetaPathFinder):
+    """Finds ``jax`` with the other finders and registers the pending pytrees once its
+    module has run (one use: it leaves ``sys.meta_path`` when it has found JAX)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "jax":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            _register_pending()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _watch_jax_import() -> None:
+    if not any(isinstance(finder, _JaxImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _JaxImportHook())
 
 
 def host_to_device(xp: Any, host: np.ndarray, *, dtype: Any, device: Any) -> Array:

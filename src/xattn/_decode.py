@@ -36,7 +36,14 @@ from collections.abc import Generator
 from typing import Any, TypeVar
 
 from xattn._array import Array, AttentionInputs
-from xattn._primitives import RowPieces, finite_rows, finite_shift, value_columns
+from xattn._primitives import (
+    RowPieces,
+    finite_entries,
+    finite_shift,
+    mark_tainted,
+    quarantine,
+    value_columns,
+)
 from xattn._rf_scan import (
     FeatureMap,
     Partial,
@@ -53,13 +60,15 @@ __all__ = ["continue_rfa", "extend_cache"]
 Cache = TypeVar("Cache", bound=_KeyValueCache)
 
 
-def _new_tokens(xp: Any, inputs: AttentionInputs,
-                batch: tuple[int, ...]) -> tuple[Array, Array, Array]:
+def _new_tokens(xp: Any, inputs: AttentionInputs, batch: tuple[int, ...],
+                finite: bool = False) -> tuple[Array, Array, Array]:
     """The new keys and values at the state's leading dims, zeroed where masked (a masked
     key never enters a state), and their validity (..., L)."""
     length = inputs.num_keys
     k = xp.broadcast_to(inputs.k, (*batch, length, inputs.k.shape[-1]))
     v = xp.broadcast_to(inputs.v, (*batch, length, inputs.v.shape[-1]))
+    if finite:  # RFA's buffers: the non-finite tokens are marked in the state instead
+        k, v = finite_entries(xp, k), finite_entries(xp, v)
     if inputs.key_mask is None:
         return k, v, xp.ones((*batch, length), dtype=xp.bool, device=inputs.device)
     valid = xp.broadcast_to(inputs.key_mask, (*batch, length))
@@ -111,10 +120,10 @@ def _band_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, query
         values.append(band[1])
         valid.append(band[2])
         allowed.append((columns >= rows) & (columns <= rows + window))
-    key_rows, key_poison = finite_rows(xp, xp.concat(keys, axis=-2))
-    value_rows, poison = value_columns(xp, xp.concat(values, axis=-2))
-    scores = (inputs.scale * inputs.q[..., start:stop, :]) @ xp.matrix_transpose(key_rows)
-    scores = scores + (poison + key_poison)[..., None, :]
+    key_rows = finite_entries(xp, xp.concat(keys, axis=-2))
+    value_rows = value_columns(xp, xp.concat(values, axis=-2))
+    queries = finite_entries(xp, inputs.q[..., start:stop, :])
+    scores = (inputs.scale * queries) @ xp.matrix_transpose(key_rows)
     allowed_keys = xp.concat(allowed, axis=-1) & xp.concat(valid, axis=-1)[..., None, :]
     scores = xp.where(allowed_keys, scores, -xp.inf)
     shift = xp.max(scores, axis=-1, keepdims=True)
@@ -142,9 +151,17 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
     check_state_inputs(state, inputs)
     window, sinks = state.window, state.sinks
     batch = tuple(state.sink_keys.shape[:-2])
+    # a non-finite key or value taints every later row: the state carries it as a NaN
+    # maximum, and the sums are computed without it (xattn._primitives.quarantine)
+    seen_before = xp.any(xp.isnan(xp.reshape(state.feature_max, (*batch, -1))), axis=-1)
+    state = dataclasses.replace(state, feature_max=xp.where(
+        xp.isnan(state.feature_max), -xp.inf, state.feature_max))
+    tainted, bad_keys = quarantine(inputs, causal=True)
+    tainted = tainted | seen_before[..., None, None]
+    seen = seen_before | xp.any(bad_keys, axis=-1) if bad_keys.shape[-1] else seen_before
     length = inputs.num_queries
     root_scale = math.sqrt(inputs.scale)
-    keys, values, valid = _new_tokens(xp, inputs, batch)
+    keys, values, valid = _new_tokens(xp, inputs, batch, finite=True)
     positions = state.position + xp.arange(length, device=inputs.device)  # P + j
     sink_keys, sink_values, sink_valid = _updated_sinks(xp, state, keys, values, valid,
                                                         positions, inputs.device)
@@ -165,7 +182,8 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
         partial = next(partials)
         if window or sinks:  # with exact terms: the random part must estimate e^{q.k} itself
             shift, sums, weight = partial
-            constant = mapping.query_constant(root_scale * inputs.q[..., start:stop, :])
+            constant = mapping.query_constant(
+                root_scale * finite_entries(xp, inputs.q[..., start:stop, :]))
             band = None
             if window:
                 band = (extended_keys[..., start:stop + window, :],
@@ -184,8 +202,9 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
             xp, mapping, extended_keys, extended_values, root_scale=root_scale,
             key_mask=extended_valid, first_key=0, start=length - 1, stop=length,
             chunk_size=chunk_size, batch_shape=batch))
+    flag = xp.reshape(seen, (*seen.shape, *(1,) * (features[0].ndim - seen.ndim)))
     new_state = dataclasses.replace(
-        state, feature_max=features[0], feature_sums=features[1],
+        state, feature_max=xp.where(flag, xp.nan, features[0]), feature_sums=features[1],
         feature_weight=features[2] if len(features) == 3 else None,
         position=state.position + length,
         window_keys=extended_keys[..., length:, :], window_values=extended_values[..., length:, :],
@@ -193,7 +212,8 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
         sink_valid=sink_valid)
     if length == 0:
         return dataclasses.replace(inputs, batch_shape=batch).empty_result(), None, new_state
-    return out.result(), None if clamped is None else clamped.result(), new_state
+    return (mark_tainted(xp, out.result(), tainted),
+            None if clamped is None else clamped.result() & ~tainted, new_state)
 
 
 def extend_cache(inputs: AttentionInputs, cache: Cache | None,
@@ -212,6 +232,8 @@ def extend_cache(inputs: AttentionInputs, cache: Cache | None,
     cache = type(cache)(xp.concat([cache.keys, keys], axis=-2),
                         xp.concat([cache.values, values], axis=-2),
                         xp.concat([cache.valid, valid], axis=-1))
-    extended = dataclasses.replace(inputs, k=cache.keys, v=cache.values, key_mask=cache.valid,
+    # a prefill keeps the call's own mask (None: the kernels' causal path, no (N, M) mask)
+    extended = dataclasses.replace(inputs, k=cache.keys, v=cache.values,
+                                   key_mask=inputs.key_mask if offset == 0 else cache.valid,
                                    batch_shape=batch)
     return extended, cache, offset

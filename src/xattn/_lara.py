@@ -50,7 +50,7 @@ from xattn._options import (
     check_positive_int,
     check_segments,
 )
-from xattn._primitives import join, masked_softmax
+from xattn._primitives import finite_entries, join, mark_tainted, masked_softmax, quarantine
 from xattn._rf_scan import stream_bounds
 from xattn._segments import segment_means
 from xattn._state import LARAState, check_state_call
@@ -131,8 +131,8 @@ def _key_statistics(inputs: AttentionInputs, omega: Array, root_scale: float,
     xp, k, v, key_mask = inputs.xp, inputs.k, inputs.v, inputs.key_mask
     statistics = None
     for start, stop in stream_bounds(k, -2, chunk_size):
-        piece = positive_key_statistics(xp, root_scale * k[..., start:stop, :],
-                                        v[..., start:stop, :], omega,
+        piece = positive_key_statistics(xp, root_scale * finite_entries(xp, k[..., start:stop, :]),
+                                        finite_entries(xp, v[..., start:stop, :]), omega,
                                         None if key_mask is None else key_mask[..., start:stop])
         statistics = piece if statistics is None else merge_key_statistics(xp, statistics,
                                                                            piece)
@@ -182,13 +182,14 @@ def _query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means:
             projection_t = xp.concat([landmarks_t, projection_t], axis=-1)
     outputs = []
     for index, (start, stop) in enumerate(pieces):
-        logits = q[..., start:stop, :] @ projection_t
+        queries = finite_entries(xp, q[..., start:stop, :])  # rows marked NaN by lara
+        logits = queries @ projection_t
         scores = None
         if recompute:  # s_nc, then the logits of omega
             scores, logits = logits[..., :num_samples], logits[..., num_samples:]
         affinity = None if affinities is None else affinities.piece(index, scores)
         if weighting == "query_proposal":  # r_nc = softmax_c of q^_n . mu_c, then eq. 38
-            affinity = (query_proposal_affinity(xp, root_scale * q[..., start:stop, :],
+            affinity = (query_proposal_affinity(xp, root_scale * queries,
                                                 proposal_means),
                         xp.ones_like(own_weight)[..., None, :])
         weights = importance_weights(xp, own_weight, affinity,
@@ -212,8 +213,8 @@ def lara(
     proposal: str = "segment",
     proposal_means: Array | None = None,
     defensive: int = 0,
-    weighting: str = "decoupled",
-    beta: float = 2.0,
+    weighting: str | None = None,
+    beta: float | None = None,
     deterministic: bool = False,
     noise_scale: float = 1.0,
     scale: float | None = None,
@@ -299,9 +300,12 @@ def lara(
         :math:`\alpha_c\,N(\omega_c; 0, I)/q_c(\omega_c) = N(\omega_c; 0, I) /
         \sum_{c'} q_{c'}(\omega_c) \le 1/K`, so one sample far from every proposal
         cannot dominate (:doc:`/theory/04_lara`).
-    weighting : {"decoupled", "balance", "coupled"}
-    beta : float
-        Strength of the query-specific correction of ``weighting="decoupled"``.
+    weighting : {"decoupled", "balance", "coupled", "query_proposal"}, optional
+        The multiple-importance weights; None: ``"decoupled"``, or the state's with
+        ``state=``.
+    beta : float, optional
+        Strength of the query-specific correction of ``weighting="decoupled"`` (and
+        ``"query_proposal"``); None: 2.0, or the state's with ``state=``.
     deterministic : bool
         Use the proposal means as samples, :math:`\omega_c = \mu_c` (the paper's
         evaluation mode, and the layers': Flax's ``deterministic=True``, torch's
@@ -375,10 +379,13 @@ def lara(
     ValueError
         If ``num_samples < 1``, ``num_samples > N`` or ``chunk_size < 1``, or
         ``proposal`` / ``weighting`` is not one of the names above; with ``grid``, if N or
-        M is not H W or a pool size exceeds its grid side; if ``causal=True`` (not
-        supported yet); if ``proposal_means`` is not (..., C, D) with leading dims that
-        broadcast against the batch, or comes with a ``proposal`` other than the
-        default, or on another device than ``q``; if ``defensive`` is not in 0..C.
+        M is not H W or a pool size exceeds its grid side; with ``causal=True``, if an option
+        looks ahead (segment proposals without ``proposal_means``, the ``"decoupled"`` or
+        ``"coupled"`` weighting, ``grid``); if ``proposal_means`` is not (..., C, D) with
+        leading dims that broadcast against the batch, or comes with a ``proposal`` other
+        than the default, or on another device than ``q``; if ``defensive`` is not in
+        0..C; with ``state=``, if ``num_samples``, ``weighting``, ``beta`` or
+        ``proposal_means`` is given and differs from the state's.
     TypeError
         If ``num_samples`` is not an int (a pair ``(c_h, c_w)`` without ``grid``, or an
         int with ``grid``), ``grid`` is not a pair of ints, ``proposal`` /
@@ -436,6 +443,9 @@ def lara(
     (3, 196, 8)
     """
     stateful = check_state_call(state, return_state, check_bool(causal, "causal"), LARAState)
+    if state is None:  # the defaults (with state=: the state's)
+        weighting = "decoupled" if weighting is None else weighting
+        beta = 2.0 if beta is None else beta
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
                                check_finite=check_finite, continuing=stateful)
     causal = check_bool(causal, "causal")
@@ -450,7 +460,8 @@ def lara(
     check_choice(proposal, "proposal", PROPOSALS)
     supplied_means = None
     if state is not None:  # the samples, means and weights of the sequence continued
-        omega, supplied_means, weighting, beta = state_options(state, num_samples)
+        omega, supplied_means, weighting, beta = state_options(
+            state, num_samples, weighting=weighting, beta=beta, proposal_means=proposal_means)
     elif proposal_means is not None:
         if proposal != "segment":
             raise ValueError(f"proposal_means replaces proposal={proposal!r}; leave it out")
@@ -471,6 +482,10 @@ def lara(
     if inputs.is_empty and not stateful:  # N = 0 or an empty batch: empty, whatever C
         return inputs.empty_result()
 
+    tainted = None
+    if not stateful:  # non-finite rows reach exactly the rows that attend them (outputs,
+        # gradients); the segment means mix every query (stateful: xattn._decode)
+        tainted, _ = quarantine(inputs, causal=causal, shared_queries=not segmentless)
     root_scale = math.sqrt(inputs.scale)
     # q^ = sqrt(s) q is never formed: sqrt(s) is folded into the (C, D) matrices that
     # multiply q in the query pass; k^ is formed a piece of keys at a time
@@ -491,9 +506,13 @@ def lara(
         result = causal_lara(inputs, omega, proposal_means, weighting=weighting, beta=beta,
                              chunk_size=chunk_size, stateful=stateful, state=state)
         out, state = result if stateful else (result, None)
-        return (inputs.finish(out), state) if return_state else inputs.finish(out)
-    statistics = _key_statistics(inputs, omega, root_scale, chunk_size)
-    out = _query_pass(inputs, query_landmarks, proposal_means, omega, statistics,
-                      weighting=weighting, beta=beta, root_scale=root_scale,
-                      chunk_size=chunk_size)
-    return inputs.finish(out)
+    else:
+        statistics = _key_statistics(inputs, omega, root_scale, chunk_size)
+        out = _query_pass(inputs, query_landmarks, proposal_means, omega, statistics,
+                          weighting=weighting, beta=beta, root_scale=root_scale,
+                          chunk_size=chunk_size)
+    if tainted is not None:
+        out = mark_tainted(inputs.xp, out, tainted)
+        if inputs.query_mask is not None:  # a masked query's row stays zero
+            out = inputs.xp.where(inputs.query_mask[..., None], out, 0.0)
+    return (inputs.finish(out), state) if return_state else inputs.finish(out)

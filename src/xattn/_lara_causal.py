@@ -37,7 +37,13 @@ from xattn._decode import continue_rfa
 from xattn._importance import balance_heuristic, importance_weights
 from xattn._rf_scan import PositiveMap
 from xattn._rfa import causal_scan
-from xattn._state import LARAState, empty_rfa_state
+from xattn._state import (
+    IMPORTANCE_FEATURES,
+    LARAState,
+    check_state_array,
+    empty_rfa_state,
+    refuse,
+)
 
 __all__ = ["CAUSAL_BLOCK_SIZE", "CAUSAL_WEIGHTINGS", "ImportanceMap", "causal_lara",
            "check_lara_causal_options", "query_proposal_affinity", "state_options",
@@ -128,7 +134,7 @@ def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
                             beta=beta)
     if stateful:
         features = (state.features if state is not None
-                    else empty_rfa_state(inputs, mapping, omega, "positive", 0, 0))
+                    else empty_rfa_state(inputs, mapping, omega, IMPORTANCE_FEATURES, 0, 0))
         out, _, features = continue_rfa(xp, inputs, mapping, features,
                                         block_size=CAUSAL_BLOCK_SIZE, chunk_size=chunk_size,
                                         guard=False)
@@ -141,11 +147,19 @@ def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
     return out, LARAState(features, proposal_means, weighting, beta)
 
 
-def state_options(state: LARAState, num_samples: int) -> tuple[Array, Array, str, float]:
-    """The samples, proposal means, weighting and beta that ``state`` continues with;
-    ``ValueError`` if ``num_samples`` is not its C."""
+def state_options(state: LARAState, num_samples: int, *, weighting: str | None,
+                  beta: float | None, proposal_means: Array | None,
+                  ) -> tuple[Array, Array, str, float]:
+    """The samples, proposal means, weighting and beta that ``state`` continues with; an
+    option given explicitly must equal the state's (``ValueError`` naming it), as with
+    :func:`xattn.rfa`'s ``state=``."""
     omega = state.features.omega
     if num_samples != omega.shape[-2]:
         raise ValueError(f"num_samples={num_samples} differs from the state's C = "
                          f"{omega.shape[-2]} proposals")
+    if weighting is not None and weighting != state.weighting:
+        refuse("weighting", weighting, state.weighting)
+    if beta is not None and float(beta) != state.beta:
+        refuse("beta", beta, state.beta)
+    check_state_array("proposal_means", proposal_means, state.proposal_means)
     return omega, state.proposal_means, state.weighting, state.beta

@@ -1,6 +1,6 @@
 """Numerical primitives shared by every estimator: stable shifts, the online-softmax merge,
 masked softmax, causal masks, two small idioms (a divisor that keeps empty rows at 0,
-joining pieces), the poison of non-finite rows and the assembly of a result by rows.
+joining pieces), the quarantine of non-finite rows and the assembly of a result by rows.
 
 This module sits below the estimators (softmax, rfa, ra, lara, mrf, features) and imports
 only :mod:`xattn._array`.
@@ -8,17 +8,19 @@ only :mod:`xattn._array`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import array_api_compat
 import array_api_extra as xpx
 
-from xattn._array import Array, one_chunk_along, split_rows, written_in_place
+from xattn._array import Array, AttentionInputs, one_chunk_along, split_rows, written_in_place
 
-__all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_rows",
-           "finite_shift", "join", "logsumexp", "masked_softmax", "merge_maxima",
-           "nonzero_divisor", "pad_rows", "running_max", "value_columns"]
+__all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_entries",
+           "finite_inputs", "finite_shift", "join", "logsumexp", "mark_tainted",
+           "masked_softmax", "merge_maxima", "nonzero_divisor", "pad_rows", "quarantine",
+           "running_max", "value_columns"]
 
 
 def finite_shift(xp: Any, maxima: Array) -> Array:
@@ -228,27 +230,17 @@ def pad_rows(xp: Any, x: Array, before: int, after: int, fill: float) -> Array:
     return xp.concat(pieces, axis=-2)
 
 
-def finite_rows(xp: Any, x: Array) -> tuple[Array, Array]:
-    """``x`` (..., L, F) with non-finite entries replaced by 0, and its per-row poison.
-
-    The poison (..., L) is 0 for a finite row and NaN for a row holding NaN or infinity.
-    Added to the logits of a key, it moves the key's non-finiteness to exactly the rows
-    that attend it, with no ``inf - inf`` or ``0 * inf`` on the way.
-    """
-    finite = xp.isfinite(x)
-    nan = xp.asarray(xp.nan, dtype=x.dtype, device=array_api_compat.device(x))
-    return xp.where(finite, x, 0.0), xp.sum(xp.where(finite, 0.0, nan), axis=-1)
+def finite_entries(xp: Any, x: Array) -> Array:
+    """``x`` with its NaN and infinite entries replaced by 0, by ``where`` (no product with
+    a NaN, in the backward pass either): how an estimator reads a piece of its inputs,
+    whose non-finite rows :func:`quarantine` has located."""
+    return xp.where(xp.isfinite(x), x, 0.0)
 
 
-def value_columns(xp: Any, v: Array) -> tuple[Array, Array]:
-    """Values with a column of ones appended (the denominator) and their per-key poison.
-
-    Returns ``(columns, poison)``: ``columns`` (..., L, Dv + 1) has non-finite entries
-    replaced by 0; ``poison`` (..., L) is that of :func:`finite_rows`.
-    """
-    finite, poison = finite_rows(xp, v)
+def value_columns(xp: Any, v: Array) -> Array:
+    """Values with a column of ones appended (the denominator), non-finite entries 0."""
     ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=array_api_compat.device(v))
-    return xp.concat([finite, ones], axis=-1), poison
+    return xp.concat([finite_entries(xp, v), ones], axis=-1)
 
 
 def running_max(xp: Any, x: Array) -> Array:
@@ -261,3 +253,72 @@ def running_max(xp: Any, x: Array) -> Array:
         x = xp.maximum(x, xp.concat([fill, x[..., :-step, :]], axis=-2))
         step *= 2
     return one_chunk_along(x, -2)  # Dask: not a chunk per step
+
+
+def quarantine(inputs: AttentionInputs, *, causal: bool, offset: int = 0,
+               shared_queries: bool = False) -> tuple[Array, Array]:
+    r"""Locate the non-finite rows of the inputs and the output rows they reach.
+
+    A key :math:`m` whose key or value row holds NaN or infinity reaches exactly the
+    query rows that attend it: every row without ``causal``, the rows at positions
+    :math:`\ge m` with it (query ``i`` at position ``offset + i``, key ``j`` at ``j``,
+    top-left), and none where ``key_mask`` leaves it out. A non-finite query row reaches
+    its own row (every row with ``shared_queries``: LARA's segment means average the
+    queries). The estimator reads its inputs through :func:`finite_entries` (a piece at a
+    time: no copy of a whole input) and :func:`mark_tainted` writes NaN into the reached
+    rows with ``where`` at the end. No NaN enters the computation, so none reaches an
+    output or a **gradient** of a row that does not attend it (a zero weight times NaN is
+    NaN, in the backward pass too).
+
+    Returns ``tainted``, boolean (..., N or 1, 1), and the keys that reach some row,
+    boolean (..., M). Memory: O(N + M) booleans.
+    """
+    xp = inputs.xp
+
+    def non_finite(x: Array) -> Array:
+        return ~xp.all(xp.isfinite(x), axis=-1)
+
+    bad_queries = non_finite(inputs.q)
+    bad_keys = non_finite(inputs.k) | non_finite(inputs.v)  # (..., M)
+    if inputs.key_mask is not None:
+        bad_keys = bad_keys & inputs.key_mask
+    if inputs.query_mask is not None:
+        bad_queries = bad_queries & inputs.query_mask
+    if shared_queries:
+        bad_queries = xp.any(bad_queries, axis=-1, keepdims=True)
+    num_queries, num_keys = inputs.num_queries, inputs.num_keys
+    if num_keys == 0:
+        tainted = bad_queries
+    elif not causal:
+        tainted = bad_queries | xp.any(bad_keys, axis=-1, keepdims=True)
+    else:  # the keys m <= offset + i: a count of the bad ones up to each position
+        seen = xp.cumulative_sum(xp.astype(bad_keys, xp.int32), axis=-1) > 0
+        inside = max(0, min(offset + num_queries, num_keys) - offset)  # positions < M
+        rows = seen[..., offset:offset + inside]
+        if inside < num_queries:  # queries past the last key see all of them
+            last = seen[..., -1:]
+            rows = xp.concat([rows, xp.broadcast_to(
+                last, (*last.shape[:-1], num_queries - inside))], axis=-1)
+        tainted = bad_queries | rows
+    return tainted[..., None], bad_keys
+
+
+def finite_inputs(inputs: AttentionInputs) -> AttentionInputs:
+    """The inputs with :func:`finite_entries` applied to q, k and v whole (for the
+    estimators that hand them to a fused kernel or hold them anyway: a copy of each)."""
+    xp = inputs.xp
+    return dataclasses.replace(inputs, q=finite_entries(xp, inputs.q),
+                               k=finite_entries(xp, inputs.k), v=finite_entries(xp, inputs.v))
+
+
+def mark_tainted(xp: Any, out: Array, tainted: Array) -> Array:
+    """``out`` with NaN in the rows of ``tainted`` (:func:`quarantine`): by ``where``, or
+    written into ``out`` where results are assembled in place (NumPy, CuPy: no second
+    copy of the output)."""
+    writeable = getattr(getattr(out, "flags", None), "writeable", True)
+    if written_in_place(out) and writeable and tuple(out.shape[:-1]) == tuple(
+            xp.broadcast_shapes(out.shape[:-1], tainted.shape[:-1])):
+        out[xp.broadcast_to(tainted, out.shape)] = xp.nan
+        return out
+    nan = xp.asarray(xp.nan, dtype=out.dtype, device=array_api_compat.device(out))
+    return xp.where(tainted, nan, out)

@@ -47,7 +47,14 @@ from xattn._options import (
     check_noise_scale,
     check_positive_int,
 )
-from xattn._primitives import finite_shift, join, nonzero_divisor
+from xattn._primitives import (
+    finite_inputs,
+    finite_shift,
+    join,
+    mark_tainted,
+    nonzero_divisor,
+    quarantine,
+)
 from xattn._state import RAState, check_state_call
 from xattn.random import as_generator
 
@@ -436,6 +443,9 @@ def ra(
     offset = 0  # the position of the first query: keys before it are in the cache
     if stateful:  # attend the cached keys and the new ones (xattn._decode)
         inputs, state, offset = extend_cache(inputs, state, RAState)
+    # non-finite rows reach exactly the rows that attend them, outputs and gradients
+    tainted, _ = quarantine(inputs, causal=causal, offset=offset)
+    inputs = finite_inputs(inputs)  # RA holds the scaled keys whole anyway
     keys = _key_side(inputs)
     generator = None if deterministic else as_generator(rng)
     if inputs.is_empty:
@@ -470,5 +480,6 @@ def ra(
         assert total is not None  # num_draws >= 1: the sample loop ran
         outputs.append(total if num_draws == 1 else total / num_draws)  # mean over samples
 
-    out = inputs.finish(join(inputs.xp, outputs, axis=-2))
+    out = mark_tainted(inputs.xp, join(inputs.xp, outputs, axis=-2), tainted)
+    out = inputs.finish(out)
     return (out, state) if return_state else out

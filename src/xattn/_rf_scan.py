@@ -32,11 +32,13 @@ The output is assembled block by block in :class:`~xattn._primitives.RowPieces`:
 written into the result as the blocks are made where arrays can be written in place
 (NumPy, CuPy), concatenated once at the end elsewhere.
 
-NaN and infinity: a non-finite key or value :math:`m` makes its logits NaN (values are
-zeroed and their non-finiteness moved into the logits,
-:func:`~xattn._primitives.value_columns`), which reaches the rows that attend key
-:math:`m` and every later state, but never a row that does not attend it (masked entries
-are selected away with ``where``, never multiplied by zero).
+NaN and infinity: the estimators read their inputs through
+:func:`~xattn._primitives.finite_entries` (non-finite entries as 0) and mark the rows
+that a non-finite key, value or query reaches with NaN at the end
+(:func:`~xattn._primitives.quarantine`), so no NaN from the inputs enters this scan, nor
+its backward pass. A logit that is NaN all the same (an overflow, ``inf - inf``) still
+reaches only the rows that attend its key: masked entries are selected away with
+``where``, never multiplied by zero.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import array_api_compat
 from xattn._array import Array, one_chunk_along, split_rows, stop_gradient, stream_bounds, take
 from xattn._primitives import (
     RowBlocks,
-    finite_rows,
+    finite_entries,
     finite_shift,
     merge_maxima,
     nonzero_divisor,
@@ -99,8 +101,8 @@ class FeatureMap(Protocol):
         """log of the per-query factor left out of :meth:`queries`, (..., B, 1)."""
         ...
 
-    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array, ...]:
-        """The keys' side of the features; ``valid`` False and NaN ``poison`` drop a key."""
+    def keys(self, k_hat: Array, valid: Array | None) -> tuple[Array, ...]:
+        """The keys' side of the features; ``valid`` False drops a key."""
         ...
 
     def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,
@@ -342,9 +344,9 @@ class PositiveMap:
         xp = self.xp
         return -0.5 * xp.sum(q_hat * q_hat, axis=-1, keepdims=True) - math.log(self.num_samples)
 
-    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array, ...]:
+    def keys(self, k_hat: Array, valid: Array | None) -> tuple[Array, ...]:
         xp = self.xp
-        logits = log_positive_features(xp, k_hat, self.omega) + poison[..., None]  # a_ms
+        logits = log_positive_features(xp, k_hat, self.omega)  # a_ms
         if valid is not None:
             logits = xp.where(valid[..., None], logits, -xp.inf)
         return (logits,)
@@ -476,11 +478,11 @@ class TrigonometricMap:
     def query_constant(self, q_hat: Array) -> Array:
         return 0.5 * self.xp.sum(q_hat * q_hat, axis=-1, keepdims=True)
 
-    def keys(self, k_hat: Array, valid: Array | None, poison: Array) -> tuple[Array, ...]:
+    def keys(self, k_hat: Array, valid: Array | None) -> tuple[Array, ...]:
         xp = self.xp
         features = self._features(k_hat)
         features = xp.where(xp.isfinite(features), features, xp.zeros_like(features))
-        half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True) + poison[..., None]
+        half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True)
         if valid is not None:
             half_sq_norm = xp.where(valid[..., None], half_sq_norm, -xp.inf)
         return features, half_sq_norm
@@ -536,11 +538,10 @@ def _key_inputs(xp: Any, mapping: FeatureMap, k: RowBlocks, v: RowBlocks, root_s
                 key_mask: Array | None, first_key: int, start: int,
                 stop: int) -> tuple[tuple[Array, ...], Array]:
     """The mapped keys ``start:stop`` and their value columns."""
-    values, value_poison = value_columns(xp, v.get(start, stop))
-    keys, key_poison = finite_rows(xp, k.get(start, stop))
+    values, keys = value_columns(xp, v.get(start, stop)), finite_entries(xp, k.get(start, stop))
     device = array_api_compat.device(keys)
     valid = _key_validity(xp, key_mask, first_key, start, stop, device)
-    return mapping.keys(root_scale * keys, valid, key_poison + value_poison), values
+    return mapping.keys(root_scale * keys, valid), values
 
 
 def state_over_keys(xp: Any, mapping: FeatureMap, k: Array, v: Array, *, root_scale: float,
@@ -601,7 +602,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
         nonlocal state
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start
-            queries = mapping.queries(root_scale * query_rows.get(start, stop))
+            queries = mapping.queries(root_scale * finite_entries(xp, query_rows.get(start, stop)))
             # the block's keys, aligned so that key i is allowed for query j iff i <= j
             key_start, key_stop = ((start + offset, stop + offset) if reverse
                                    else (start - offset, stop - offset))

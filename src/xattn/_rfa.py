@@ -44,7 +44,7 @@ from xattn._options import (
     check_window,
     default_num_features,
 )
-from xattn._primitives import RowPieces, finite_rows
+from xattn._primitives import RowPieces, finite_entries, mark_tainted, quarantine
 from xattn._rf_scan import (
     PAIR_BLOCK,
     FeatureMap,
@@ -405,23 +405,28 @@ def rfa(
         mapping = PositiveMap(xp, omega, pair_block=min(PAIR_BLOCK, block_size,
                                                         max(inputs.num_queries, 1)))
 
+    tainted = None
     if stateful:  # a piece of a sequence (xattn._decode), the first one without state
         out, invalid, state = continue_rfa(
             xp, inputs, mapping, state or empty_rfa_state(inputs, mapping, samples, feature_map,
                                                           window, sinks),
             block_size=block_size, chunk_size=chunk_size, guard=trigonometric)
-    elif window or sinks:
-        out, invalid = windowed_rfa(xp, inputs, mapping, window=window, sinks=sinks,
-                                    causal=causal, block_size=block_size,
-                                    chunk_size=chunk_size, guard=trigonometric)
-    elif causal:
-        out, invalid = causal_scan(xp, inputs, mapping, block_size, chunk_size, trigonometric)
-    elif trigonometric:
-        out, invalid = _trigonometric(xp, inputs, mapping, chunk_size)
-    else:
-        out, invalid = _positive(xp, inputs, omega, chunk_size), None
+    else:  # non-finite rows reach exactly the rows that attend them (outputs, gradients)
+        tainted, _ = quarantine(inputs, causal=causal)
+        if window or sinks:
+            out, invalid = windowed_rfa(xp, inputs, mapping, window=window, sinks=sinks,
+                                        causal=causal, block_size=block_size,
+                                        chunk_size=chunk_size, guard=trigonometric)
+        elif causal:
+            out, invalid = causal_scan(xp, inputs, mapping, block_size, chunk_size,
+                                       trigonometric)
+        elif trigonometric:
+            out, invalid = _trigonometric(xp, inputs, mapping, chunk_size)
+        else:
+            out, invalid = _positive(xp, inputs, omega, chunk_size), None
+        out = mark_tainted(xp, out, tainted)
     if invalid is not None:
-        _warn_if_any(xp, invalid)
+        _warn_if_any(xp, invalid if tainted is None else invalid & ~tainted)
     return (inputs.finish(out), state) if return_state else inputs.finish(out)
 
 
@@ -432,15 +437,11 @@ def _positive(xp: Any, inputs: Any, omega: Array, chunk_size: int) -> Array:
 
     def key_statistics(start: int, stop: int) -> tuple[Array, Array, Array]:
         """K_s, A'_s, b'_s of the keys ``start:stop``."""
-        # non-finite keys and values are zeroed and their NaN moved into K_s, which it
-        # makes NaN for every sample and row (no inf - inf or 0 * inf on the way)
-        keys, key_poison = finite_rows(xp, k[..., start:stop, :])
-        values, value_poison = finite_rows(xp, v[..., start:stop, :])
-        key_max, numerator, denominator = positive_key_statistics(
-            xp, root_scale * keys, values, omega,
+        # non-finite entries read as 0 (the rows they reach are marked NaN by rfa)
+        return positive_key_statistics(
+            xp, root_scale * finite_entries(xp, k[..., start:stop, :]),
+            finite_entries(xp, v[..., start:stop, :]), omega,
             None if key_mask is None else key_mask[..., start:stop])
-        poison = xp.sum(key_poison + value_poison, axis=-1, keepdims=True)
-        return key_max + poison, numerator, denominator
 
     key_chunks = stream_bounds(k, -2, chunk_size)  # at least one chunk: M >= 1
     statistics = key_statistics(*key_chunks[0])  # over the keys seen so far
@@ -450,7 +451,8 @@ def _positive(xp: Any, inputs: Any, omega: Array, chunk_size: int) -> Array:
     omega_t = xp.matrix_transpose(omega)
     out = RowPieces(q.shape[-2])
     for start, stop in stream_bounds(q, -2, chunk_size):
-        logits = (root_scale * q[..., start:stop, :]) @ omega_t + key_max[..., None, :]  # c_ns
+        queries = root_scale * finite_entries(xp, q[..., start:stop, :])
+        logits = queries @ omega_t + key_max[..., None, :]  # c_ns
         out.put(start, weighted_readout(xp, logits, numerator, denominator))
     return out.result()
 
@@ -465,7 +467,7 @@ def _trigonometric(xp: Any, inputs: Any, mapping: FeatureMap,
                             batch_shape=inputs.batch_shape)
     out, clamped = RowPieces(inputs.num_queries), RowPieces(inputs.num_queries)
     for start, stop in stream_bounds(inputs.q, -2, chunk_size):
-        queries = mapping.queries(root_scale * inputs.q[..., start:stop, :])
+        queries = mapping.queries(root_scale * finite_entries(xp, inputs.q[..., start:stop, :]))
         rows, invalid = finish_partial(xp, mapping.readout(queries, state), guard=True)
         out.put(start, rows)
         clamped.put(start, invalid)

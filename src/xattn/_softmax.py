@@ -20,7 +20,16 @@ from xattn._options import (
     check_choice,
     check_positive_int,
 )
-from xattn._primitives import causal_allowed, join, merge_maxima, nonzero_divisor
+from xattn._primitives import (
+    causal_allowed,
+    finite_entries,
+    finite_inputs,
+    join,
+    mark_tainted,
+    merge_maxima,
+    nonzero_divisor,
+    quarantine,
+)
 from xattn._state import SoftmaxState, check_state_call
 
 __all__ = ["softmax_attention"]
@@ -152,21 +161,23 @@ def softmax_attention(
         inputs, state, offset = extend_cache(inputs, state, SoftmaxState)
     if inputs.is_empty:
         return (inputs.empty_result(), state) if return_state else inputs.empty_result()
+    # non-finite rows reach exactly the rows that attend them, outputs and gradients
+    tainted, _ = quarantine(inputs, causal=causal, offset=offset)
+    out = None
     # the kernels' causal masks are top-left: with a cache, one query (which sees every key)
     if implementation != "xattn" and (offset == 0 or inputs.num_queries == 1):
-        out = native_attention(inputs, causal and offset == 0,
+        out = native_attention(finite_inputs(inputs), causal and offset == 0,
                                automatic=implementation is None)
-        if out is not None:
-            return (inputs.finish(out), state) if return_state else inputs.finish(out)
-        if implementation == "native":
+        if out is None and implementation == "native":
             raise ValueError(
                 "implementation='native': no fused attention kernel for these inputs (torch "
                 "tensors, and float32 JAX arrays with Dv = D, have one); use "
                 "implementation=None or 'xattn'")
     xp = inputs.xp
-    tiles = [_attend_tile(inputs, start, stop, causal, chunk_size, offset)
-             for start, stop in stream_bounds(inputs.q, -2, chunk_size)]
-    out = inputs.finish(join(xp, tiles, axis=-2))
+    if out is None:
+        out = join(xp, [_attend_tile(inputs, start, stop, causal, chunk_size, offset)
+                        for start, stop in stream_bounds(inputs.q, -2, chunk_size)], axis=-2)
+    out = inputs.finish(mark_tainted(xp, out, tainted))
     return (out, state) if return_state else out
 
 
@@ -175,7 +186,7 @@ def _attend_tile(inputs: AttentionInputs, query_start: int, query_stop: int, cau
     """Softmax attention of the queries ``query_start:query_stop``, keys in chunks; with
     ``causal``, query ``i`` sits at position ``offset + i`` (after a cache)."""
     xp, k, v = inputs.xp, inputs.k, inputs.v
-    q_scaled = inputs.q[..., query_start:query_stop, :] * inputs.scale
+    q_scaled = finite_entries(xp, inputs.q[..., query_start:query_stop, :]) * inputs.scale
     num_queries = query_stop - query_start
     batch = inputs.batch_shape
     # the running state is derived from q (not created with xp.zeros) so that it is laid
@@ -191,7 +202,7 @@ def _attend_tile(inputs: AttentionInputs, query_start: int, query_stop: int, cau
         query_positions = sequence_positions(q_scaled, axis=-2) + (query_start + offset)
     for start in range(0, key_stop, chunk_size):
         stop = min(start + chunk_size, key_stop)
-        scores = q_scaled @ xp.matrix_transpose(k[..., start:stop, :])
+        scores = q_scaled @ xp.matrix_transpose(finite_entries(xp, k[..., start:stop, :]))
         allowed = None
         if inputs.key_mask is not None:
             allowed = inputs.key_mask[..., None, start:stop]
@@ -205,5 +216,5 @@ def _attend_tile(inputs: AttentionInputs, query_start: int, query_stop: int, cau
             xp, running_max, xp.max(scores, axis=-1, keepdims=True))
         weights = xp.exp(scores - shift)  # masked scores: exp(-inf) = 0
         normalizer = normalizer * rescale + xp.sum(weights, axis=-1, keepdims=True)
-        numerator = numerator * rescale + weights @ v[..., start:stop, :]
+        numerator = numerator * rescale + weights @ finite_entries(xp, v[..., start:stop, :])
     return numerator / nonzero_divisor(xp, normalizer)

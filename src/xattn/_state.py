@@ -33,8 +33,9 @@ import numpy as np
 from xattn._array import Array, AttentionInputs, concrete_count, register_pytree
 from xattn._options import check_bool
 
-__all__ = ["LARAState", "RAState", "RFAState", "SoftmaxState", "check_state_call",
-           "check_state_inputs", "empty_cache", "empty_rfa_state", "rfa_state_options"]
+__all__ = ["IMPORTANCE_FEATURES", "LARAState", "RAState", "RFAState", "SoftmaxState",
+           "check_state_array", "check_state_call", "check_state_inputs", "empty_cache",
+           "empty_rfa_state", "refuse", "rfa_state_options"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,7 +101,8 @@ class RFAState:
     sink_valid : bool array, shape (..., K)
         True where that position was seen and not masked.
     feature_map : str
-        ``"positive"``, ``"hyperbolic"`` or ``"trigonometric"`` (static).
+        ``"positive"``, ``"hyperbolic"`` or ``"trigonometric"`` (static);
+        ``"importance"`` in the ``features`` of a :class:`LARAState`.
     scale : float
         The score scale of the keys in the sums (static).
 
@@ -136,9 +138,6 @@ class RFAState:
     feature_map: str
     scale: float
 
-    def __post_init__(self) -> None:
-        register_pytree(type(self), _data_fields(type(self)), ("feature_map", "scale"))
-
     @property
     def window(self) -> int:
         """``w``, the half-width of the exact band (0: none)."""
@@ -164,9 +163,6 @@ class _KeyValueCache:
     keys: Array
     values: Array
     valid: Array
-
-    def __post_init__(self) -> None:
-        register_pytree(type(self), ("keys", "values", "valid"), ())
 
     @property
     def position(self) -> int:
@@ -265,7 +261,8 @@ class LARAState:
     Attributes
     ----------
     features : RFAState
-        The prefix sums; its ``omega`` are LARA's samples, shape (..., C, D).
+        The prefix sums; its ``omega`` are LARA's samples, shape (..., C, D), and its
+        ``feature_map`` is ``"importance"`` (:func:`xattn.rfa` refuses it).
     proposal_means : array, shape (..., C, D)
         The means :math:`\mu_c` of the proposals, defensive ones included (zero).
     weighting : str
@@ -293,17 +290,23 @@ class LARAState:
     weighting: str
     beta: float
 
-    def __post_init__(self) -> None:
-        register_pytree(type(self), ("features", "proposal_means"), ("weighting", "beta"))
 
-
-_ESTIMATOR_OF = {RFAState: "rfa", SoftmaxState: "softmax_attention", RAState: "ra",
-                 LARAState: "lara"}
-
+IMPORTANCE_FEATURES = "importance"
+"""The ``feature_map`` of the :class:`RFAState` inside a :class:`LARAState`: RFA's positive
+features with LARA's importance weights in the query logits."""
 
 def _data_fields(cls: type) -> tuple[str, ...]:
     return tuple(field.name for field in fields(cls)
                  if field.name not in ("feature_map", "scale"))
+
+
+register_pytree(RFAState, _data_fields(RFAState), ("feature_map", "scale"))
+for _cache in (SoftmaxState, RAState):
+    register_pytree(_cache, ("keys", "values", "valid"), ())
+register_pytree(LARAState, ("features", "proposal_means"), ("weighting", "beta"))
+
+_ESTIMATOR_OF = {RFAState: "rfa", SoftmaxState: "softmax_attention", RAState: "ra",
+                 LARAState: "lara"}
 
 
 def check_state_call(state: Any, return_state: Any, causal: bool, cls: type) -> bool:
@@ -358,13 +361,12 @@ def rfa_state_options(state: RFAState, *, num_features: Any, feature_map: Any, o
                       window: Any, sinks: Any, scale: Any) -> tuple[str, int, int, float]:
     """The options of a call that continues ``state``: those of the state. An option given
     explicitly must equal the state's (``ValueError`` naming it); returns
-    ``(feature_map, window, sinks, scale)``."""
-    def refuse(name: str, given: Any, held: Any, described: bool = False) -> None:
-        given, held = (given, held) if described else (repr(given), repr(held))
-        raise ValueError(f"{name}={given} differs from the state's {name} ({held}); a "
-                         f"state continues its own sequence: leave {name} out (None) or pass "
-                         "the state's value")
-
+    ``(feature_map, window, sinks, scale)``. ``TypeError`` for the feature sums of a
+    :class:`LARAState` (its ``features``), which only :func:`xattn.lara` continues."""
+    if state.feature_map == IMPORTANCE_FEATURES:
+        raise TypeError("state is the feature sums of an xattn.LARAState (its .features: "
+                        "LARA's samples and weights), which rfa() cannot continue; pass the "
+                        "LARAState itself to xattn.lara(..., state=)")
     samples = state.omega.shape[0]
     if feature_map is not None and feature_map != state.feature_map:
         refuse("feature_map", feature_map, state.feature_map)
@@ -375,18 +377,33 @@ def rfa_state_options(state: RFAState, *, num_features: Any, feature_map: Any, o
             refuse(name, given, held)
     if scale is not None and not math.isclose(float(scale), state.scale, rel_tol=1e-12):
         refuse("scale", scale, state.scale)
-    if omega is not None and omega is not state.omega:
-        if tuple(omega.shape) != tuple(state.omega.shape):
-            refuse("omega", f"<array of shape {tuple(omega.shape)}>",
-                   f"an array of shape {tuple(state.omega.shape)}", described=True)
-        xp = _namespace(state.omega)
-        differs = concrete_count(xp, xp.astype(omega, state.omega.dtype) != state.omega)
-        if differs is None:
-            raise ValueError("omega= with state=: the samples cannot be compared here (under "
-                             "jax.jit or lazily); leave omega out, the state holds them")
-        if differs:
-            refuse("omega", "<other samples>", "other values", described=True)
+    check_state_array("omega", omega, state.omega)
     return state.feature_map, state.window, state.sinks, state.scale
+
+
+def refuse(name: str, given: Any, held: Any, described: bool = False) -> None:
+    """``ValueError``: the option ``name`` of a call with ``state=`` is not the state's."""
+    given, held = (given, held) if described else (repr(given), repr(held))
+    raise ValueError(f"{name}={given} differs from the state's {name} ({held}); a "
+                     f"state continues its own sequence: leave {name} out (None) or pass "
+                     "the state's value")
+
+
+def check_state_array(name: str, given: Any, held: Array) -> None:
+    """Refuse an array option ``name`` of a call with ``state=`` unless it is None, the
+    state's own array or equal to it."""
+    if given is None or given is held:
+        return
+    if tuple(given.shape) != tuple(held.shape):
+        refuse(name, f"<array of shape {tuple(given.shape)}>",
+               f"an array of shape {tuple(held.shape)}", described=True)
+    xp = _namespace(held)
+    differs = concrete_count(xp, xp.astype(given, held.dtype) != held)
+    if differs is None:
+        raise ValueError(f"{name}= with state=: the arrays cannot be compared here (under "
+                         f"jax.jit or lazily); leave {name} out, the state holds it")
+    if differs:
+        refuse(name, "<other values>", "other values", described=True)
 
 
 def _namespace(x: Array) -> Any:

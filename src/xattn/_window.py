@@ -36,7 +36,7 @@ from typing import Any
 import array_api_compat
 
 from xattn._array import Array, AttentionInputs
-from xattn._primitives import RowPieces, finite_rows, finite_shift, join, value_columns
+from xattn._primitives import RowPieces, finite_entries, finite_shift, join, value_columns
 from xattn._rf_scan import (
     FeatureMap,
     Partial,
@@ -67,12 +67,11 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
     ranges = [(a, b) for a, b in ranges if a < b]
     if not ranges:
         return None
-    keys, key_poison = finite_rows(xp, join(xp, [k[..., a:b, :] for a, b in ranges], -2))
-    values, poison = value_columns(xp, join(xp, [v[..., a:b, :] for a, b in ranges], -2))
-    poison = poison + key_poison
+    keys = finite_entries(xp, join(xp, [k[..., a:b, :] for a, b in ranges], -2))
+    values = value_columns(xp, join(xp, [v[..., a:b, :] for a, b in ranges], -2))
     positions = join(xp, [xp.arange(a, b, device=device) for a, b in ranges], -1)
-    scores = (inputs.scale * inputs.q[..., start:stop, :]) @ xp.matrix_transpose(keys)
-    scores = scores + poison[..., None, :]
+    queries = finite_entries(xp, inputs.q[..., start:stop, :])
+    scores = (inputs.scale * queries) @ xp.matrix_transpose(keys)
     queries = xp.arange(start, stop, device=device)[:, None]
     allowed = positions[None, :] < sinks
     if window:
@@ -136,7 +135,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
                                 chunk_size=chunk_size, batch_shape=inputs.batch_shape)
     clamped = RowPieces(num_queries) if guard else None
     for start, stop in blocks:
-        q_hat = root_scale * q[..., start:stop, :]
+        q_hat = root_scale * finite_entries(xp, q[..., start:stop, :])
         constant = mapping.query_constant(q_hat)  # makes the estimate e^{q.k} itself
         random_parts: list[Partial] = []
         if forward is not None:
