@@ -849,3 +849,100 @@ def test_bench_decode_refuses_bad_arguments_before_any_work(tmp_path, capsys):
                        "--out", tmp_path)
     assert_usage_error(code, err, "key-value cache", "1000000000")
     assert not (tmp_path / "decode.json").exists()
+
+
+@pytest.mark.parametrize("arguments, option", [
+    (["--samples", "1000000000"], "--samples 1000000000"),
+    (["--samples", "20000000"], "--samples 20000000"),
+    (["--window", "1000000000"], "--window 1000000000"),
+    (["--sinks", "1000000000"], "--sinks 1000000000"),
+    (["--sinks", "300000"], "--sinks 300000"),
+], ids=["samples-1e9", "samples-2e7", "window", "sinks-1e9", "sinks-3e5"])
+def test_bench_decode_counts_rfa_state_in_its_memory_check(arguments, option, tmp_path,
+                                                           capsys):
+    """RFA's state (samples x Dv sums, the window's and the sinks' keys and values) and
+    the calls that make it are in the memory check: too large is one line naming the
+    option, exit 2, before any work."""
+    out = tmp_path / "out"
+    code, text, err = run(capsys, "bench", "--decode", *arguments, "--out", out,
+                          "--no-progress")
+    assert_usage_error(code, err, "needs about", option)
+    assert text == "" and not out.exists()
+
+
+@pytest.mark.parametrize("head_dim, samples, window, sinks", [
+    (16, 2048, 0, 0), (16, 16, 2048, 1), (16, 16, 4, 1024), (64, 512, 64, 4)])
+def test_bench_decode_memory_estimate_covers_a_measured_run(head_dim, samples, window,
+                                                            sinks):
+    """What tracemalloc sees NumPy allocate while ``bench --decode`` builds RFA's state up
+    to a position and steps from it stays below the estimate of its memory check."""
+    import tracemalloc
+
+    from xattn.cli.decode import DecodeVariant, measure_decode, rfa_decode_bytes
+    from xattn.cli.measure import load_backend
+    backend = load_backend("numpy", "cpu", "float32")
+    options = {"num_features": samples, "rng": 0}
+    if window or sinks:
+        options.update(window=window, sinks=sinks)
+    tracemalloc.start()
+    try:
+        measure_decode(backend, [DecodeVariant("rfa", xattn.rfa, options)], [2500], heads=2,
+                       head_dim=head_dim, steps=1, seed=0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    estimate = rfa_decode_bytes(heads=2, head_dim=head_dim, samples=samples, window=window,
+                                sinks=sinks, position=2500, itemsize=4)
+    assert peak < estimate, (peak, estimate)
+
+
+def test_bench_decode_reports_the_overtaking_position_as_a_bracket(tmp_path, capsys,
+                                                                   monkeypatch):
+    """Where RFA is slower at 16,384 and faster from 65,536 on, the verdict and the JSON
+    say between 16,384 and 65,536 (32,768 was not measured), not "from 65,536"."""
+    from xattn.cli import decode
+
+    def measured(backend, variants, positions, **kwargs):
+        times = {"softmax (KV cache)": [0.1, 0.2, 0.4, 1.6], "rfa": [0.5, 0.5, 0.5, 0.5],
+                 "rfa+window 64, 1 sink": [0.01, 0.01, 0.01, 0.01]}
+        return {variant.name: [{"position": position, "ms_per_token": time,
+                                "all_ms": [time], "state_bytes": 1}
+                               for position, time in zip(positions, times[variant.name],
+                                                         strict=True)]
+                for variant in variants}
+
+    monkeypatch.setattr(decode, "measure_decode", measured)
+    code, out, err = run(capsys, "bench", "--decode", "--lengths", "1024,4096,16384,65536",
+                         "--out", tmp_path, "--no-progress")
+    assert code == 0, err
+    assert "rfa: faster per token than softmax's cache from a position between 16,384 and " \
+           "65,536 on" in out
+    assert "rfa+window 64, 1 sink: faster per token than softmax's cache at every measured " \
+           "position" in out
+    payload = load_json(tmp_path / "decode.json")
+    assert payload["overtaking_bracket"] == {"rfa": [16384, 65536],
+                                             "rfa+window 64, 1 sink": [None, 1024]}
+
+
+def test_bench_reports_the_crossover_as_a_bracket(tmp_path, capsys, monkeypatch):
+    """The crossover of xattn bench is a bracket between measured lengths too."""
+    from xattn.cli import bench
+    times = {16: 1.0, 32: 1.0, 64: 1.0}  # rfa; softmax: 0.5, 0.9, 4.0
+
+    def fake_measured(function, backend, measurement):
+        def call(q, k, v, **options):
+            length = q.shape[-2]
+            time = times[length] if "num_features" in options else {
+                16: 0.5, 32: 0.9, 64: 4.0}[length]
+            measurement.first_time, measurement.times = time, [time]
+            measurement.peak_memory_bytes = 1
+        return call
+
+    monkeypatch.setattr(bench, "measured", fake_measured)
+    code, out, err = run(capsys, "bench", "--backend", "numpy", "--estimators", "rfa",
+                         "--lengths", "16,32,64", "--head-dim", 4, "--out", tmp_path,
+                         "--no-progress")
+    assert code == 0, err
+    assert "rfa: faster than exact softmax (the faster implementation) from an N between " \
+           "32 and 64 on" in out
+    assert load_json(tmp_path / "bench.json")["crossover_bracket"] == {"rfa": [32, 64]}

@@ -22,9 +22,12 @@ from xattn.cli.common import (
     write_json,
 )
 from xattn.cli.decode import (
+    DECODE_SAMPLES,
     DEFAULT_POSITIONS,
     PREFILL_CHUNK,
     add_decode_options,
+    bracket,
+    rfa_decode_bytes,
     run_decode,
 )
 from xattn.cli.figures import loglog_axes, new_figure, save_figure
@@ -164,11 +167,14 @@ def run(args: argparse.Namespace) -> int:
     crossover = {name: crossover_length(fastest, results[name]) for name in estimators}
     by_reference = {spec.name: {name: crossover_length(results[spec.name], results[name])
                                 for name in estimators} for spec in exact}
+    brackets = {name: bracket(results[name], crossover[name], "length")
+                for name in estimators}
     _print_bench_table(results, lengths)
     for name in estimators:
-        verdicts = [_verdict(crossover[name], "exact softmax (the faster implementation)")]
+        verdicts = [_verdict(brackets[name], "exact softmax (the faster implementation)")]
         if native is not None:
-            verdicts += [_verdict(by_reference[spec.name][name], spec.name) for spec in exact]
+            verdicts += [_verdict(bracket(results[name], by_reference[spec.name][name],
+                                          "length"), spec.name) for spec in exact]
         print(f"{name}: {'; '.join(verdicts)}")
     print(f"[MiB]: peak memory of the first call, from {backend.memory_method}")
     payload = {
@@ -184,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         "samples": {spec.name: samples.get(spec.name) for spec in specs},
         "results": results,
         "crossover_length": crossover,
+        "crossover_bracket": brackets,
         "crossover_length_by_reference": by_reference,
         "peak_memory_method": backend.memory_method,
         "crossover_rule": "the smallest measured length from which on the estimator is "
@@ -192,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
                           "exact row) at every larger measured length "
                           "(where softmax was skipped as too slow, its last measured time "
                           "is the bound; a skipped estimator is not faster); null if it "
-                          "never is",
+                          "never is; crossover_bracket: [the measured length before it "
+                          "(null: it is the first), crossover_length]: the crossing lies "
+                          "between the two, lengths between them were not measured",
     }
     json_path = out_dir / "bench.json"
     png_path = out_dir / "bench.png"
@@ -212,7 +221,6 @@ def _run_decode(args: argparse.Namespace) -> int:
             args.samples = 0
         if args.samples < 1:
             raise CommandError("--samples: with --decode, one int >= 1 (RFA's features)")
-    out_dir = output_dir(args.out, ("decode.json", "decode.png"))
     backend = load_backend(args.backend, args.device, args.dtype)
     positions = list(DEFAULT_POSITIONS) if args.lengths is None else args.lengths
     args.lengths = positions
@@ -223,9 +231,21 @@ def _run_decode(args: argparse.Namespace) -> int:
     cache = 2 * 2 * itemsize * args.heads * largest * args.head_dim
     piece = Problem(batch=args.heads, num_queries=chunk, num_keys=largest,
                     head_dim=args.head_dim, value_dim=args.head_dim, itemsize=itemsize)
-    require_memory([(f"softmax's key-value cache at position {largest}",
-                     cache + piece.input_bytes + softmax_bytes(piece))],
-                   backend.memory_available(), backend.describe())
+    samples = DECODE_SAMPLES if args.samples is None else args.samples
+    sizes = f"--samples {samples}, --heads {args.heads}, --head-dim {args.head_dim}"
+    # the variants run one after the other: the largest of them must fit
+    require_memory([
+        (f"softmax's key-value cache at position {largest} (--lengths)",
+         cache + piece.input_bytes + softmax_bytes(piece)),
+        (f"rfa's state and prefill at position {largest} ({sizes})", rfa_decode_bytes(
+            heads=args.heads, head_dim=args.head_dim, samples=samples, window=0, sinks=0,
+            position=largest, itemsize=itemsize)),
+        (f"rfa+window's state and prefill at position {largest} (--window {args.window}, "
+         f"--sinks {args.sinks}, {sizes})", rfa_decode_bytes(
+             heads=args.heads, head_dim=args.head_dim, samples=samples, window=args.window,
+             sinks=args.sinks, position=largest, itemsize=itemsize)),
+    ], backend.memory_available(), backend.describe())
+    out_dir = output_dir(args.out, ("decode.json", "decode.png"))
     return run_decode(args, backend, out_dir, environment(backend))
 
 
@@ -341,10 +361,15 @@ def crossover_length(softmax_rows: list[dict[str, Any]],
     return crossover
 
 
-def _verdict(crossing: int | None, reference: str) -> str:
-    if crossing is None:
+def _verdict(span: list[int | None] | None, reference: str) -> str:
+    """The sentence of a crossover :func:`~xattn.cli.decode.bracket`."""
+    if span is None:
         return f"not faster than {reference} at the measured lengths"
-    return f"faster than {reference} from N = {crossing} on"
+    before, crossing = span
+    if before is None:
+        return f"faster than {reference} at every measured length ({crossing:,} on)"
+    return (f"faster than {reference} from an N between {before:,} and {crossing:,} on "
+            f"(slower at {before:,})")
 
 
 def _print_bench_table(results: dict[str, list[dict[str, Any]]],

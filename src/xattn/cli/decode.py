@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -29,12 +30,15 @@ import xattn
 from xattn.cli.common import advance, format_bytes, format_table, progress_bar
 from xattn.cli.measure import Backend
 
-__all__ = ["DEFAULT_POSITIONS", "PREFILL_CHUNK", "DecodeVariant", "add_decode_options",
-           "decode_variants", "measure_decode", "overtaking_position", "plot_decode",
-           "print_decode_table", "run_decode", "state_bytes"]
+__all__ = ["DECODE_SAMPLES", "DEFAULT_POSITIONS", "PREFILL_CHUNK", "DecodeVariant",
+           "add_decode_options", "bracket", "decode_variants", "measure_decode",
+           "overtaking_position", "overtaking_verdict", "plot_decode", "print_decode_table",
+           "rfa_decode_bytes", "run_decode", "state_bytes"]
 
 #: Positions measured by default.
 DEFAULT_POSITIONS = (1024, 4096, 16384, 65536)
+#: RFA's features unless ``--samples`` says otherwise.
+DECODE_SAMPLES = 256
 #: Most tokens one prefill call takes (the state is built by calls that continue it).
 PREFILL_CHUNK = 8192
 
@@ -55,6 +59,31 @@ def decode_variants(samples: int, window: int, sinks: int, seed: int) -> list[De
             DecodeVariant("rfa", xattn.rfa, rfa_options),
             DecodeVariant(f"rfa+window {window}, {sinks} sink" + ("s" * (sinks != 1)),
                           xattn.rfa, {**rfa_options, "window": window, "sinks": sinks})]
+
+
+def rfa_decode_bytes(*, heads: int, head_dim: int, samples: int, window: int, sinks: int,
+                     position: int, itemsize: int) -> int:
+    """Memory of decoding with causal RFA up to ``position`` (``window`` and ``sinks`` 0 for
+    plain RFA), estimated from the sizes (an upper bound, checked against tracemalloc in
+    tests/test_cli.py): the state, held twice while a call makes the next one (``S (Dv +
+    2)`` feature sums and maxima per head, ``(w + K)(D + Dv)`` window and sink buffers, the
+    ``(S, D)`` samples), and the largest call, a prefill piece of ``c = min(position,
+    PREFILL_CHUNK)`` tokens: per head its samples' features block by block and their
+    ``(S, D)`` work, ``c`` tokens' keys, values and outputs, the window buffer joined to
+    them, the exact band of a block (``block (block + w + K)`` scores), the sink slots'
+    update (``(K, min(K, c), D)``), and the host's float64 draws of the inputs."""
+    block = int(inspect.signature(xattn.rfa).parameters["block_size"].default)
+    dim = head_dim  # D = Dv in the command
+    piece = min(position, PREFILL_CHUNK)
+    state = (itemsize * heads * (samples * (dim + 2) + (window + sinks) * 2 * dim)
+             + heads * (window + sinks) + itemsize * samples * dim)
+    per_sample = itemsize * heads * samples * (10 * block + 40 * dim)
+    tokens = itemsize * heads * piece * (8 * 2 * dim + 2 * block) + 8 * 3 * heads * piece * dim
+    buffers = itemsize * heads * 8 * window * 2 * dim
+    band = 4 * itemsize * heads * block * (block + window + sinks) if window or sinks else 0
+    landing = min(sinks, piece)
+    sink_update = 2 * itemsize * heads * sinks * landing * dim + heads * sinks * landing
+    return 2 * state + per_sample + tokens + buffers + band + sink_update
 
 
 def state_bytes(state: Any) -> int:
@@ -170,6 +199,40 @@ def overtaking_position(results: dict[str, list[dict[str, Any]]], name: str,
     return found
 
 
+def bracket(rows: list[dict[str, Any]], found: int | None,
+            key: str = "position") -> list[int | None] | None:
+    """``[before, found]``: the measured value (position or length) just before ``found``
+    and ``found``, the smallest from which an estimator is faster at every larger one. The
+    crossing lies between them: values between two measured ones were not measured.
+    ``[None, found]`` when it is faster from the first; None when ``found`` is None.
+
+    Examples
+    --------
+    >>> from xattn.cli.decode import bracket
+    >>> rows = [{"position": p} for p in (1024, 16384, 65536)]
+    >>> bracket(rows, 65536), bracket(rows, 1024), bracket(rows, None)
+    ([16384, 65536], [None, 1024], None)
+    """
+    if found is None:
+        return None
+    values = [row[key] for row in rows]
+    index = values.index(found)
+    return [values[index - 1] if index else None, found]
+
+
+def overtaking_verdict(span: list[int | None] | None, last: int) -> str:
+    """The sentence of a :func:`bracket` of the overtaking position (``last``: the largest
+    measured position)."""
+    if span is None:
+        return ("not faster per token than softmax's cache at the measured positions (up to "
+                f"{last:,})")
+    before, found = span
+    if before is None:
+        return f"faster per token than softmax's cache at every measured position ({found:,} on)"
+    return (f"faster per token than softmax's cache from a position between {before:,} and "
+            f"{found:,} on (slower at {before:,}; positions between them were not measured)")
+
+
 def print_decode_table(results: dict[str, list[dict[str, Any]]]) -> None:
     """Per-token time and state MiB of each variant, a row per position."""
     columns = [("position", ">8")]
@@ -196,7 +259,7 @@ def add_decode_options(parser: argparse.ArgumentParser) -> None:
                        f"--lengths (default then: {','.join(map(str, DEFAULT_POSITIONS))}) "
                        "for softmax with its key-value cache, RFA and RFA with --window and "
                        "--sinks, instead of whole calls; --samples is RFA's features "
-                       "(default then: 256)")
+                       f"(default then: {DECODE_SAMPLES})")
     group.add_argument("--decode-steps", type=positive_int, default=9, metavar="N",
                        help="timed single-token steps per position (median; default: 9)")
     group.add_argument("--window", type=nonnegative_int, default=64,
@@ -233,7 +296,7 @@ def run_decode(args: argparse.Namespace, backend: Backend, out_dir: Any,
     """``xattn bench --decode``: measure, print, write DIR/decode.json and DIR/decode.png."""
     from xattn.cli.common import write_json
     positions = sorted(set(args.lengths))
-    samples = 256 if args.samples is None else int(args.samples)
+    samples = DECODE_SAMPLES if args.samples is None else int(args.samples)
     variants = decode_variants(samples, args.window, args.sinks, args.seed)
     print(f"xattn bench --decode: {backend.describe()}, {args.dtype}, {args.heads} heads, "
           f"D = {args.head_dim}, RFA S = {samples}, positions "
@@ -244,21 +307,24 @@ def run_decode(args: argparse.Namespace, backend: Backend, out_dir: Any,
     print_decode_table(results)
     overtaking = {variant.name: overtaking_position(results, variant.name)
                   for variant in variants[1:]}
-    for name, position in overtaking.items():
-        print(f"{name}: " + ("not faster per token than softmax's cache at the measured "
-                             "positions" if position is None else
-                             f"faster per token than softmax's cache from position "
-                             f"{position} on"))
+    brackets = {name: bracket(results[name], position)
+                for name, position in overtaking.items()}
+    for name, span in brackets.items():
+        print(f"{name}: {overtaking_verdict(span, positions[-1])}")
     write_json(out_dir / "decode.json", {
         "command": "bench --decode", "environment": environment, "dtype": args.dtype,
         "heads": args.heads, "head_dim": args.head_dim, "samples": samples,
         "window": args.window, "sinks": args.sinks, "steps": args.decode_steps,
         "seed": args.seed, "jit": backend.name == "jax", "positions": positions,
         "results": results, "overtaking_position": overtaking,
+        "overtaking_bracket": brackets,
         "rule": "per-token time: the median of --decode-steps single-token steps from the "
                 "state at that position (after a warm-up step); overtaking_position: the "
                 "smallest measured position from which on the variant is faster per token "
-                "than softmax with its key-value cache at every larger measured position"})
+                "than softmax with its key-value cache at every larger measured position; "
+                "overtaking_bracket: [the measured position before it (null: it is the "
+                "first), overtaking_position]: the crossing lies between the two, positions "
+                "between them were not measured"})
     plot_decode(out_dir / "decode.png", {backend.name: results},
                 f"xattn bench --decode: {backend.describe()}")
     print(f"wrote {out_dir / 'decode.json'} and {out_dir / 'decode.png'}")
