@@ -946,3 +946,36 @@ def test_bench_reports_the_crossover_as_a_bracket(tmp_path, capsys, monkeypatch)
     assert "rfa: faster than exact softmax (the faster implementation) from an N between " \
            "32 and 64 on" in out
     assert load_json(tmp_path / "bench.json")["crossover_bracket"] == {"rfa": [32, 64]}
+
+
+@pytest.mark.parametrize("draws, repeats", [(1, 3), (6, 2)])
+def test_compare_times_each_cell_by_the_median_of_repeated_calls(draws, repeats, tmp_path,
+                                                                  npz, capsys, monkeypatch):
+    """The time of every cell (each estimator, the uniform baseline, exact softmax) is the
+    median of at least --repeats timed calls after a warm-up call, not one call; the
+    table and the JSON say so."""
+    from xattn.cli import compare
+    calls: dict[str, int] = {}
+    real = compare.measured
+
+    def counted(function, backend, measurement):
+        call = real(function, backend, measurement)
+
+        def wrapped(*args, **kwargs):
+            calls[function.__name__] = calls.get(function.__name__, 0) + 1
+            return call(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(compare, "measured", counted)
+    code, out, err = run(capsys, "compare", "--input", npz, "--samples", 2, "--estimators",
+                         "rfa,lara-det", "--draws", draws, "--repeats", repeats, "--out",
+                         tmp_path, "--no-progress")
+    assert code == 0, err
+    timed = max(repeats, draws - 1)  # the draws after the first are timed too
+    assert calls["rfa"] == 1 + timed and calls["lara"] == 1 + repeats
+    assert calls["uniform_attention"] == calls["softmax_attention"] == 1 + repeats
+    payload = load_json(tmp_path / "compare.json")
+    assert payload["repeats"] == repeats and "median" in payload["time_rule"]
+    assert [row["timed_calls"] for row in payload["results"]] == [timed, repeats]
+    assert payload["baseline"]["timed_calls"] == payload["exact"]["timed_calls"] == repeats
+    assert f"median of at least {repeats} timed calls" in out

@@ -25,7 +25,13 @@ from xattn.cli.figures import new_figure, save_figure
 from xattn.cli.inputs import load_inputs, validate_inputs
 from xattn.cli.measure import Measurement, load_backend, measured
 from xattn.cli.memory import Problem, host_memory_available, require_memory, softmax_bytes
-from xattn.cli.options import add_common_options, int_at_least, int_list, nonnegative_int
+from xattn.cli.options import (
+    add_common_options,
+    int_at_least,
+    int_list,
+    nonnegative_int,
+    positive_int,
+)
 from xattn.cli.registry import ESTIMATOR_SPECS, EstimatorSpec, windowed_rfa_spec
 from xattn.diagnostics import (
     EstimatorError,
@@ -34,8 +40,8 @@ from xattn.diagnostics import (
     uniform_attention,
 )
 
-__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_SAMPLE_COUNTS", "MAX_DRAWS", "add_parser",
-           "check_cells", "run"]
+__all__ = ["DEFAULT_ESTIMATORS", "DEFAULT_REPEATS", "DEFAULT_SAMPLE_COUNTS", "MAX_DRAWS",
+           "add_parser", "check_cells", "run"]
 
 #: The numbers of samples ``--samples`` measures by default.
 DEFAULT_SAMPLE_COUNTS = (16, 32, 64, 128, 256)
@@ -43,6 +49,8 @@ DEFAULT_SAMPLE_COUNTS = (16, 32, 64, 128, 256)
 # call), while the figures' relative standard error, about sqrt(2 / draws), is already 0.1%.
 MAX_DRAWS = 1_000_000
 DEFAULT_ESTIMATORS = "rfa,ra,ra-biased,ra-det,lara,lara-det"
+#: Timed calls per cell at least (``--repeats``), after the warm-up call.
+DEFAULT_REPEATS = 5
 # the default input's sizes, for the help: structured_attention_inputs' own defaults
 _INPUT = {name: parameter.default for name, parameter
           in inspect.signature(structured_attention_inputs).parameters.items()}
@@ -80,6 +88,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                           "estimator call)"),
                         help="independent draws per (estimator, samples) cell, at most "
                         f"{MAX_DRAWS} (default: 4)")
+    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="R",
+                        help="time each cell (and the uniform baseline and exact softmax) by "
+                        "the median of at least R timed calls after a warm-up call: the "
+                        "first draw, which also measures the peak memory, is not timed; the "
+                        "other draws are, and further calls make up R (default: "
+                        f"{DEFAULT_REPEATS})")
     parser.add_argument("--ra-max-samples", type=nonnegative_int, default=64, metavar="S",
                         help="run RA, whose cost is O(N M S D), only at sample counts "
                         "<= S; 0 runs every count (default: 64)")
@@ -132,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     exact_measurement = Measurement()
     exact_call = measured(xattn.softmax_attention, backend, exact_measurement)
     exact = exact_call(q, k, v)
-    exact_call(q, k, v)  # a second, timed call
+    _time_more(exact_call, exact_measurement, args.repeats, q, k, v)
     if not bool(backend.namespace.all(backend.namespace.isfinite(exact))):
         raise CommandError(f"exact softmax attention is not finite in {args.dtype} on these "
                            "inputs; rescale them or use --dtype float64")
@@ -140,12 +154,14 @@ def run(args: argparse.Namespace) -> int:
     baseline_call = measured(uniform_attention, backend, baseline_measurement)
     baseline_error = estimator_error(lambda q, k, v: baseline_call(q, k, v), q, k, v, draws=1,
                                      rng_keyword=None, exact=exact)
+    _time_more(baseline_call, baseline_measurement, args.repeats, q, k, v)
 
     rows: list[dict[str, Any]] = []
     print(f"xattn compare: {backend.describe()}, {args.dtype}, q {q_host.shape}, "
           f"k {k_host.shape}, v {v_host.shape}; {args.draws} draws per cell, seeds "
-          f"{args.seed}..{args.seed + args.draws - 1} (one draw for deterministic modes)")
-    total_runs = sum(_draws(spec, args) for spec, _ in cells)
+          f"{args.seed}..{args.seed + args.draws - 1} (one draw for deterministic modes); "
+          f"time: median of at least {args.repeats} calls per cell after a warm-up call")
+    total_runs = sum(max(_draws(spec, args), 1 + args.repeats) for spec, _ in cells)
     with progress_bar(total_runs, "xattn compare", args.progress) as bar:
         for spec, samples in cells:
             assert spec.sample_keyword is not None  # --estimators refuses softmax
@@ -166,14 +182,20 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as problem_:
                 raise CommandError(f"{spec.name} with {spec.sample_keyword}={samples}: "
                                    f"{problem_}") from None
+            # the draws after the first were timed; more calls (the first draw's seed)
+            # make up --repeats
+            _time_more(draw, measurement, args.repeats, q, k, v, rng=args.seed,
+                       **sample_option, **spec.options)
             rows.append(_row(spec, samples, error, measurement))
 
     baseline_row = _row(None, None, baseline_error, baseline_measurement)
     exact_row = {"estimator": "softmax", "samples": None, "mse": 0.0, "bias_squared": 0.0,
                  "variance": 0.0, "relative_error": 0.0,
                  "time_s": exact_measurement.time_s,
+                 "timed_calls": len(exact_measurement.times),
                  "peak_memory_bytes": exact_measurement.peak_memory_bytes}
     _print_compare_table(rows, baseline_row, exact_row)
+    print(f"time [ms]: {_time_rule(args.repeats)}")
     print(f"peak [MiB]: first call of each cell, from {backend.memory_method}")
     if skipped:
         cells_text = ", ".join(f"{cell['estimator']} S={cell['samples']}" for cell in skipped)
@@ -202,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
                                    "deterministic": spec.deterministic,
                                    "samples_matter": spec.samples_matter} for spec in specs},
         "ra_max_samples": args.ra_max_samples,
+        "repeats": args.repeats,
+        "time_rule": f"time_s: {_time_rule(args.repeats)}; timed_calls: how many",
         "results": rows,
         "skipped": skipped,
         "baseline": baseline_row,
@@ -265,6 +289,20 @@ def _plan(specs: list[EstimatorSpec], args: argparse.Namespace
     return cells, skipped
 
 
+def _time_rule(repeats: int) -> str:
+    return (f"median of at least {repeats} timed calls (--repeats) per cell after a warm-up "
+            "call: the first draw, which measures the peak memory, is not timed, the other "
+            "draws are, and further calls with the first draw's seed make up the count")
+
+
+def _time_more(call: Any, measurement: Measurement, repeats: int, *args: Any,
+               **kwargs: Any) -> None:
+    """Call ``call`` (wrapped by :func:`~xattn.cli.measure.measured`) until
+    ``measurement`` holds ``repeats`` timed calls."""
+    while len(measurement.times) < repeats:
+        call(*args, **kwargs)
+
+
 def _draws(spec: EstimatorSpec, args: argparse.Namespace) -> int:
     return 1 if spec.deterministic else args.draws
 
@@ -275,6 +313,7 @@ def _row(spec: EstimatorSpec | None, samples: int | None, error: EstimatorError,
             "samples": samples if spec is None or spec.samples_matter else None,
             **error.as_dict(),
             "time_s": measurement.time_s,
+            "timed_calls": len(measurement.times),
             "peak_memory_bytes": measurement.peak_memory_bytes}
 
 
