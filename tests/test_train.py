@@ -397,7 +397,7 @@ def test_missing_framework_names_the_extra(tmp_path, monkeypatch, capsys):
     code = main(["train", "--framework", "flax", "--out", str(tmp_path)])
     assert code == 2
     err = capsys.readouterr().err.strip()
-    assert "pip install 'xattn[flax]'" in err and len(err.splitlines()) == 1
+    assert "pip install -e '.[flax]'" in err and len(err.splitlines()) == 1
 
 
 def test_summary_mean_and_std_over_seeds():

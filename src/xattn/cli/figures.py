@@ -15,7 +15,8 @@ def new_figure(ncols: int = 1, width: float = 6.4, height: float = 4.4) -> tuple
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise CommandError("writing the PNG needs matplotlib: pip install 'xattn[cli]'") from None
+        raise CommandError("writing the PNG needs matplotlib (in the clone of xattn: "
+                           "pip install -e '.[cli]')") from None
     figure = Figure(figsize=(width * ncols, height), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, ncols)

@@ -197,7 +197,8 @@ def _import_backend(module: str, backend: str) -> Any:
         return importlib.import_module(module)
     except ImportError:
         raise CommandError(f"backend {backend!r} needs {module.split('.')[0]}, which is not "
-                           f"installed (pip install 'xattn[{backend}]')") from None
+                           f"installed (in the clone of xattn: pip install -e '.[{backend}]')"
+                           ) from None
 
 
 def load_backend(name: str, device: str, dtype: str) -> Backend:

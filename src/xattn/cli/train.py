@@ -193,7 +193,8 @@ def load_framework(framework: str, threads: int) -> Any:
         module = importlib.import_module(f"xattn.cli.train_{framework}")
     except ImportError as error:
         raise CommandError(f"--framework {framework} needs {error.name or framework}, which "
-                           f"is not installed (pip install 'xattn[{framework}]')") from None
+                           f"is not installed (in the clone of xattn: pip install -e "
+                           f"'.[{framework}]')") from None
     if framework == "torch" and threads:
         import torch
         torch.set_num_threads(threads)
