@@ -208,10 +208,10 @@ def prepare_attention(
     or v (masked entries included) raises a ``ValueError`` naming the array. The check
     reads the values: it forces lazy Dask inputs and cannot run on traced arrays (inside
     :func:`jax.jit` it raises JAX's concretization error). With ``check_finite=False``
-    (the default) nothing is checked and NaN propagates, never to a finite number: a
-    non-finite query row gives a non-finite output row (softmax, RFA, RA: only that row;
-    LARA: every row, through the segment means); a non-finite key or value can make every
-    output row non-finite, even where it is masked out (a zero weight times NaN is NaN).
+    (the default) nothing is checked and NaN reaches exactly the output rows (and the
+    gradients) of the queries that attend it: its own row for a query (LARA's segment
+    means: every row), the rows that attend the key for a key or value, none for a masked
+    key (:func:`xattn._primitives.quarantine`).
 
     Raises
     ------

@@ -53,7 +53,7 @@ from xattn._options import (
 from xattn._primitives import finite_entries, join, mark_tainted, masked_softmax, quarantine
 from xattn._rf_scan import stream_bounds
 from xattn._segments import segment_means
-from xattn._state import LARAState, check_state_call
+from xattn._state import LARAState, check_state_array, check_state_call
 from xattn.features import merge_key_statistics, positive_key_statistics, weighted_readout
 from xattn.random import as_generator
 
@@ -458,18 +458,25 @@ def lara(
         num_samples, grid, pools = check_segments(num_samples, grid, inputs.num_queries,
                                                   inputs.num_keys, shapes)
     check_choice(proposal, "proposal", PROPOSALS)
-    supplied_means = None
-    if state is not None:  # the samples, means and weights of the sequence continued
-        omega, supplied_means, weighting, beta = state_options(
-            state, num_samples, weighting=weighting, beta=beta, proposal_means=proposal_means)
-    elif proposal_means is not None:
-        if proposal != "segment":
-            raise ValueError(f"proposal_means replaces proposal={proposal!r}; leave it out")
-        supplied_means = check_proposal_means(inputs, proposal_means, num_samples)
     defensive = check_nonnegative_int(defensive, "defensive")
     if defensive > num_samples:
         raise ValueError(f"defensive must be at most C = {num_samples} (the number of "
                          f"proposals), got {defensive}")
+    if state is not None:  # the samples, means and weights of the sequence continued
+        omega, state_means, weighting, beta = state_options(state, num_samples,
+                                                            weighting=weighting, beta=beta)
+    supplied_means = None
+    if proposal_means is not None:
+        if proposal != "segment":
+            raise ValueError(f"proposal_means replaces proposal={proposal!r}; leave it out")
+        supplied_means = check_proposal_means(inputs, proposal_means, num_samples)
+    if state is not None:
+        if supplied_means is not None:  # a layer's means, given again at every step:
+            # compared where the values can be read (not under jax.jit, nor lazily)
+            check_state_array("proposal_means", with_defensive(inputs.xp, supplied_means,
+                                                               defensive),
+                              state_means, strict=False)
+        supplied_means = state_means
     check_choice(weighting, "weighting", WEIGHTINGS)
     beta = check_finite_real(beta, "beta")
     deterministic = check_bool(deterministic, "deterministic")

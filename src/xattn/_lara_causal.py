@@ -40,7 +40,6 @@ from xattn._rfa import causal_scan
 from xattn._state import (
     IMPORTANCE_FEATURES,
     LARAState,
-    check_state_array,
     empty_rfa_state,
     refuse,
 )
@@ -148,11 +147,10 @@ def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
 
 
 def state_options(state: LARAState, num_samples: int, *, weighting: str | None,
-                  beta: float | None, proposal_means: Array | None,
-                  ) -> tuple[Array, Array, str, float]:
+                  beta: float | None) -> tuple[Array, Array, str, float]:
     """The samples, proposal means, weighting and beta that ``state`` continues with; an
     option given explicitly must equal the state's (``ValueError`` naming it), as with
-    :func:`xattn.rfa`'s ``state=``."""
+    :func:`xattn.rfa`'s ``state=`` (the means are compared by :func:`xattn.lara`)."""
     omega = state.features.omega
     if num_samples != omega.shape[-2]:
         raise ValueError(f"num_samples={num_samples} differs from the state's C = "
@@ -161,5 +159,4 @@ def state_options(state: LARAState, num_samples: int, *, weighting: str | None,
         refuse("weighting", weighting, state.weighting)
     if beta is not None and float(beta) != state.beta:
         refuse("beta", beta, state.beta)
-    check_state_array("proposal_means", proposal_means, state.proposal_means)
     return omega, state.proposal_means, state.weighting, state.beta

@@ -389,9 +389,10 @@ def refuse(name: str, given: Any, held: Any, described: bool = False) -> None:
                      "the state's value")
 
 
-def check_state_array(name: str, given: Any, held: Array) -> None:
+def check_state_array(name: str, given: Any, held: Array, *, strict: bool = True) -> None:
     """Refuse an array option ``name`` of a call with ``state=`` unless it is None, the
-    state's own array or equal to it."""
+    state's own array or equal to it. Values that cannot be read (under :func:`jax.jit`,
+    lazy Dask) are refused with ``strict``, else taken as the state's (shapes checked)."""
     if given is None or given is held:
         return
     if tuple(given.shape) != tuple(held.shape):
@@ -399,6 +400,8 @@ def check_state_array(name: str, given: Any, held: Array) -> None:
                f"an array of shape {tuple(held.shape)}", described=True)
     xp = _namespace(held)
     differs = concrete_count(xp, xp.astype(given, held.dtype) != held)
+    if differs is None and not strict:
+        return
     if differs is None:
         raise ValueError(f"{name}= with state=: the arrays cannot be compared here (under "
                          f"jax.jit or lazily); leave {name} out, the state holds it")
