@@ -477,7 +477,7 @@ def lara(
                                                                defensive),
                               state_means, strict=False)
         supplied_means = state_means
-    check_choice(weighting, "weighting", WEIGHTINGS)
+    weighting = check_choice(weighting, "weighting", WEIGHTINGS)
     beta = check_finite_real(beta, "beta")
     deterministic = check_bool(deterministic, "deterministic")
     if causal:
