@@ -609,6 +609,8 @@ STATE_BEFORE_JAX = textwrap.dedent("""
     import xattn
 
     assert "jax" not in sys.modules
+    import importlib.util
+    assert importlib.util.find_spec("jax") is not None  # a lookup, as `needs` checks do
     data = np.random.default_rng(0)
     q, k, v = (data.normal(size=(2, 5, 4)) for _ in range(3))
     _, rfa_state = xattn.rfa(q, k, v, num_features=8, rng=0, causal=True, return_state=True)
@@ -629,8 +631,9 @@ STATE_BEFORE_JAX = textwrap.dedent("""
 
 
 def test_a_state_made_before_jax_is_imported_is_a_pytree():
-    """In a fresh interpreter: states made with NumPy before ``import jax`` are pytrees
-    (their arrays are leaves) and go through jax.jit."""
+    """In a fresh interpreter: states made with NumPy before ``import jax`` (after a
+    lookup of JAX's module spec) are pytrees (their arrays are leaves) and go through
+    jax.jit."""
     result = subprocess.run([sys.executable, "-c", STATE_BEFORE_JAX], capture_output=True,
                             text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -372,20 +372,27 @@ def _register_pending() -> bool:
 
 class _JaxImportHook(importlib.abc.MetaPathFinder):
     """Finds ``jax`` with the other finders and registers the pending pytrees once its
-    module has run (one use: it leaves ``sys.meta_path`` when it has found JAX)."""
+    module has run; then it leaves ``sys.meta_path``. (A mere lookup,
+    ``importlib.util.find_spec("jax")``, runs no module: the hook stays for the import.)"""
+
+    searching = False
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "jax":
+        if fullname != "jax" or self.searching:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        self.searching = True  # the other finders, not this one again
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.searching = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run_module = spec.loader.exec_module
 
         def exec_module(module: Any) -> None:
             run_module(module)
-            _register_pending()
+            if _register_pending() and self in sys.meta_path:
+                sys.meta_path.remove(self)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
