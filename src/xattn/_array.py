@@ -25,7 +25,7 @@ import numpy as np
 from xattn._options import check_bool, check_scale
 
 __all__ = ["AttentionInputs", "array_namespace", "check_device", "check_proposal_means",
-           "check_samples", "compute_dtype",
+           "check_samples", "chunked_like", "compute_dtype",
            "concrete_count", "host_to_device", "index_sizes", "is_real_floating",
            "library_name", "native_attention", "one_chunk_along", "prepare_attention", "qr",
            "register_pytree", "sequence_positions", "split_rows", "stop_gradient",
@@ -446,6 +446,16 @@ def one_chunk_along(x: Array, axis: int) -> Array:
     """
     if array_api_compat.is_dask_array(x):
         return x.rechunk({axis % x.ndim: -1})
+    return x
+
+
+def chunked_like(x: Array, like: Array, axis: int) -> Array:
+    """``x`` in the chunks of ``like`` along ``axis`` (Dask, where both are chunked there
+    with the same length); other arrays unchanged. For per-query flags computed along the
+    keys, so that combining them with a result keeps the result's chunks."""
+    if (array_api_compat.is_dask_array(x) and array_api_compat.is_dask_array(like)
+            and x.shape[axis] == like.shape[axis] and x.shape[axis] > 1):
+        return x.rechunk({axis % x.ndim: like.chunks[axis]})
     return x
 
 

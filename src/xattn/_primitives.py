@@ -15,7 +15,14 @@ from typing import Any, NamedTuple
 import array_api_compat
 import array_api_extra as xpx
 
-from xattn._array import Array, AttentionInputs, one_chunk_along, split_rows, written_in_place
+from xattn._array import (
+    Array,
+    AttentionInputs,
+    chunked_like,
+    one_chunk_along,
+    split_rows,
+    written_in_place,
+)
 
 __all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_entries",
            "finite_inputs", "finite_shift", "join", "logsumexp", "mark_tainted",
@@ -321,4 +328,4 @@ def mark_tainted(xp: Any, out: Array, tainted: Array) -> Array:
         out[xp.broadcast_to(tainted, out.shape)] = xp.nan
         return out
     nan = xp.asarray(xp.nan, dtype=out.dtype, device=array_api_compat.device(out))
-    return xp.where(tainted, nan, out)
+    return xp.where(chunked_like(tainted, out, axis=-2), nan, out)
