@@ -86,9 +86,9 @@ def _updated_sinks(xp: Any, state: RFAState, keys: Array, values: Array, valid: 
     lands = xp.astype(slots, positions.dtype)[:, None] == positions[None, :count]  # (K, c)
     taken = xp.any(lands, axis=-1)  # (K,)
 
-    def gather(x: Array) -> Array:  # where, not a product: a NaN stays in its own slot
-        picked = xp.where(lands[..., None], x[..., None, :count, :], 0.0)  # (..., K, c, F)
-        return xp.sum(picked, axis=-2)
+    def gather(x: Array) -> Array:  # (K, c) @ (..., c, F): x is finite (finite_entries),
+        # so the one-hot product picks each token exactly, without a (K, c, F) array
+        return xp.astype(lands, x.dtype) @ x[..., :count, :]
 
     return (xp.where(taken[:, None], gather(keys), state.sink_keys),
             xp.where(taken[:, None], gather(values), state.sink_values),

@@ -71,7 +71,8 @@ def rfa_decode_bytes(*, heads: int, head_dim: int, samples: int, window: int, si
     PREFILL_CHUNK)`` tokens: per head its samples' features block by block and their
     ``(S, D)`` work, ``c`` tokens' keys, values and outputs, the window buffer joined to
     them, the exact band of a block (``block (block + w + K)`` scores), the sink slots'
-    update (``(K, min(K, c), D)``), and the host's float64 draws of the inputs."""
+    update (a ``(K, min(K, c))`` selection, ``(K, D)`` keys and values), and the host's
+    float64 draws of the inputs."""
     block = int(inspect.signature(xattn.rfa).parameters["block_size"].default)
     dim = head_dim  # D = Dv in the command
     piece = min(position, PREFILL_CHUNK)
@@ -82,7 +83,7 @@ def rfa_decode_bytes(*, heads: int, head_dim: int, samples: int, window: int, si
     buffers = itemsize * heads * 8 * window * 2 * dim
     band = 4 * itemsize * heads * block * (block + window + sinks) if window or sinks else 0
     landing = min(sinks, piece)
-    sink_update = 2 * itemsize * heads * sinks * landing * dim + heads * sinks * landing
+    sink_update = 2 * itemsize * heads * sinks * dim + (itemsize + 1) * sinks * landing
     return 2 * state + per_sample + tokens + buffers + band + sink_update
 
 
