@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from xattn._array import default_working_memory
 from xattn._importance import WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara_weights
 from xattn._lara import PROPOSALS, lara
 from xattn._options import ESTIMATORS
@@ -50,6 +51,7 @@ __all__ = [
     "TrigonometricDenominatorWarning",
     "balance_heuristic",
     "default_num_features",
+    "default_working_memory",
     "diagnostics",
     "features",
     "flax",

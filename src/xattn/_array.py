@@ -533,6 +533,112 @@ def stop_gradient(x: Array) -> Array:
     return x.detach() if array_api_compat.is_torch_array(x) else x
 
 
+CPU_WORKING_MEMORY = 32 * 2**20
+"""Default working memory of one estimator call on a CPU, in bytes (32 MiB: a block of
+intermediates that stays near the caches; the full-size memory bars of the estimators
+leave room for it)."""
+
+GPU_WORKING_MEMORY = 2**30
+"""Default working memory of one estimator call on a GPU, in bytes (1 GiB: generous, so
+that calls are a fixed, small number of kernel launches up to long sequences)."""
+
+
+def default_working_memory(x: Array) -> int:
+    """The working memory, in bytes, that an estimator call may use when the caller does
+    not say (``working_memory=None``).
+
+    The causal scan of :func:`xattn.rfa` and :func:`xattn.lara` (and ``window``/``sinks``)
+    processes as many positions at once as this budget allows, the whole sequence when it
+    fits: then one call is a fixed, small number of array operations (kernel launches on a
+    GPU) at any length. Past the budget it walks the sequence in blocks, so its memory
+    stays bounded.
+
+    Parameters
+    ----------
+    x : array
+        An input of the call; its library and device decide.
+
+    Returns
+    -------
+    int
+        1 GiB on a GPU (torch CUDA or ROCm, CuPy, JAX on a GPU), 32 MiB elsewhere (a
+        CPU: intermediates near the caches, and room under the estimators' memory bars).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import xattn
+    >>> xattn.default_working_memory(np.zeros(3)) // 2**20
+    32
+    """
+    if array_api_compat.is_cupy_array(x):
+        return GPU_WORKING_MEMORY
+    if array_api_compat.is_torch_array(x):
+        return CPU_WORKING_MEMORY if x.device.type == "cpu" else GPU_WORKING_MEMORY
+    if array_api_compat.is_jax_array(x):
+        import jax
+
+        try:
+            platform = next(iter(x.devices())).platform
+        except Exception:  # a tracer under jax.jit has no devices: the default backend's
+            platform = jax.default_backend()
+        return CPU_WORKING_MEMORY if platform == "cpu" else GPU_WORKING_MEMORY
+    return CPU_WORKING_MEMORY
+
+
+def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
+    """``x`` with NaN, ``+inf`` and ``-inf`` entries replaced by ``nan``, ``posinf`` and
+    ``neginf``: the library's ``nan_to_num`` where it has one (one operation, whose
+    gradient is zero at the replaced entries), ``where`` elsewhere."""
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+    if array_api_compat.is_jax_array(x):
+        import jax.numpy as jnp
+
+        return jnp.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+    if array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x):
+        module = np if array_api_compat.is_numpy_array(x) else importlib.import_module("cupy")
+        return module.nan_to_num(x, copy=True, nan=nan, posinf=posinf, neginf=neginf)
+    xp = array_api_compat.array_namespace(x)
+    x = xp.where(xp.isnan(x), nan, x)
+    return xp.where(x == xp.inf, posinf, xp.where(x == -xp.inf, neginf, x))
+
+
+def cumulative_max(x: Array, axis: int) -> Array:
+    """The running maximum of ``x`` along ``axis``: ``max(x[..., :i + 1])`` at ``i``.
+
+    The standard has no cumulative maximum, so this delegates to the library's own where it
+    has one (``torch.cummax``, ``jax.lax.cummax``, ``numpy.maximum.accumulate`` and CuPy's),
+    one operation; elsewhere (Dask, array-api-strict) it doubles: ``ceil(log2(L))`` steps of
+    shift and ``maximum``. NaN propagates in every form.
+    """
+    axis = axis % x.ndim
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        return torch.cummax(x, dim=axis).values
+    if array_api_compat.is_jax_array(x):
+        import jax
+
+        return jax.lax.cummax(x, axis=axis)
+    if array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x):
+        module = np if array_api_compat.is_numpy_array(x) else importlib.import_module("cupy")
+        return module.maximum.accumulate(x, axis=axis)
+    xp = array_api_compat.array_namespace(x)
+    length, step = x.shape[axis], 1
+    while step < length:
+        shape = list(x.shape)
+        shape[axis] = step
+        fill = xp.full(tuple(shape), -xp.inf, dtype=x.dtype, device=array_api_compat.device(x))
+        kept = [slice(None)] * x.ndim
+        kept[axis] = slice(0, length - step)
+        x = xp.maximum(x, xp.concat([fill, x[tuple(kept)]], axis=axis))
+        step *= 2
+    return one_chunk_along(x, axis)  # Dask: not a chunk per step
+
+
 def split_rows(x: Array, size: int) -> list[Array]:
     """``x`` in pieces of ``size`` rows along axis -2: one operation for torch's and JAX's
     autograd (a slice's backward is a gradient of all of ``x``, zero-filled), else views."""

@@ -55,7 +55,10 @@ from xattn._rf_scan import (
 )
 from xattn._state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
 
-__all__ = ["continue_rfa", "extend_cache"]
+__all__ = ["STATE_BAND_BLOCK", "continue_rfa", "extend_cache"]
+
+STATE_BAND_BLOCK = 256
+"""The longest block of a windowed prefill: its exact band is a (block, block + w) product."""
 
 Cache = TypeVar("Cache", bound=_KeyValueCache)
 

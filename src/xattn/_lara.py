@@ -25,7 +25,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import Array, AttentionInputs, check_proposal_means, prepare_attention
+from xattn._array import (
+    Array,
+    AttentionInputs,
+    check_proposal_means,
+    default_working_memory,
+    prepare_attention,
+)
 from xattn._importance import (
     WEIGHTINGS,
     QuerySoftmax,
@@ -226,6 +232,7 @@ def lara(
     check_finite: bool = False,
     state: Any = None,
     return_state: bool = False,
+    working_memory: int | None = None,
 ) -> Array:
     r"""Linear randomized attention (LARA), O((N + M) C) in time and memory.
 
@@ -368,6 +375,10 @@ def lara(
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.
+    working_memory : int, optional
+        Causal only: bytes of intermediates one block of the causal scan may hold, as
+        :func:`xattn.rfa`'s (the whole sequence in one block when it fits: a fixed number
+        of array operations). None: :func:`xattn.default_working_memory`.
 
     Returns
     -------
@@ -486,6 +497,8 @@ def lara(
                                   weighting=weighting, grid=grid)
     noise_scale = check_noise_scale(noise_scale)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
+    working_memory = (default_working_memory(inputs.q) if working_memory is None
+                      else check_positive_int(working_memory, "working_memory"))
     if inputs.is_empty and not stateful:  # N = 0 or an empty batch: empty, whatever C
         return inputs.empty_result()
 
@@ -511,7 +524,8 @@ def lara(
                          noise_scale=noise_scale, rng=rng)
     if causal:
         result = causal_lara(inputs, omega, proposal_means, weighting=weighting, beta=beta,
-                             chunk_size=chunk_size, stateful=stateful, state=state)
+                             chunk_size=chunk_size, working_memory=working_memory,
+                             stateful=stateful, state=state)
         out, state = result if stateful else (result, None)
     else:
         statistics = _key_statistics(inputs, omega, root_scale, chunk_size)

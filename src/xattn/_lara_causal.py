@@ -28,6 +28,7 @@ O(N C D).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import array_api_compat
@@ -35,7 +36,7 @@ import array_api_compat
 from xattn._array import Array, AttentionInputs
 from xattn._decode import continue_rfa
 from xattn._importance import balance_heuristic, importance_weights
-from xattn._rf_scan import PositiveMap
+from xattn._rf_scan import PAIR_BLOCK, PositiveMap, block_positions
 from xattn._rfa import causal_scan
 from xattn._state import (
     IMPORTANCE_FEATURES,
@@ -44,12 +45,10 @@ from xattn._state import (
     refuse,
 )
 
-__all__ = ["CAUSAL_BLOCK_SIZE", "CAUSAL_WEIGHTINGS", "ImportanceMap", "causal_lara",
+__all__ = ["CAUSAL_WEIGHTINGS", "ImportanceMap", "causal_lara",
            "check_lara_causal_options", "query_proposal_affinity", "state_options",
            "with_defensive"]
 
-#: Positions per block of the causal scan (rfa's default ``block_size``).
-CAUSAL_BLOCK_SIZE = 128
 #: The weightings that use only q_n and the proposals.
 CAUSAL_WEIGHTINGS = ("balance", "query_proposal")
 
@@ -93,9 +92,10 @@ class ImportanceMap(PositiveMap):
     \log q_c(\omega_c)` (the key side is RFA's, :math:`a_{mc}`)."""
 
     def __init__(self, inputs: AttentionInputs, omega: Array, proposal_means: Array,
-                 own_weight: Array, *, weighting: str, beta: float) -> None:
+                 own_weight: Array, *, weighting: str, beta: float,
+                 pair_block: int = PAIR_BLOCK) -> None:
         xp = inputs.xp
-        super().__init__(xp, omega)
+        super().__init__(xp, omega, pair_block)
         self.num_samples = omega.shape[-2]  # omega is (..., C, D)
         offset = omega - proposal_means
         # log N(omega_c; 0, I) - log q_c(omega_c), (..., 1, C)
@@ -122,23 +122,30 @@ class ImportanceMap(PositiveMap):
 
 
 def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
-                weighting: str, beta: float, chunk_size: int, stateful: bool = False,
-                state: LARAState | None = None) -> Any:
+                weighting: str, beta: float, chunk_size: int, working_memory: int,
+                stateful: bool = False, state: LARAState | None = None) -> Any:
     """Causal LARA with the samples ``omega`` (..., C, D) of the proposals
     ``proposal_means``: the output (..., N, Dv), masked queries 0; with ``stateful``, the
-    pair ``(out, LARAState)`` continuing ``state`` (None: a new sequence)."""
+    pair ``(out, LARAState)`` continuing ``state`` (None: a new sequence). The scan's
+    blocks are as long as ``working_memory`` bytes allow
+    (:func:`~xattn._rf_scan.block_positions`)."""
     xp = inputs.xp
+    block_size = block_positions(
+        length=inputs.num_queries, batch_size=math.prod(inputs.batch_shape),
+        num_features=omega.shape[-2], width=inputs.v.shape[-1] + 1,
+        itemsize=xp.finfo(inputs.compute_dtype).bits // 8, working_memory=working_memory)
     own_weight = xp.linalg.diagonal(balance_heuristic(omega, proposal_means))  # w_c
     mapping = ImportanceMap(inputs, omega, proposal_means, own_weight, weighting=weighting,
-                            beta=beta)
+                            beta=beta, pair_block=min(PAIR_BLOCK, block_size,
+                                                      max(inputs.num_queries, 1)))
     if stateful:
         features = (state.features if state is not None
                     else empty_rfa_state(inputs, mapping, omega, IMPORTANCE_FEATURES, 0, 0))
         out, _, features = continue_rfa(xp, inputs, mapping, features,
-                                        block_size=CAUSAL_BLOCK_SIZE, chunk_size=chunk_size,
+                                        block_size=block_size, chunk_size=chunk_size,
                                         guard=False)
     else:
-        out, _ = causal_scan(xp, inputs, mapping, CAUSAL_BLOCK_SIZE, chunk_size, guard=False)
+        out, _ = causal_scan(xp, inputs, mapping, block_size, chunk_size, guard=False)
     if inputs.query_mask is not None:
         out = xp.where(inputs.query_mask[..., None], out, 0.0)
     if not stateful:

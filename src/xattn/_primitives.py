@@ -9,6 +9,7 @@ only :mod:`xattn._array`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -19,6 +20,7 @@ from xattn._array import (
     Array,
     AttentionInputs,
     chunked_like,
+    nan_to_num,
     one_chunk_along,
     split_rows,
     written_in_place,
@@ -36,7 +38,7 @@ def finite_shift(xp: Any, maxima: Array) -> Array:
     A maximum is ``-inf`` when every entry it covers is masked; shifting by 0 then keeps
     ``exp(logit - shift)`` at ``exp(-inf) = 0`` for those entries instead of NaN.
     """
-    return xp.where(maxima == -xp.inf, 0.0, maxima)
+    return nan_to_num(maxima, nan=math.nan, posinf=math.inf, neginf=0.0)
 
 
 class MergedMaxima(NamedTuple):
@@ -241,7 +243,7 @@ def finite_entries(xp: Any, x: Array) -> Array:
     """``x`` with its NaN and infinite entries replaced by 0, by ``where`` (no product with
     a NaN, in the backward pass either): how an estimator reads a piece of its inputs,
     whose non-finite rows :func:`quarantine` has located."""
-    return xp.where(xp.isfinite(x), x, 0.0)
+    return nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def value_columns(xp: Any, v: Array) -> Array:
@@ -282,8 +284,8 @@ def quarantine(inputs: AttentionInputs, *, causal: bool, offset: int = 0,
     """
     xp = inputs.xp
 
-    def non_finite(x: Array) -> Array:
-        return ~xp.all(xp.isfinite(x), axis=-1)
+    def non_finite(x: Array) -> Array:  # x * 0 is NaN exactly at NaN and infinity
+        return xp.isnan(xp.sum(x * 0.0, axis=-1))
 
     bad_queries = non_finite(inputs.q)
     bad_keys = non_finite(inputs.k) | non_finite(inputs.v)  # (..., M)

@@ -43,14 +43,14 @@ reaches only the rows that attend its key: masked entries are selected away with
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Generator
 from typing import Any, Protocol
 
 import array_api_compat
 
-from xattn._array import Array, one_chunk_along, split_rows, stop_gradient, stream_bounds, take
+from xattn._array import Array, cumulative_max, one_chunk_along, stop_gradient, stream_bounds
+from xattn._chunks import DIRECT_PAIRS, PAIR_BLOCK, exclusive_prefix, pair_kernel
 from xattn._primitives import (
     RowBlocks,
     finite_entries,
@@ -58,24 +58,11 @@ from xattn._primitives import (
     merge_maxima,
     nonzero_divisor,
     pad_rows,
-    running_max,
     value_columns,
 )
-from xattn.features import log_positive_features
 
-__all__ = ["FACTORED_GROUP", "PAIR_BLOCK", "SUB_GROUP", "FeatureMap", "PositiveMap",
-           "TrigonometricMap", "combine_partials", "finish_partial", "scan_partials",
-           "state_over_keys"]
-
-PAIR_BLOCK = 16
-"""Positions per sub-block whose query-key pairs are computed exactly (positive maps):
-their cost per query grows with it, that of the states before the sub-blocks shrinks."""
-
-FACTORED_GROUP = 8
-"""From this size of half-group on, :func:`_pair_kernel` factorizes the cross pairs."""
-
-SUB_GROUP = 8
-"""Sub-blocks per group of the states before the sub-blocks (:func:`_prefix_states`)."""
+__all__ = ["PAIR_BLOCK", "FeatureMap", "PositiveMap", "TrigonometricMap", "block_positions",
+           "combine_partials", "finish_partial", "scan_partials", "state_over_keys"]
 
 Partial = tuple[Array, Array, Array]
 """``(shift, sums, weight)`` of a block of queries over a set of keys (module docstring)."""
@@ -179,146 +166,6 @@ def _key_validity(xp: Any, key_mask: Array | None, first_key: int, start: int, s
     return valid
 
 
-def _pair_kernel(xp: Any, queries: Array, keys: Array) -> Array:
-    r"""The exact kernel of the pairs of a sub-block: (..., b, b), entry ``(n, m)``
-    :math:`\sum_s e^{x_{ns} + y_{ms}}` for ``m <= n`` and 0 above the diagonal.
-
-    ``queries`` :math:`x` and ``keys`` :math:`y` are (..., b, S), b a power of two, with
-    :math:`x_{ns} + y_{ms} \le 0` for every ``m <= n`` (the queries are shifted by their
-    rows' largest terms). The pairs are computed by halving: the diagonal, then for
-    groups of 2, 4, ..., b positions the dense block of the second half's queries
-    against the first half's keys. Every pair m <= n is computed once, no pair above the
-    diagonal is (whose exponential may overflow), and one gather puts them in place.
-
-    Halves of :data:`FACTORED_GROUP` positions or more are factorized through
-    :math:`c_s = \max_m y_{ms}` over the first half's keys, which every query of the
-    second half attends: :math:`e^{x_{ns} + y_{ms}} = e^{x_{ns} + c_s} e^{y_{ms} - c_s}`,
-    one matrix product. Both factors are at most 1 (:math:`x_{ns} + c_s \le 0` by the
-    condition above), so a factor that underflows leaves a product that underflows
-    anyway, and the exponents, both non-positive, add up to the exact one without
-    cancellation: the entries are those of the direct sum up to rounding.
-    """
-    size = queries.shape[-2]
-    pieces = [xp.sum(xp.exp(queries + keys), axis=-1)]  # the diagonal, (..., b)
-    group = 1
-    while group < size:  # the second halves of groups of 2 * group against the first
-        halves = size // (2 * group)
-        second = xp.reshape(queries, (*queries.shape[:-2], halves, 2, group, queries.shape[-1]))
-        first = xp.reshape(keys, (*keys.shape[:-2], halves, 2, group, keys.shape[-1]))
-        if group < FACTORED_GROUP:
-            cross = xp.sum(xp.exp(second[..., 1, :, None, :] + first[..., 0, None, :, :]),
-                           axis=-1)
-        else:
-            first_keys = first[..., 0, :, :]  # (..., halves, group, S)
-            key_max = xp.max(stop_gradient(first_keys), axis=-2, keepdims=True)
-            cross = (xp.exp(second[..., 1, :, :] + key_max)
-                     @ xp.matrix_transpose(xp.exp(first_keys - finite_shift(xp, key_max))))
-        pieces.append(xp.reshape(cross, (*cross.shape[:-3], halves * group * group)))
-        group *= 2
-    pieces.append(xp.zeros_like(pieces[0][..., :1]))  # above the diagonal
-    kernel = take(one_chunk_along(xp.concat(pieces, axis=-1), -1), _pair_places(size), axis=-1)
-    kernel = xp.reshape(kernel, (*kernel.shape[:-1], size, size))
-    return one_chunk_along(one_chunk_along(kernel, -1), -2)  # Dask: one chunk per sub-block
-
-
-@functools.cache
-def _pair_places(size: int) -> list[int]:
-    """For each entry ``(n, m)`` of a (size, size) kernel, row-major, its place in the
-    pieces of :func:`_pair_kernel`: the diagonal, the levels, then a zero."""
-    offsets, place, group = {}, size, 1
-    while group < size:
-        offsets[group], place, group = place, place + size * group // 2, group * 2
-    places = []
-    for row in range(size):
-        for column in range(size):
-            if column > row:
-                places.append(place)  # the zero, after the last level
-            elif column == row:
-                places.append(row)
-            else:
-                group = 1 << ((row ^ column).bit_length() - 1)  # the halves they differ in
-                places.append(offsets[group] + (row // (2 * group)) * group * group
-                              + (row % group) * group + column % group)
-    return places
-
-
-def _merge_parts(xp: Any, part_max: Array, part_sums: Array, rows: int) -> tuple[Array, Array]:
-    """The statistics of the parts ``c <= j`` for ``j < rows``: parts along the last axis of
-    ``part_max`` (..., P) and axis -2 of ``part_sums`` (..., P, E); returns (..., rows) and
-    (..., rows, E), by :func:`~xattn._primitives.merge_maxima`'s rule through a
-    lower-triangular selection (one matrix product per leading index)."""
-    device = array_api_compat.device(part_max)
-    taken = (xp.arange(part_max.shape[-1], device=device)[None, :]
-             <= xp.arange(rows, device=device)[:, None])  # [j, c]
-    taken_max = xp.where(taken, part_max[..., None, :], -xp.inf)  # (..., rows, P)
-    merged_max = xp.max(taken_max, axis=-1)
-    return merged_max, xp.exp(taken_max - finite_shift(xp, merged_max)[..., None]) @ part_sums
-
-
-def _prefix_states(xp: Any, state: State, sub_max: Array, clean_max: Array,
-                   sub_sums: Array) -> tuple[Array, Array, State]:
-    r"""The states before each of J sub-blocks (the carried ``state`` and the sub-blocks
-    before it) and the state after all of them.
-
-    ``sub_max`` (..., S, J) holds the sub-blocks' maxima :math:`K^i_s`, NaN for a sub-block
-    with a NaN key, ``clean_max`` the same without the NaN, ``sub_sums`` (..., S, J, E)
-    their sums :math:`A^i_s`. Returns the maxima (..., S, J) and sums (..., S, J, E) before
-    each sub-block, and the state after the last one.
-
-    Up to :data:`SUB_GROUP` sub-blocks, the J + 1 parts (the carried state, then the
-    sub-blocks) are merged in one selection of J + 1 rows. More are taken in groups of
-    ``SUB_GROUP``: the groups' statistics, the states before each group (one selection
-    over the groups), then within each group the states before its sub-blocks, so that
-    the selections stay small (their cost grows with the square of their parts).
-    """
-    state_max, state_sums = state
-    carried_max, carried_sums = state_max[..., None], state_sums[..., None, :]
-    num_sub = sub_max.shape[-1]
-    if num_sub <= SUB_GROUP:
-        merged_max, merged_sums = _merge_parts(
-            xp, xp.concat([carried_max, sub_max], axis=-1),
-            xp.concat([carried_sums, sub_sums], axis=-2), num_sub + 1)
-        before_sums, after_sums = split_rows(merged_sums, num_sub)
-        return (merged_max[..., :num_sub], before_sums,
-                (merged_max[..., num_sub], after_sums[..., 0, :]))
-    num_groups = -(-num_sub // SUB_GROUP)
-    padding = num_groups * SUB_GROUP - num_sub  # empty sub-blocks: no keys
-
-    def grouped(x: Array, fill: float, axis: int) -> Array:
-        if padding:
-            shape = list(x.shape)
-            shape[axis] = padding
-            x = one_chunk_along(xp.concat(
-                [x, xp.full(tuple(shape), fill, dtype=x.dtype,
-                            device=array_api_compat.device(x))], axis=axis), axis)
-        shape, axis = list(x.shape), axis % x.ndim
-        shape[axis:axis + 1] = [num_groups, SUB_GROUP]
-        return xp.reshape(x, tuple(shape))
-
-    sub_max, clean_max = grouped(sub_max, -math.inf, -1), grouped(clean_max, -math.inf, -1)
-    sub_sums = grouped(sub_sums, 0.0, -2)  # (..., S, G, g, E)
-    # the groups' statistics: a group with a NaN key has a NaN maximum (max propagates it)
-    group_clean = stop_gradient(xp.max(clean_max, axis=-1))  # (..., S, G)
-    group_weights = xp.exp(clean_max - finite_shift(xp, group_clean)[..., None])
-    group_sums = (group_weights[..., None, :] @ sub_sums)[..., 0, :]  # (..., S, G, E)
-    group_max = xp.max(sub_max, axis=-1)
-    # the states before each group (rows g < G) and after the last (row G)
-    merged_max, merged_sums = _merge_parts(
-        xp, xp.concat([carried_max, group_max], axis=-1),
-        xp.concat([carried_sums, group_sums], axis=-2), num_groups + 1)
-    before_sums, after_sums = split_rows(merged_sums, num_groups)
-    new_state = (merged_max[..., num_groups], after_sums[..., 0, :])
-    # within each group, the state before each sub-block: parts c = 0 (the state before
-    # the group) and c = i + 1 (its sub-block i)
-    prefix_max, prefix_sums = _merge_parts(
-        xp, xp.concat([merged_max[..., :num_groups, None], sub_max], axis=-1),
-        xp.concat([before_sums[..., None, :], sub_sums], axis=-2), SUB_GROUP)
-    prefix_max = xp.reshape(prefix_max, (*prefix_max.shape[:-2], num_groups * SUB_GROUP))
-    prefix_sums = xp.reshape(prefix_sums, (*prefix_sums.shape[:-3], num_groups * SUB_GROUP,
-                                           prefix_sums.shape[-1]))
-    return prefix_max[..., :num_sub], prefix_sums[..., :num_sub, :], new_state
-
-
 class PositiveMap:
     r"""Positive (and hyperbolic: samples :math:`\pm\omega`) features in the log domain.
 
@@ -345,11 +192,16 @@ class PositiveMap:
         return -0.5 * xp.sum(q_hat * q_hat, axis=-1, keepdims=True) - math.log(self.num_samples)
 
     def keys(self, k_hat: Array, valid: Array | None) -> tuple[Array, ...]:
+        r"""The key logits :math:`a_{ms}`, ``-inf`` for a dropped key. A key whose squared
+        norm overflows gets ``-inf`` too (the limit of :math:`\omega_s \cdot \hat k_m -
+        \lVert \hat k_m \rVert^2/2`), never ``inf - inf``: no logit is ever NaN or
+        ``+inf`` (:math:`a_{ms} \le \lVert \omega_s \rVert^2/2`)."""
         xp = self.xp
-        logits = log_positive_features(xp, k_hat, self.omega)  # a_ms
-        if valid is not None:
-            logits = xp.where(valid[..., None], logits, -xp.inf)
-        return (logits,)
+        half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True)
+        logits = k_hat @ self.omega_t - half_sq_norm  # a_ms
+        taken = half_sq_norm < xp.inf
+        return (xp.where(taken if valid is None else (taken & valid[..., None]), logits,
+                         -xp.inf),)
 
     def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,
                     device: Any) -> State:
@@ -380,72 +232,52 @@ class PositiveMap:
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
               state: State) -> tuple[Partial, State]:
-        """One block: key ``i`` of the block is allowed for query ``j`` iff ``i <= j``.
+        r"""One block: key ``i`` of the block is allowed for query ``j`` iff ``i <= j``.
 
-        Design: the B positions are J = B / b sub-blocks of b = ``PAIR_BLOCK``, so the
-        intermediates carry a sub-block axis J besides the positions b and samples S.
-        (1) Each sub-block i gets its statistics :math:`K^i_s, A^i_s`. (2) The state
-        before each sub-block j (the carried state and the sub-blocks i < j) is made for
-        all j at once, and the state after the block with them (:func:`_prefix_states`:
-        the parts are merged by :func:`~xattn._primitives.merge_maxima`'s rule through
-        lower-triangular selections, with S in front so that the sum over the parts is
-        one matrix product per sample). (3) Each query reads the state before its
-        sub-block and takes the exact pairs of its own sub-block (:func:`_pair_kernel`),
-        all with one shift, its largest term.
+        The chunkwise-parallel form (:mod:`xattn._chunks`): the B positions are J = B / b
+        chunks of b = :attr:`multiple` positions carried as an axis. (1) Each chunk j
+        gets its statistics :math:`K^j_s, A^j_s` from one product for all chunks. (2)
+        The state before each chunk (the carried state and the chunks before it) and the
+        state after the block come from :func:`~xattn._chunks.exclusive_prefix`, with
+        the features in front so that each merge is one matrix product per feature. (3)
+        Each query reads the state before its chunk and takes the exact pairs of its own
+        chunk (:func:`~xattn._chunks.pair_kernel`), all with one shift, its largest term
+        :math:`\max_s (p_{ns} + \max(P_{js}, \max_{m \le n} a_{ms}))`: over the keys
+        it attends only.
         """
         xp = self.xp
         (logits,) = keys
-        pair_block = self.multiple
+        chunk = self.multiple
         length, num_samples, width = queries.shape[-2], queries.shape[-1], values.shape[-1]
-        num_sub = length // pair_block
-        device = array_api_compat.device(queries)
-        dtype = queries.dtype
-        nan = xp.asarray(xp.nan, dtype=dtype, device=device)
-        p = xp.reshape(queries, (*queries.shape[:-2], num_sub, pair_block, num_samples))
-        a = xp.reshape(logits, (*logits.shape[:-2], num_sub, pair_block, num_samples))
-        values = xp.reshape(values, (*values.shape[:-2], num_sub, pair_block, width))
-        state_max = state[0]  # K (..., S); the state is (K, A' (..., S, E))
+        num_chunks = length // chunk
+        p = xp.reshape(queries, (*queries.shape[:-2], num_chunks, chunk, num_samples))
+        a = xp.reshape(logits, (*logits.shape[:-2], num_chunks, chunk, num_samples))
+        values = xp.reshape(values, (*values.shape[:-2], num_chunks, chunk, width))
+        # the stabilizers are constants (no gradient): from detached logits, so that
+        # autograd records none of their operations
+        fixed_a = stop_gradient(a)
 
-        # (1) statistics of each sub-block i: K^i_s (..., J, S) and A^i_s (..., J, S, E).
-        # A key with a NaN logit (a NaN key or value) is left out of A^i and of the pairs
-        # (logits -inf) and poisons K^i instead, hence every later state and row, but never
-        # an earlier one (no zero weight ever multiplies a NaN). The logits are never
-        # +inf, so a row's sum is NaN iff one of its logits is.
-        key_nan = xp.isnan(xp.sum(stop_gradient(a), axis=-1))  # (..., J, b)
-        clean_a = xp.where(key_nan[..., None], -xp.inf, a)
-        # the stabilizers are constants (no gradient): computed from detached logits, so
-        # that autograd records none of their operations
-        clean_logits = stop_gradient(clean_a)
-        sub_max = xp.max(clean_logits, axis=-2)
-        sub_weights = xp.exp(clean_a - finite_shift(xp, sub_max)[..., None, :])
-        sub_sums = xp.matrix_transpose(sub_weights) @ values
-        clean_max, sub_max = sub_max, xp.where(xp.any(key_nan, axis=-1)[..., None], nan, sub_max)
+        # (1) each chunk's statistics: K^j_s (..., J, S), A^j_s (..., J, S, E)
+        chunk_max = xp.max(fixed_a, axis=-2)
+        chunk_sums = (xp.matrix_transpose(xp.exp(a - finite_shift(xp, chunk_max)[..., None, :]))
+                      @ values)
 
-        # (2) the states before the sub-blocks and after the block (S in front, so that
-        # each merge of parts is one matrix product per sample)
-        lead = state_max.shape[:-1]  # the carried state has the full batch shape
-        prefix_max, prefix_sums, new_state = _prefix_states(
-            xp, state, xp.broadcast_to(xp.matrix_transpose(sub_max), (*lead, num_samples, num_sub)),
-            xp.broadcast_to(xp.matrix_transpose(clean_max), (*lead, num_samples, num_sub)),
-            xp.broadcast_to(xp.moveaxis(sub_sums, -2, -3), (*lead, num_samples, num_sub, width)))
-        prefix_max = xp.matrix_transpose(prefix_max)  # (..., J, S)
+        # (2) the states before the chunks and after the block (features in front)
+        lead = state[0].shape[:-1]  # the carried state has the full batch shape
+        before_max, before_sums, new_state = exclusive_prefix(
+            xp, state,
+            xp.broadcast_to(xp.matrix_transpose(chunk_max), (*lead, num_samples, num_chunks)),
+            xp.broadcast_to(xp.moveaxis(chunk_sums, -2, -3),
+                            (*lead, num_samples, num_chunks, width)))
+        before_max = xp.matrix_transpose(before_max)[..., :, None, :]  # (..., J, 1, S)
 
-        # (3) one shift per query n: its largest term, from the prefix state or a pair
-        # m <= n, max_s (p_ns + max_{m <= n} a_ms) (a running maximum; its last column
-        # marks the rows at or after a NaN key of the sub-block, made NaN through their
-        # logits: the running maximum of a NaN need not be NaN, XLA's may drop it)
-        running = running_max(xp, xp.concat(
-            [clean_logits, xp.astype(key_nan, dtype)[..., None]], axis=-1))
-        shift = xp.max(stop_gradient(p) + xp.maximum(prefix_max[..., :, None, :],
-                                                     running[..., :-1]),
-                       axis=-1, keepdims=True)
-        poison = xp.where(running[..., -1:] > 0, nan, 0.0)  # (..., J, b, 1)
-        shifted = p - finite_shift(xp, shift) + poison  # (..., J, b, S)
-        # the prefix state and the exact pairs of each query, read out
-        sums = (xp.exp(shifted + prefix_max[..., :, None, :]) @ xp.moveaxis(prefix_sums, -3, -2)
-                + _pair_kernel(xp, shifted, clean_a) @ values)
-        lead = sums.shape[:-3]
-        sums = xp.reshape(sums, (*lead, length, width))
+        # (3) one shift per query: its largest term, over the state and the pairs m <= n
+        bound = xp.maximum(before_max, cumulative_max(fixed_a, axis=-2))
+        shift = xp.max(stop_gradient(p) + bound, axis=-1, keepdims=True)  # (..., J, b, 1)
+        shifted = p - finite_shift(xp, shift)
+        sums = (xp.exp(shifted + before_max) @ xp.moveaxis(before_sums, -3, -2)
+                + pair_kernel(xp, shifted, a) @ values)
+        sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
         shift = xp.reshape(shift, (*shift.shape[:-3], length, 1))
         return (shift, sums, sums[..., -1:]), new_state
 
@@ -461,12 +293,12 @@ class TrigonometricMap:
     """
 
     key_fills: tuple[float, ...] = (0.0, -math.inf)
-    multiple: int = 1
 
-    def __init__(self, xp: Any, omega: Array) -> None:
+    def __init__(self, xp: Any, omega: Array, pair_block: int = PAIR_BLOCK) -> None:
         self.xp = xp
         self.omega_t = xp.matrix_transpose(omega)
         self.num_samples = omega.shape[0]
+        self.multiple = 1 << (pair_block.bit_length() - 1)  # a power of two, <= pair_block
 
     def _features(self, x: Array) -> Array:
         projections = x @ self.omega_t
@@ -517,21 +349,88 @@ class TrigonometricMap:
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
               state: State) -> tuple[Partial, State]:
+        r"""One block (key ``i`` allowed for query ``j`` iff ``i <= j``), in chunks of
+        :attr:`multiple` positions carried as an axis, as :meth:`PositiveMap.block`: each
+        chunk's sums :math:`\sum_m w_m \phi(\hat k_m) [v_m, 1]` and :math:`\sum_m w_m`
+        shifted by its largest :math:`\log w_m`, the state before each chunk by
+        :func:`~xattn._chunks.exclusive_prefix` (one shared maximum: a single feature
+        whose sums are the flattened :math:`2S \times E` sums and the weight), and the
+        pairs of each chunk exactly, shifted by each query's running maximum."""
         xp = self.xp
         features, half_sq_norm = keys
         norm_max, state_sums, state_weight = state
-        device = array_api_compat.device(queries)
-        allowed = _lower_triangle(xp, queries.shape[-2], device, strict=False)
-        pair_norms = xp.where(allowed, xp.matrix_transpose(half_sq_norm), -xp.inf)  # (.., B, B)
-        # online softmax over the state's keys and the block's allowed ones
-        row_max, row_safe, (state_factor, _) = merge_maxima(
-            xp, norm_max, xp.max(pair_norms, axis=-1, keepdims=True))  # factor 0: no key yet
-        pair_weights = xp.exp(pair_norms - row_safe)  # w_m for allowed keys, else 0
-        kernel = (queries @ xp.matrix_transpose(features)) * pair_weights
-        sums = state_factor * (queries @ state_sums) + kernel @ values
-        weight = state_factor * state_weight + xp.sum(pair_weights, axis=-1, keepdims=True)
-        new_state = self.merge_states(state, self.key_state(keys, values))
-        return (row_max, sums, weight), new_state
+        chunk = self.multiple
+        length, num_features, width = queries.shape[-2], queries.shape[-1], values.shape[-1]
+        num_chunks, flat = length // chunk, num_features * width
+        q_features = xp.reshape(queries, (*queries.shape[:-2], num_chunks, chunk, num_features))
+        k_features = xp.reshape(features, (*features.shape[:-2], num_chunks, chunk,
+                                           num_features))
+        log_weights = xp.reshape(half_sq_norm, (*half_sq_norm.shape[:-2], num_chunks, chunk, 1))
+        values = xp.reshape(values, (*values.shape[:-2], num_chunks, chunk, width))
+        fixed_log_weights = stop_gradient(log_weights)
+
+        # each chunk's statistics, flattened into one feature: (..., J) and (..., J, 2S E + 1)
+        chunk_max = xp.max(fixed_log_weights, axis=-2)  # (..., J, 1)
+        weights = xp.exp(log_weights - finite_shift(xp, chunk_max)[..., None, :])
+        chunk_sums = xp.matrix_transpose(k_features) @ (weights * values)  # (..., J, 2S, E)
+        chunk_sums = xp.concat([xp.reshape(chunk_sums, (*chunk_sums.shape[:-2], flat)),
+                                xp.sum(weights, axis=-2)], axis=-1)
+        lead = norm_max.shape[:-2]
+        carried = (xp.reshape(norm_max, (*lead, 1)),
+                   xp.concat([xp.reshape(state_sums, (*lead, 1, flat)),
+                              xp.reshape(state_weight, (*lead, 1, 1))], axis=-1))
+        before_max, before_sums, (after_max, after_sums) = exclusive_prefix(
+            xp, carried,
+            xp.broadcast_to(xp.matrix_transpose(chunk_max), (*lead, 1, num_chunks)),
+            xp.broadcast_to(chunk_sums[..., None, :, :], (*lead, 1, num_chunks, flat + 1)))
+        before_max = xp.reshape(before_max, (*lead, num_chunks, 1, 1))
+        before_sums = xp.reshape(before_sums, (*lead, num_chunks, flat + 1))
+        before_weight = before_sums[..., flat:][..., None]  # (..., J, 1, 1)
+        before_sums = xp.reshape(before_sums[..., :flat], (*lead, num_chunks, num_features,
+                                                           width))
+
+        # each query: the state before its chunk and the keys m <= n of its chunk
+        row_max = xp.maximum(before_max, cumulative_max(fixed_log_weights, axis=-2))
+        row_shift = finite_shift(xp, row_max)  # (..., J, b, 1)
+        state_factor = xp.exp(before_max - row_shift)  # 0 before the first key
+        allowed = _lower_triangle(xp, chunk, array_api_compat.device(queries), strict=False)
+        pair_weights = xp.exp(xp.where(allowed, xp.matrix_transpose(log_weights) - row_shift,
+                                       -xp.inf))  # w_m for allowed keys, else 0; (..., J, b, b)
+        kernel = (q_features @ xp.matrix_transpose(k_features)) * pair_weights
+        sums = state_factor * (q_features @ before_sums) + kernel @ values
+        weight = state_factor * before_weight + xp.sum(pair_weights, axis=-1, keepdims=True)
+        rows = (*sums.shape[:-3], length)
+        new_state = (xp.reshape(after_max, (*lead, 1, 1)),
+                     xp.reshape(after_sums[..., 0, :flat], (*lead, num_features, width)),
+                     xp.reshape(after_sums[..., 0, flat:], (*lead, 1, 1)))
+        return ((xp.reshape(row_max, (*rows, 1)), xp.reshape(sums, (*rows, width)),
+                 xp.reshape(weight, (*rows, 1))), new_state)
+
+
+def block_positions(*, length: int, batch_size: int, num_features: int, width: int,
+                    itemsize: int, working_memory: int, band: int = 0) -> int:
+    r"""Positions per block of :func:`scan_partials` under a working-memory budget.
+
+    The intermediates of a block of B positions, per batch-head, are about
+    :math:`(12 + 2 \cdot \text{DIRECT\_PAIRS}) F + 5 F E / b + 4 E + 2 b + 3 \cdot
+    \text{band}` numbers per position, F features (2S for the trigonometric and hyperbolic
+    maps), E = Dv + 1 value columns, b = :data:`PAIR_BLOCK`, ``band`` the exact keys per
+    query of a window (the working set of :mod:`xattn._chunks`, measured on NumPy). The
+    block is as long as ``working_memory`` bytes allow, at least one chunk; the sequence
+    is then cut into blocks of equal length (a multiple of b), so the last is not a
+    sliver. Below the budget the whole sequence is one block: a fixed number of array
+    operations at any length.
+    """
+    per_position = ((12 + 2 * DIRECT_PAIRS) * num_features + 5 * num_features * width
+                    // PAIR_BLOCK + 4 * width + 2 * PAIR_BLOCK + 3 * band)
+    per_position *= max(batch_size, 1) * itemsize
+    largest = max(PAIR_BLOCK, working_memory // per_position // PAIR_BLOCK * PAIR_BLOCK)
+    num_blocks = -(-max(length, 1) // largest)
+    return _round_up(-(-max(length, 1) // num_blocks), PAIR_BLOCK)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _key_inputs(xp: Any, mapping: FeatureMap, k: RowBlocks, v: RowBlocks, root_scale: float,

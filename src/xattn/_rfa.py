@@ -32,10 +32,11 @@ from xattn._array import (
     Array,
     check_samples,
     concrete_count,
+    default_working_memory,
     prepare_attention,
     stream_bounds,
 )
-from xattn._decode import continue_rfa
+from xattn._decode import STATE_BAND_BLOCK, continue_rfa
 from xattn._options import (
     DEFAULT_CHUNK_SIZE,
     check_bool,
@@ -50,6 +51,7 @@ from xattn._rf_scan import (
     FeatureMap,
     PositiveMap,
     TrigonometricMap,
+    block_positions,
     finish_partial,
     scan_partials,
     state_over_keys,
@@ -112,7 +114,7 @@ def rfa(
     key_mask: Array | None = None,
     causal: bool = False,
     rng: Any = None,
-    block_size: int = 128,
+    block_size: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     sample_norm: str = "chi",
     check_finite: bool = False,
@@ -120,6 +122,7 @@ def rfa(
     sinks: int | None = None,
     state: RFAState | None = None,
     return_state: bool = False,
+    working_memory: int | None = None,
 ) -> Any:
     r"""Random feature attention (RFA / Performer FAVOR+), a linear-cost estimate of
     softmax attention.
@@ -257,8 +260,10 @@ def rfa(
     rng : None, int, xattn.random.Generator or native generator
         Source of the samples. An int seed gives the same samples, hence the same output,
         on every backend; a JAX key works under :func:`jax.jit`.
-    block_size : int
-        Positions per block in causal mode and with ``window`` or ``sinks``.
+    block_size : int, optional
+        Positions per block in causal mode and with ``window`` or ``sinks``; None (the
+        default): as many as ``working_memory`` allows, the whole sequence when it fits
+        (one block is a fixed number of array operations at any length).
     chunk_size : int
         Keys and queries per streamed chunk (without ``causal``, ``window`` and ``sinks``;
         default 1024). The result does not depend on it beyond rounding.
@@ -272,6 +277,10 @@ def rfa(
     sinks : int, optional
         Number ``K`` of leading keys (attention sinks) computed exactly, ``0 <= K <= M``
         (any ``K`` with ``return_state``); None: 0, or that of ``state``.
+    working_memory : int, optional
+        Bytes of intermediates a block of the causal scan (and of ``window``/``sinks``)
+        may hold; sets ``block_size``. None: 1 GiB on a GPU, 32 MiB on a CPU
+        (:func:`xattn.default_working_memory`).
     state : RFAState, optional
         Continue a sequence (``causal=True``): q, k, v are the ``L`` tokens after the ``P``
         that ``state`` has seen, at positions ``P .. P + L - 1`` (``N = M = L``, 0 allowed).
@@ -374,7 +383,10 @@ def rfa(
                                "feature_map", FEATURE_MAPS)
     check_choice(sample_norm, "sample_norm", SAMPLE_NORMS)
     orthogonal = check_bool(orthogonal, "orthogonal")
-    block_size = check_positive_int(block_size, "block_size")
+    if block_size is not None:
+        block_size = check_positive_int(block_size, "block_size")
+    working_memory = (default_working_memory(inputs.q) if working_memory is None
+                      else check_positive_int(working_memory, "working_memory"))
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     window, sinks = check_window(window, sinks, None if stateful else inputs.num_keys)
     if num_features is not None:
@@ -397,13 +409,18 @@ def rfa(
         # xi(x, w) = 2^{-1/2} [xi+(x, w), xi+(x, -w)]: the positive map with samples +-w;
         # the 2^{-1/2} factor is common to numerator and denominator and cancels
         omega = xp.concat([omega, -omega], axis=0)
-    mapping: FeatureMap
-    if trigonometric:
-        mapping = TrigonometricMap(xp, omega)
-    else:
-        # sub-blocks of exact pairs no longer than the sequence (one token: no padding)
-        mapping = PositiveMap(xp, omega, pair_block=min(PAIR_BLOCK, block_size,
-                                                        max(inputs.num_queries, 1)))
+    if block_size is None:
+        block_size = block_positions(
+            length=inputs.num_queries, batch_size=math.prod(inputs.batch_shape),
+            num_features=omega.shape[0] * (2 if trigonometric else 1),
+            width=inputs.v.shape[-1] + 1, itemsize=xp.finfo(work).bits // 8,
+            working_memory=working_memory, band=3 * window + sinks if window else sinks)
+        if stateful and window:  # a prefill's band is exact over its whole block
+            block_size = min(block_size, STATE_BAND_BLOCK)
+    # chunks of exact pairs no longer than the sequence (one token: no padding)
+    pair_block = min(PAIR_BLOCK, block_size, max(inputs.num_queries, 1))
+    mapping: FeatureMap = (TrigonometricMap(xp, omega, pair_block) if trigonometric
+                           else PositiveMap(xp, omega, pair_block))
 
     tainted = None
     if stateful:  # a piece of a sequence (xattn._decode), the first one without state

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -73,12 +72,17 @@ def rfa_decode_bytes(*, heads: int, head_dim: int, samples: int, window: int, si
     them, the exact band of a block (``block (block + w + K)`` scores), the sink slots'
     update (a ``(K, min(K, c))`` selection, ``(K, D)`` keys and values), and the host's
     float64 draws of the inputs."""
-    block = int(inspect.signature(xattn.rfa).parameters["block_size"].default)
     dim = head_dim  # D = Dv in the command
     piece = min(position, PREFILL_CHUNK)
+    # a windowed prefill's blocks are at most 256 positions (their exact band is a block x
+    # (block + w) product); the chunked scan's intermediates of a block are within the
+    # CPU's working memory
+    block = min(piece, 256) if window else piece
     state = (itemsize * heads * (samples * (dim + 2) + (window + sinks) * 2 * dim)
              + heads * (window + sinks) + itemsize * samples * dim)
-    per_sample = itemsize * heads * samples * (10 * block + 40 * dim)
+    per_sample = (min(itemsize * heads * samples * 40 * block,
+                      xattn.default_working_memory(np.zeros(0)))
+                  + itemsize * heads * samples * 40 * dim)
     tokens = itemsize * heads * piece * (8 * 2 * dim + 2 * block) + 8 * 3 * heads * piece * dim
     buffers = itemsize * heads * 8 * window * 2 * dim
     band = 4 * itemsize * heads * block * (block + window + sinks) if window or sinks else 0

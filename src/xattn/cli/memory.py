@@ -11,6 +11,8 @@ import inspect
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 import xattn
 from xattn.cli.common import CommandError
 
@@ -24,8 +26,8 @@ HOST_ITEMSIZE = 8  # the host draws (int seeds) and generated inputs are float64
 _SOFTMAX_CHUNK, _RA_CHUNK = (
     int(inspect.signature(estimator).parameters["chunk_size"].default)
     for estimator in (xattn.softmax_attention, xattn.ra))
-# RFA's positions per block in causal mode and with a window or sinks
-_RFA_BLOCK = int(inspect.signature(xattn.rfa).parameters["block_size"].default)
+# the bytes of intermediates a block of RFA's causal scan may hold on a CPU (at most)
+_CPU_BUDGET = xattn.default_working_memory(np.zeros(0))
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,14 @@ def softmax_bytes(problem: Problem, samples: int | None = None) -> int:
 
 
 def rfa_bytes(problem: Problem, samples: int) -> int:
-    """RFA: query and key features (N + M) x S, their logits, S x Dv sums, host omega."""
+    """RFA: query and key features (N + M) x S, their logits, S x Dv sums, host omega; and
+    causal RFA's chunked intermediates, which autograd keeps for the whole call: per
+    position about 28 S numbers and the S x (Dv + 1) state of every chunk of 16."""
     p = problem
     device = p.itemsize * p.batch * (3 * (p.num_queries + p.num_keys) * samples
-                                     + samples * p.value_dim + 2 * p.num_queries * p.value_dim)
+                                     + samples * p.value_dim + 2 * p.num_queries * p.value_dim
+                                     + p.num_queries * (28 * samples
+                                                        + 5 * samples * (p.value_dim + 1) // 16))
     return device + HOST_ITEMSIZE * samples * p.head_dim
 
 
@@ -93,8 +99,10 @@ def rfa_band_bytes(problem: Problem, window: int, sinks: int) -> int:
     p = problem
     if not window and not sinks:
         return 0
-    block = min(p.num_queries, _RFA_BLOCK)
-    return 4 * p.itemsize * p.batch * p.num_queries * (block + 2 * window + 1 + sinks)
+    # the band is computed in chunks of a power of two >= max(w, 16) queries against the
+    # keys within w of the chunk
+    chunk = max(16, 1 << max(window - 1, 0).bit_length())
+    return 4 * p.itemsize * p.batch * p.num_queries * (chunk + 2 * window + 1 + sinks)
 
 
 def ra_training_bytes(problem: Problem, samples: int) -> int:

@@ -1,0 +1,223 @@
+r"""The chunkwise-parallel causal prefix: chunks of positions carried as a batch axis.
+
+Causal random-feature attention needs, for every query :math:`n`, sums over the keys
+:math:`m \le n`. Walking the positions one block at a time costs a number of array
+operations that grows with the sequence (a kernel launch each on a GPU). The
+chunkwise-parallel form (Katharopoulos et al., 2020; Hua et al., 2022; Yang et al., 2023)
+cuts the sequence into chunks of ``b`` positions, carried as an axis ``(..., J, b, ·)``,
+and needs a fixed number of operations for all of them:
+
+1. **Per-chunk statistics**, one product for all chunks: per feature :math:`s`, the
+   chunk's largest key logit :math:`K^j_s` and its rescaled sums :math:`A^j_s = \sum_{m
+   \in j} e^{a_{ms} - K^j_s} [v_m, 1]`.
+2. **The state before each chunk**, an exclusive prefix over the chunk axis
+   (:func:`exclusive_prefix`). Its stabilizer may depend only on earlier chunks, so there
+   is no one global frame: the prefix merges (maximum, rescaled sums) pairs,
+   :math:`P_j = \max_{i < j} K^i` and :math:`H_j = \sum_{i < j} e^{K^i - P_j} A^i`,
+   every weight at most 1 and from earlier chunks only, through a lower-triangular
+   selection (a matrix product per feature). Up to :data:`PREFIX_GROUP` parts this is
+   one selection; more parts are merged in groups, recursively: the groups' own
+   statistics, the prefix over the groups, then the prefix inside each group. The number
+   of operations grows with :math:`\log_g J` (g = :data:`PREFIX_GROUP`), the work stays
+   :math:`O(J g)` per feature and value column.
+3. **The exact pairs inside each chunk** (:func:`pair_kernel`), for all chunks at once:
+   :math:`\sum_s e^{x_{ns} + y_{ms}}` for :math:`m \le n`, directly inside groups of
+   :data:`DIRECT_PAIRS` positions, factorized through the first half's largest key logit
+   in the larger halves (a matrix product, no loss of accuracy: both factors are at most
+   1).
+
+No stabilizer of a query depends on a key it does not attend, and masked entries are
+selected away with ``where`` before any exponential, so no later key reaches an earlier
+row's output or gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import array_api_compat
+
+from xattn._array import Array, one_chunk_along, split_rows, stop_gradient, take
+from xattn._primitives import finite_shift
+
+__all__ = ["DIRECT_PAIRS", "PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix",
+           "pair_kernel"]
+
+PAIR_BLOCK = 16
+"""Positions per chunk (a power of two): their query-key pairs are computed exactly, the
+chunks before a query come to it through the prefix state."""
+
+DIRECT_PAIRS = 8
+"""Groups of positions (a power of two) whose pairs :func:`pair_kernel` computes directly,
+one exponential per pair and feature; larger halves are factorized."""
+
+PREFIX_GROUP = 8
+"""Parts merged by one lower-triangular selection in :func:`exclusive_prefix` (fewest)."""
+
+PREFIX_GROUP_MAX = 64
+"""The largest group of parts :func:`exclusive_prefix` merges by one selection."""
+
+
+def _merge_parts(xp: Any, part_max: Array, part_sums: Array, rows: int) -> tuple[Array, Array]:
+    """The statistics of the parts ``c <= j`` for ``j < rows``: parts along the last axis of
+    ``part_max`` (..., P) and axis -2 of ``part_sums`` (..., P, E); returns (..., rows) and
+    (..., rows, E), by :func:`~xattn._primitives.merge_maxima`'s rule through a
+    lower-triangular selection (one matrix product per leading index)."""
+    device = array_api_compat.device(part_max)
+    taken = (xp.arange(part_max.shape[-1], device=device)[None, :]
+             <= xp.arange(rows, device=device)[:, None])  # [j, c]
+    taken_max = xp.where(taken, part_max[..., None, :], -xp.inf)  # (..., rows, P)
+    merged_max = xp.max(taken_max, axis=-1)
+    return merged_max, xp.exp(taken_max - finite_shift(xp, merged_max)[..., None]) @ part_sums
+
+
+def _in_groups(xp: Any, x: Array, axis: int, group: int, fill: float) -> Array:
+    """``x`` with its axis ``axis`` padded by ``fill`` to a multiple of ``group`` and split
+    into (groups, group)."""
+    axis = axis % x.ndim
+    padding = -x.shape[axis] % group
+    if padding:
+        shape = list(x.shape)
+        shape[axis] = padding
+        x = one_chunk_along(xp.concat(
+            [x, xp.full(tuple(shape), fill, dtype=x.dtype, device=array_api_compat.device(x))],
+            axis=axis), axis)
+    shape = list(x.shape)
+    shape[axis:axis + 1] = [shape[axis] // group, group]
+    return xp.reshape(x, tuple(shape))
+
+
+def exclusive_prefix(xp: Any, carried: tuple[Array, Array], part_max: Array, part_sums: Array,
+                     single: int = PREFIX_GROUP) -> tuple[Array, Array, tuple[Array, Array]]:
+    r"""The (maximum, sums) state before each of P parts, and after all of them.
+
+    Parameters
+    ----------
+    xp : namespace
+    carried : (array (..., F), array (..., F, E))
+        The state before the first part: per feature its raw maximum (``-inf`` for no key)
+        and its sums rescaled by it.
+    part_max : array (..., F, P)
+        Each part's raw maximum per feature.
+    part_sums : array (..., F, P, E)
+        Each part's sums, rescaled by its maximum.
+    single : int
+        Up to this many parts, one selection.
+
+    Returns
+    -------
+    before_max : array (..., F, P)
+    before_sums : array (..., F, P, E)
+        The merged state of ``carried`` and the parts ``i < j``, for every part ``j``.
+    after : (array (..., F), array (..., F, E))
+        The state after the last part.
+
+    Notes
+    -----
+    Up to ``single`` parts, one selection over the P + 1 parts (``carried`` first). More
+    parts are cut into groups of :math:`g = \sqrt{P}` parts (at least
+    :data:`PREFIX_GROUP`, at most :data:`PREFIX_GROUP_MAX`): their statistics, the prefix
+    over the groups (this function again, on at most g parts: one selection while
+    :math:`P \le` ``PREFIX_GROUP_MAX`` :sup:`2`), then inside each group one selection
+    over the state before the group and the group's parts. So up to 4,096 parts (65,536
+    positions in chunks of 16) the prefix is two selections, a fixed number of
+    operations, and its work :math:`O(P g)` stays below the readout's.
+    """
+    carried_max, carried_sums = carried
+    num_parts = part_max.shape[-1]
+    if num_parts <= single:
+        merged_max, merged_sums = _merge_parts(
+            xp, xp.concat([carried_max[..., None], part_max], axis=-1),
+            xp.concat([carried_sums[..., None, :], part_sums], axis=-2), num_parts + 1)
+        before_sums, after_sums = split_rows(merged_sums, num_parts)
+        return (merged_max[..., :num_parts], before_sums,
+                (merged_max[..., num_parts], after_sums[..., 0, :]))
+    group = min(max(PREFIX_GROUP, math.isqrt(num_parts - 1) + 1), PREFIX_GROUP_MAX)
+    grouped_max = _in_groups(xp, part_max, -1, group, -math.inf)  # (..., F, G, g)
+    grouped_sums = _in_groups(xp, part_sums, -2, group, 0.0)  # (..., F, G, g, E)
+    # the groups' own statistics (their maxima are constants: stabilizers)
+    group_max = stop_gradient(xp.max(grouped_max, axis=-1))  # (..., F, G)
+    group_weights = xp.exp(grouped_max - finite_shift(xp, group_max)[..., None])
+    group_sums = (group_weights[..., None, :] @ grouped_sums)[..., 0, :]  # (..., F, G, E)
+    before_group_max, before_group_sums, after = exclusive_prefix(
+        xp, carried, group_max, group_sums, group)
+    # inside each group: part 0 is the state before the group, part i + 1 its part i
+    within_max, within_sums = _merge_parts(
+        xp, xp.concat([before_group_max[..., None], grouped_max], axis=-1),
+        xp.concat([before_group_sums[..., None, :], grouped_sums], axis=-2), group)
+    lead, width = within_max.shape[:-2], within_sums.shape[-1]
+    padded = within_max.shape[-2] * group
+    before_max = xp.reshape(within_max, (*lead, padded))[..., :num_parts]
+    before_sums = xp.reshape(within_sums, (*lead, padded, width))[..., :num_parts, :]
+    return before_max, before_sums, after
+
+
+def pair_kernel(xp: Any, queries: Array, keys: Array) -> Array:
+    r"""The exact kernel of the pairs inside each chunk: (..., J, b, b), entry ``(n, m)``
+    :math:`\sum_s e^{x_{ns} + y_{ms}}` for ``m <= n`` and 0 above the diagonal.
+
+    ``queries`` :math:`x` and ``keys`` :math:`y` are (..., J, b, S), b a power of two, with
+    :math:`x_{ns} + y_{ms} \le 0` for every ``m <= n`` (the queries are shifted by their
+    rows' largest terms); a masked key has :math:`y_{ms} = -\infty`.
+
+    Inside groups of :data:`DIRECT_PAIRS` positions the pairs are computed directly, the
+    pairs above the diagonal set to :math:`-\infty` before the exponential (so that none
+    can overflow, in the backward pass either). The larger halves, for groups of 2g
+    positions with g = DIRECT_PAIRS, 2 DIRECT_PAIRS, ..., b / 2: the second half's queries
+    against the first half's keys, every one of which they attend, factorized through
+    :math:`c_s = \max_m y_{ms}` over the first half:
+    :math:`e^{x_{ns} + y_{ms}} = e^{x_{ns} + c_s} e^{y_{ms} - c_s}`, one matrix product.
+    Both factors are at most 1, so a factor that underflows leaves a product that
+    underflows anyway, and the exponents add up to the exact one without cancellation.
+    One gather puts every piece in place.
+    """
+    size = queries.shape[-2]
+    direct = min(DIRECT_PAIRS, size)
+    lead, num_samples = queries.shape[:-2], queries.shape[-1]
+    device = array_api_compat.device(queries)
+    # the pairs inside groups of `direct` positions: (..., J, b / direct, direct, direct)
+    group_queries = xp.reshape(queries, (*lead, size // direct, direct, num_samples))
+    group_keys = xp.reshape(keys, (*lead, size // direct, direct, num_samples))
+    lower = (xp.arange(direct, device=device)[:, None]
+             >= xp.arange(direct, device=device)[None, :])[..., None]  # (direct, direct, 1)
+    exponents = xp.where(lower, group_queries[..., :, None, :] + group_keys[..., None, :, :],
+                         -xp.inf)
+    pieces = [xp.reshape(xp.sum(xp.exp(exponents), axis=-1), (*lead, size * direct))]
+    group = direct
+    while group < size:  # the second halves of groups of 2 * group against the first
+        halves = size // (2 * group)
+        second = xp.reshape(queries, (*lead, halves, 2, group, num_samples))[..., 1, :, :]
+        first = xp.reshape(keys, (*lead, halves, 2, group, num_samples))[..., 0, :, :]
+        key_max = xp.max(stop_gradient(first), axis=-2, keepdims=True)  # c_s
+        cross = (xp.exp(second + key_max)
+                 @ xp.matrix_transpose(xp.exp(first - finite_shift(xp, key_max))))
+        pieces.append(xp.reshape(cross, (*lead, halves * group * group)))
+        group *= 2
+    pieces.append(xp.zeros_like(pieces[0][..., :1]))  # above the diagonal
+    kernel = take(one_chunk_along(xp.concat(pieces, axis=-1), -1),
+                  _pair_places(size, direct), axis=-1)
+    kernel = xp.reshape(kernel, (*lead, size, size))
+    return one_chunk_along(one_chunk_along(kernel, -1), -2)  # Dask: one chunk per chunk
+
+
+@functools.cache
+def _pair_places(size: int, direct: int) -> list[int]:
+    """For each entry ``(n, m)`` of a (size, size) kernel, row-major, its place in the
+    pieces of :func:`pair_kernel`: the direct groups, the factorized levels, a zero."""
+    offsets, place, group = {}, size * direct, direct
+    while group < size:
+        offsets[group], place, group = place, place + size * group // 2, group * 2
+    places = []
+    for row in range(size):
+        for column in range(size):
+            if column > row:
+                places.append(place)  # the zero, after the last level
+            elif row // direct == column // direct:  # the same direct group
+                places.append(row * direct + column % direct)
+            else:
+                group = 1 << ((row ^ column).bit_length() - 1)  # the halves they differ in
+                places.append(offsets[group] + (row // (2 * group)) * group * group
+                              + (row % group) * group + column % group)
+    return places
