@@ -21,10 +21,15 @@ sinks of Xiao et al. (2023).
 Nothing is counted twice and nothing is subtracted: :math:`R_n` is the union of the keys
 :math:`m \le n - w - 1` and :math:`m \ge n + w + 1` (:math:`m \ge K`), whose random-feature
 sums are prefix and suffix sums computed directly (:func:`xattn._rf_scan.scan_partials`
-with offset :math:`w + 1`), never totals minus band terms. The band is computed in blocks
-of queries against the keys within :math:`w` of the block (memory
-``O(block_size * (block_size + 2w + K))``, never an ``N x M`` mask). The exact and the
-random-feature parts are combined with one shift per query, the largest log-term of
+with offset :math:`w + 1`), never totals minus band terms. The exact part of a block of
+:math:`B` queries is chunked (:func:`_exact_partial`): the queries are cut into chunks of
+:math:`C` positions, :math:`C` the smallest power of two :math:`\ge \max(w, 16)` (the
+last chunk padded), carried on a batch axis, and each chunk scores only the
+:math:`C + 2w` keys around it (:math:`C + w` causal), gathered by a fixed number of
+shifted, reshaped views of the block's keys; every query also scores the :math:`K` sinks.
+Memory and work are :math:`O(B (C + 2w + K))`, never :math:`O(B^2)` or an ``N x M``
+mask, and the number of array operations does not depend on :math:`B`. The exact and
+the random-feature parts are combined with one shift per query, the largest log-term of
 either, without an epsilon.
 """
 
@@ -35,8 +40,15 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._array import Array, AttentionInputs
-from xattn._primitives import RowPieces, finite_entries, finite_shift, join, value_columns
+from xattn._array import Array, AttentionInputs, chunked_like
+from xattn._primitives import (
+    RowPieces,
+    finite_entries,
+    finite_shift,
+    join,
+    pad_rows,
+    value_columns,
+)
 from xattn._rf_scan import (
     FeatureMap,
     Partial,
@@ -49,42 +61,212 @@ from xattn._rf_scan import (
 __all__ = ["windowed_rfa"]
 
 
+#: The smallest number of queries in a chunk of the band (a power of two): the chunk size
+#: is the smallest power of two at least ``max(window, BAND_CHUNK_MIN)``.
+BAND_CHUNK_MIN = 16
+
+
+def _band_chunks(window: int, length: int) -> tuple[int, int]:
+    """The chunk size and the number of chunks of a block of ``length`` queries.
+
+    Parameters
+    ----------
+    window : int
+        The band's half-width ``w``.
+    length : int
+        The number of queries of the block.
+
+    Returns
+    -------
+    (int, int)
+        ``(size, count)``: the smallest power of two ``size >= max(window, 16)`` and
+        ``count = ceil(length / size)`` (the last chunk padded), or ``(length, 1)`` for a
+        block no longer than that.
+    """
+    size = 1 << (max(window, BAND_CHUNK_MIN) - 1).bit_length()
+    if length <= size:
+        return length, 1
+    return size, -(-length // size)
+
+
+def _unfold(xp: Any, rows: Array, size: int, count: int, width: int) -> Array:
+    """The overlapping windows ``rows[..., c * size : c * size + width, :]``, one per chunk.
+
+    Parameters
+    ----------
+    xp : namespace
+        The Array API namespace.
+    rows : array
+        ``(..., L, F)`` with ``L >= (count + ceil(width / size) - 1) * size`` (``L >=
+        width`` when ``count`` is 1).
+    size, count : int
+        The step between windows and their number.
+    width : int
+        The length of a window.
+
+    Returns
+    -------
+    array
+        ``(..., count, width, F)``. Built from ``ceil(width / size)`` shifted views of
+        ``rows`` reshaped to ``(..., count, size, F)``, joined along the window and
+        trimmed to ``width``: the number of operations does not depend on ``count``.
+    """
+    lead, features = rows.shape[:-2], rows.shape[-1]
+    if count == 1:
+        return xp.reshape(rows[..., :width, :], (*lead, 1, width, features))
+    views = [xp.reshape(rows[..., step * size:(step + count) * size, :],
+                        (*lead, count, size, features))
+             for step in range(-(-width // size))]
+    return join(xp, views, -2)[..., :width, :]
+
+
+def _band_scores(xp: Any, inputs: AttentionInputs, queries: Array, start: int, stop: int,
+                 size: int, count: int, window: int, sinks: int,
+                 causal: bool) -> tuple[Array, Array] | None:
+    r"""Scores and values of the band keys of queries ``start:stop``, chunk by chunk.
+
+    Parameters
+    ----------
+    xp : namespace
+        The Array API namespace.
+    inputs : AttentionInputs
+        The attention inputs.
+    queries : array
+        ``(..., count * size, D)``: the block's queries, scaled, finite, padded with zero
+        rows after ``stop``.
+    start, stop : int
+        The block's queries.
+    size, count : int
+        The chunks of the block (:func:`_band_chunks`).
+    window, sinks : int
+        ``w`` and ``K``.
+    causal : bool
+        Whether the band stops at the query (:math:`n - w \le m \le n`).
+
+    Returns
+    -------
+    (array, array) or None
+        The scores ``(..., count, size, W)``, ``-inf`` where the key is not in the query's
+        band, not a key (padding), a sink (``m < K``: those are :func:`_sink_scores`'s)
+        or masked, and the values with their column of ones ``(..., count, W, Dv + 1)``;
+        column ``j`` of chunk ``c`` is the key ``start - w + c * size + j``, ``W = size +
+        w`` (causal) or ``size + 2w``. None when no key can be in the band.
+    """
+    k, v, key_mask = inputs.k, inputs.v, inputs.key_mask
+    device = array_api_compat.device(k)
+    reach = window if causal else 2 * window  # a query's band: columns row .. row + reach
+    width = size + reach
+    first = start - window  # the key position of column 0 of chunk 0
+    span = width if count == 1 else (count - 1 - (-width // size)) * size
+    # the keys read: no sink, none after the last query's band
+    low = max(first, sinks)
+    high = min(first + span, k.shape[-2], stop if causal else stop + window)
+    if low >= high:
+        return None
+    before, after = low - first, first + span - high
+    keys = pad_rows(xp, finite_entries(xp, k[..., low:high, :]), before, after, 0.0)
+    values = pad_rows(xp, value_columns(xp, v[..., low:high, :]), before, after, 0.0)
+    chunk_queries = xp.reshape(queries, (*queries.shape[:-2], count, size, queries.shape[-1]))
+    scores = chunk_queries @ xp.matrix_transpose(_unfold(xp, keys, size, count, width))
+    rows = xp.arange(size, device=device)[:, None]
+    columns = xp.arange(width, device=device)[None, :]
+    in_band = (columns >= rows) & (columns <= rows + reach)  # (size, W)
+    offsets = xp.arange(count, device=device)[:, None] * size + columns  # from `first`
+    is_key = (offsets >= before) & (offsets < span - after)  # (count, W)
+    allowed = in_band & is_key[:, None, :]
+    if key_mask is not None:
+        mask = pad_rows(xp, key_mask[..., low:high, None], before, after, False)
+        allowed = allowed & _unfold(xp, mask, size, count, width)[..., None, :, 0]
+    scores = xp.where(allowed, scores, -xp.inf)
+    return scores, _unfold(xp, values, size, count, width)
+
+
+def _sink_scores(xp: Any, inputs: AttentionInputs, queries: Array, start: int, sinks: int,
+                 causal: bool) -> tuple[Array, Array]:
+    """Scores ``(..., R, K)`` of the ``R`` rows of ``queries`` (positions ``start + i``)
+    against the sink keys ``m < K`` (``-inf`` where masked, or after the query with
+    ``causal``), and the sinks' values with their column of ones ``(..., K, Dv + 1)``."""
+    k, v, key_mask = inputs.k, inputs.v, inputs.key_mask
+    device = array_api_compat.device(k)
+    keys = finite_entries(xp, k[..., :sinks, :])
+    scores = queries @ xp.matrix_transpose(keys)
+    allowed = None
+    if causal:
+        positions = xp.arange(start, start + queries.shape[-2], device=device)[:, None]
+        allowed = xp.arange(sinks, device=device)[None, :] <= positions
+    if key_mask is not None:
+        sink_mask = key_mask[..., None, :sinks]
+        allowed = sink_mask if allowed is None else (allowed & sink_mask)
+    if allowed is not None:
+        scores = xp.where(allowed, scores, -xp.inf)
+    return scores, value_columns(xp, v[..., :sinks, :])
+
+
 def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, window: int,
                    sinks: int, causal: bool) -> Partial | None:
-    """Exact sums of queries ``start:stop`` over their band and sink keys (None if none)."""
-    k, v, key_mask = inputs.k, inputs.v, inputs.key_mask
-    num_keys = k.shape[-2]
-    device = array_api_compat.device(k)
-    if window:
-        low, high = max(0, start - window), min(num_keys, (stop if causal else stop + window))
-        low = min(low, high)
-    else:
-        low = high = min(sinks, num_keys)
-    # the band slice holds every band key of the block; sink keys outside it come apart
-    ranges = [(0, min(sinks, low)), (low, high)]
-    if not causal:
-        ranges.append((max(high, low), sinks))
-    ranges = [(a, b) for a, b in ranges if a < b]
-    if not ranges:
+    r"""Exact sums of queries ``start:stop`` over their band and sink keys.
+
+    Query ``n`` takes the keys :math:`n - w \le m \le n + w` (causal: :math:`n - w \le m
+    \le n`; none when ``window`` is 0) and the sinks :math:`m < K` (causal: :math:`m \le
+    n`), each once, those ``key_mask`` allows.
+
+    The block is cut into chunks of ``size`` queries (:func:`_band_chunks`, the last one
+    padded) carried on a batch axis; each chunk scores the ``size + 2w`` keys (causal
+    ``size + w``) around it (:func:`_band_scores`), and every query the sinks
+    (:func:`_sink_scores`). Both are masked to ``-inf`` before the exponential and summed
+    under one shift per query. Memory and work ``O(B (size + 2w + K))`` for ``B`` queries;
+    the number of array operations does not depend on ``B``.
+
+    Parameters
+    ----------
+    xp : namespace
+        The Array API namespace.
+    inputs : AttentionInputs
+        The attention inputs (non-finite entries read as 0).
+    start, stop : int
+        The queries, at positions ``start .. stop - 1`` (``0 <= start < stop <= N``).
+    window, sinks : int
+        ``w`` and ``K``.
+    causal : bool
+        Whether a query takes only the keys ``m <= n``.
+
+    Returns
+    -------
+    Partial or None
+        ``(shift (..., B, 1), sums (..., B, Dv + 1), weight (..., B, 1))``: the largest
+        allowed score (``-inf`` where none), the sums of :math:`e^{s - \text{shift}} [v,
+        1]` and the denominator again; None when no key can take part.
+    """
+    length = stop - start
+    size, count = _band_chunks(window, length) if window else (length, 1)  # sinks only
+    block_queries = finite_entries(xp, inputs.q[..., start:stop, :])
+    queries = pad_rows(xp, inputs.scale * block_queries, 0, size * count - length, 0.0)
+    band = (_band_scores(xp, inputs, queries, start, stop, size, count, window, sinks, causal)
+            if window else None)
+    sink = _sink_scores(xp, inputs, queries, start, sinks, causal) if sinks else None
+    maxima = []
+    if band is not None:
+        band_max = xp.max(band[0], axis=-1, keepdims=True)  # (..., count, size, 1)
+        maxima.append(xp.reshape(band_max, (*band_max.shape[:-3], size * count, 1)))
+    if sink is not None:
+        maxima.append(xp.max(sink[0], axis=-1, keepdims=True))
+    if not maxima:
         return None
-    keys = finite_entries(xp, join(xp, [k[..., a:b, :] for a, b in ranges], -2))
-    values = value_columns(xp, join(xp, [v[..., a:b, :] for a, b in ranges], -2))
-    positions = join(xp, [xp.arange(a, b, device=device) for a, b in ranges], -1)
-    queries = finite_entries(xp, inputs.q[..., start:stop, :])
-    scores = (inputs.scale * queries) @ xp.matrix_transpose(keys)
-    queries = xp.arange(start, stop, device=device)[:, None]
-    allowed = positions[None, :] < sinks
-    if window:
-        distance = queries - positions[None, :]
-        in_band = (distance <= window) & (distance >= -window)
-        allowed = allowed | in_band
-    if causal:
-        allowed = allowed & (positions[None, :] <= queries)
-    if key_mask is not None:
-        allowed = allowed & join(xp, [key_mask[..., a:b] for a, b in ranges], -1)[..., None, :]
-    scores = xp.where(allowed, scores, -xp.inf)
-    shift = xp.max(scores, axis=-1, keepdims=True)
-    sums = xp.exp(scores - finite_shift(xp, shift)) @ values
+    shift = maxima[0] if len(maxima) == 1 else xp.maximum(maxima[0], maxima[1])
+    offset = finite_shift(xp, shift)
+    sums = None
+    if band is not None:
+        chunk_offset = xp.reshape(offset, (*offset.shape[:-2], count, size, 1))
+        chunk_sums = xp.exp(band[0] - chunk_offset) @ band[1]  # (..., count, size, Dv + 1)
+        sums = xp.reshape(chunk_sums, (*chunk_sums.shape[:-3], size * count,
+                                       chunk_sums.shape[-1]))
+    if sink is not None:
+        sink_sums = xp.exp(sink[0] - offset) @ sink[1]
+        sums = sink_sums if sums is None else sums + sink_sums
+    assert sums is not None
+    # Dask: the rows in the chunks of the block's queries, like the other partials
+    shift = chunked_like(shift[..., :length, :], block_queries, -2)
+    sums = chunked_like(sums[..., :length, :], block_queries, -2)
     return shift, sums, sums[..., -1:]
 
 
