@@ -39,7 +39,7 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._array import Array, one_chunk_along, split_rows, stop_gradient, take
+from xattn._array import Array, one_chunk_along, stop_gradient, take
 from xattn._primitives import finite_shift
 
 __all__ = ["DIRECT_PAIRS", "PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix",
@@ -131,9 +131,8 @@ def exclusive_prefix(xp: Any, carried: tuple[Array, Array], part_max: Array, par
         merged_max, merged_sums = _merge_parts(
             xp, xp.concat([carried_max[..., None], part_max], axis=-1),
             xp.concat([carried_sums[..., None, :], part_sums], axis=-2), num_parts + 1)
-        before_sums, after_sums = split_rows(merged_sums, num_parts)
-        return (merged_max[..., :num_parts], before_sums,
-                (merged_max[..., num_parts], after_sums[..., 0, :]))
+        return (merged_max[..., :num_parts], merged_sums[..., :num_parts, :],
+                (merged_max[..., num_parts], merged_sums[..., num_parts, :]))
     group = min(max(PREFIX_GROUP, math.isqrt(num_parts - 1) + 1), PREFIX_GROUP_MAX)
     grouped_max = _in_groups(xp, part_max, -1, group, -math.inf)  # (..., F, G, g)
     grouped_sums = _in_groups(xp, part_sums, -2, group, 0.0)  # (..., F, G, g, E)
@@ -175,30 +174,35 @@ def pair_kernel(xp: Any, queries: Array, keys: Array) -> Array:
     """
     size = queries.shape[-2]
     direct = min(DIRECT_PAIRS, size)
-    lead, num_samples = queries.shape[:-2], queries.shape[-1]
+    num_samples = queries.shape[-1]
     device = array_api_compat.device(queries)
+
+    def split(x: Array, *shape: int) -> Array:  # x's positions as `shape` (leading dims kept)
+        return xp.reshape(x, (*x.shape[:-2], *shape, num_samples))
+
     # the pairs inside groups of `direct` positions: (..., J, b / direct, direct, direct)
-    group_queries = xp.reshape(queries, (*lead, size // direct, direct, num_samples))
-    group_keys = xp.reshape(keys, (*lead, size // direct, direct, num_samples))
+    group_queries, group_keys = split(queries, size // direct, direct), split(keys, size // direct,
+                                                                               direct)
     lower = (xp.arange(direct, device=device)[:, None]
              >= xp.arange(direct, device=device)[None, :])[..., None]  # (direct, direct, 1)
     exponents = xp.where(lower, group_queries[..., :, None, :] + group_keys[..., None, :, :],
                          -xp.inf)
-    pieces = [xp.reshape(xp.sum(xp.exp(exponents), axis=-1), (*lead, size * direct))]
+    direct_sums = xp.sum(xp.exp(exponents), axis=-1)
+    pieces = [xp.reshape(direct_sums, (*direct_sums.shape[:-3], size * direct))]
     group = direct
     while group < size:  # the second halves of groups of 2 * group against the first
         halves = size // (2 * group)
-        second = xp.reshape(queries, (*lead, halves, 2, group, num_samples))[..., 1, :, :]
-        first = xp.reshape(keys, (*lead, halves, 2, group, num_samples))[..., 0, :, :]
+        second = split(queries, halves, 2, group)[..., 1, :, :]
+        first = split(keys, halves, 2, group)[..., 0, :, :]
         key_max = xp.max(stop_gradient(first), axis=-2, keepdims=True)  # c_s
         cross = (xp.exp(second + key_max)
                  @ xp.matrix_transpose(xp.exp(first - finite_shift(xp, key_max))))
-        pieces.append(xp.reshape(cross, (*lead, halves * group * group)))
+        pieces.append(xp.reshape(cross, (*cross.shape[:-3], halves * group * group)))
         group *= 2
     pieces.append(xp.zeros_like(pieces[0][..., :1]))  # above the diagonal
     kernel = take(one_chunk_along(xp.concat(pieces, axis=-1), -1),
                   _pair_places(size, direct), axis=-1)
-    kernel = xp.reshape(kernel, (*lead, size, size))
+    kernel = xp.reshape(kernel, (*kernel.shape[:-1], size, size))
     return one_chunk_along(one_chunk_along(kernel, -1), -2)  # Dask: one chunk per chunk
 
 

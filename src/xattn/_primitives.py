@@ -284,8 +284,8 @@ def quarantine(inputs: AttentionInputs, *, causal: bool, offset: int = 0,
     """
     xp = inputs.xp
 
-    def non_finite(x: Array) -> Array:  # x * 0 is NaN exactly at NaN and infinity
-        return xp.isnan(xp.sum(x * 0.0, axis=-1))
+    def non_finite(x: Array) -> Array:  # a NaN or an infinity differs from its replacement
+        return xp.any(finite_entries(xp, x) != x, axis=-1)
 
     bad_queries = non_finite(inputs.q)
     bad_keys = non_finite(inputs.k) | non_finite(inputs.v)  # (..., M)

@@ -49,14 +49,20 @@ from typing import Any, Protocol
 
 import array_api_compat
 
-from xattn._array import Array, cumulative_max, one_chunk_along, stop_gradient, stream_bounds
+from xattn._array import (
+    Array,
+    cumulative_max,
+    nan_to_num,
+    one_chunk_along,
+    stop_gradient,
+    stream_bounds,
+)
 from xattn._chunks import DIRECT_PAIRS, PAIR_BLOCK, exclusive_prefix, pair_kernel
 from xattn._primitives import (
     RowBlocks,
     finite_entries,
     finite_shift,
     merge_maxima,
-    nonzero_divisor,
     pad_rows,
     value_columns,
 )
@@ -137,14 +143,23 @@ def finish_partial(xp: Any, partial: Partial, *, guard: bool) -> tuple[Array, Ar
     """
     _, sums, weight = partial
     numerator, denominator = sums[..., :-1], sums[..., -1:]
-    if not guard:
-        return numerator / nonzero_divisor(xp, denominator), None
+    if not guard:  # a row with keys has a denominator >= 1 (its largest term is e^0 b' and
+        # b' >= 1 likewise), a row without has 0 / 0: the floor makes it 0 / tiny = 0
+        tiny = xp.finfo(denominator.dtype).smallest_normal
+        return numerator / xp.clip(denominator, min=tiny), None
     floor = math.sqrt(xp.finfo(denominator.dtype).eps) * weight
     has_keys = weight > 0
     invalid = has_keys & (denominator <= floor)
     safe = xp.where(denominator > floor, denominator,
                     xp.where(has_keys, floor, 1.0))
     return numerator / safe, invalid
+
+
+def _broadcast_lead(xp: Any, x: Array, lead: tuple[int, ...], trailing: int) -> Array:
+    """``x`` broadcast to the leading shape ``lead`` of a carried state before its last
+    ``trailing`` axes (no operation when it has that shape)."""
+    target = (*lead, *x.shape[x.ndim - trailing:])
+    return x if tuple(x.shape) == target else xp.broadcast_to(x, target)
 
 
 def _lower_triangle(xp: Any, size: int, device: Any, *, strict: bool) -> Array:
@@ -198,10 +213,10 @@ class PositiveMap:
         ``+inf`` (:math:`a_{ms} \le \lVert \omega_s \rVert^2/2`)."""
         xp = self.xp
         half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True)
-        logits = k_hat @ self.omega_t - half_sq_norm  # a_ms
-        taken = half_sq_norm < xp.inf
-        return (xp.where(taken if valid is None else (taken & valid[..., None]), logits,
-                         -xp.inf),)
+        # a_ms; an overflowing norm makes it finite - inf = -inf or inf - inf = NaN: -inf
+        logits = nan_to_num(k_hat @ self.omega_t - half_sq_norm, nan=-math.inf,
+                            posinf=math.inf, neginf=-math.inf)
+        return (logits if valid is None else xp.where(valid[..., None], logits, -xp.inf),)
 
     def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,
                     device: Any) -> State:
@@ -265,10 +280,8 @@ class PositiveMap:
         # (2) the states before the chunks and after the block (features in front)
         lead = state[0].shape[:-1]  # the carried state has the full batch shape
         before_max, before_sums, new_state = exclusive_prefix(
-            xp, state,
-            xp.broadcast_to(xp.matrix_transpose(chunk_max), (*lead, num_samples, num_chunks)),
-            xp.broadcast_to(xp.moveaxis(chunk_sums, -2, -3),
-                            (*lead, num_samples, num_chunks, width)))
+            xp, state, _broadcast_lead(xp, xp.matrix_transpose(chunk_max), lead, 2),
+            _broadcast_lead(xp, xp.moveaxis(chunk_sums, -2, -3), lead, 3))
         before_max = xp.matrix_transpose(before_max)[..., :, None, :]  # (..., J, 1, S)
 
         # (3) one shift per query: its largest term, over the state and the pairs m <= n
@@ -380,9 +393,8 @@ class TrigonometricMap:
                    xp.concat([xp.reshape(state_sums, (*lead, 1, flat)),
                               xp.reshape(state_weight, (*lead, 1, 1))], axis=-1))
         before_max, before_sums, (after_max, after_sums) = exclusive_prefix(
-            xp, carried,
-            xp.broadcast_to(xp.matrix_transpose(chunk_max), (*lead, 1, num_chunks)),
-            xp.broadcast_to(chunk_sums[..., None, :, :], (*lead, 1, num_chunks, flat + 1)))
+            xp, carried, _broadcast_lead(xp, xp.matrix_transpose(chunk_max), lead, 2),
+            _broadcast_lead(xp, chunk_sums[..., None, :, :], lead, 3))
         before_max = xp.reshape(before_max, (*lead, num_chunks, 1, 1))
         before_sums = xp.reshape(before_sums, (*lead, num_chunks, flat + 1))
         before_weight = before_sums[..., flat:][..., None]  # (..., J, 1, 1)

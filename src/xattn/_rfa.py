@@ -62,7 +62,7 @@ from xattn._state import (
     empty_rfa_state,
     rfa_state_options,
 )
-from xattn._window import windowed_rfa
+from xattn._window import band_width, windowed_rfa
 from xattn.features import (
     FEATURE_MAPS,
     SAMPLE_NORMS,
@@ -414,7 +414,7 @@ def rfa(
             length=inputs.num_queries, batch_size=math.prod(inputs.batch_shape),
             num_features=omega.shape[0] * (2 if trigonometric else 1),
             width=inputs.v.shape[-1] + 1, itemsize=xp.finfo(work).bits // 8,
-            working_memory=working_memory, band=3 * window + sinks if window else sinks)
+            working_memory=working_memory, band=band_width(window, sinks))
         if stateful and window:  # a prefill's band is exact over its whole block
             block_size = min(block_size, STATE_BAND_BLOCK)
     # chunks of exact pairs no longer than the sequence (one token: no padding)

@@ -58,12 +58,20 @@ from xattn._rf_scan import (
     state_over_keys,
 )
 
-__all__ = ["windowed_rfa"]
+__all__ = ["band_width", "windowed_rfa"]
 
 
 #: The smallest number of queries in a chunk of the band (a power of two): the chunk size
 #: is the smallest power of two at least ``max(window, BAND_CHUNK_MIN)``.
 BAND_CHUNK_MIN = 16
+
+
+def band_width(window: int, sinks: int) -> int:
+    """Exact keys per query of the band and sinks, as computed (the chunk, ``2w`` keys
+    around it and the ``K`` sinks): what a block's working memory holds per query."""
+    if not window:
+        return sinks
+    return (1 << (max(window, BAND_CHUNK_MIN) - 1).bit_length()) + 2 * window + sinks
 
 
 def _band_chunks(window: int, length: int) -> tuple[int, int]:
