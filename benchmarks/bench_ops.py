@@ -66,6 +66,8 @@ from xattn.cli.common import environment, write_json
 from xattn.cli.measure import load_backend
 from xattn.features import sample_omega
 
+GPU_BUDGET = 2**30  # xattn.default_working_memory on a GPU
+
 HERE = Path(__file__).parent
 SHAPE = (1, 2, 64)  # B, H, D; N from --lengths
 FEATURES = 64
@@ -143,17 +145,19 @@ class Row:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def make_rows(xp: Any, device: Any) -> list[Row]:
-    """The rows, with the samples they share drawn once here (not counted)."""
+def make_rows(xp: Any, device: Any, working_memory: int | None = None) -> list[Row]:
+    """The rows, with the samples they share drawn once here (not counted); the causal
+    calls of rfa and lara get ``working_memory`` (None: their device's default)."""
     dim = SHAPE[-1]
+    budget = {} if working_memory is None else {"working_memory": working_memory}
     omega = sample_omega(0, FEATURES, dim, xp=xp, dtype=xp.float32, device=device)
     omega16 = omega[:16, :]
     means = xp.asarray(np.random.default_rng(1).normal(size=(16, dim)) / math.sqrt(dim),
                        dtype=xp.float32, device=device)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     lara_causal = {"num_samples": 16, "proposal_means": means, "weighting": "balance",
-                   "rng": 0}
-    window = {"window": 64, "sinks": 1}
+                   "rng": 0, **budget}
+    window = {"window": 64, "sinks": 1, **budget}
 
     def prefill(function, **options):
         def setup(q, k, v):
@@ -175,10 +179,14 @@ def make_rows(xp: Any, device: Any) -> list[Row]:
             power=2),
         Row("rfa S=64", lambda q, k, v, _: xattn.rfa(q, k, v, omega=omega)),
         Row("rfa S=64 causal", lambda q, k, v, _: xattn.rfa(q, k, v, omega=omega,
-                                                             causal=True)),
+                                                             causal=True, **budget)),
         Row("rfa S=64 causal, int seed",
-            lambda q, k, v, _: xattn.rfa(q, k, v, num_features=FEATURES, rng=0, causal=True),
+            lambda q, k, v, _: xattn.rfa(q, k, v, num_features=FEATURES, rng=0, causal=True,
+                                         **budget),
             modes=("forward",)),
+        Row("rfa S=64 causal, trigonometric",
+            lambda q, k, v, _: xattn.rfa(q, k, v, omega=omega, causal=True,
+                                         feature_map="trigonometric", **budget)),
         Row("rfa S=16 causal, window=64 sinks=1",
             lambda q, k, v, _: xattn.rfa(q, k, v, omega=omega16, causal=True, **window)),
         Row("lara C=64", lambda q, k, v, _: xattn.lara(q, k, v, num_samples=64, rng=0)),
@@ -187,7 +195,7 @@ def make_rows(xp: Any, device: Any) -> list[Row]:
         Row("ra S=1", lambda q, k, v, _: xattn.ra(q, k, v, num_samples=1, rng=0),
             modes=("forward",), power=2),
         Row("decode rfa S=64", step(xattn.rfa), modes=("step",),
-            setup=prefill(xattn.rfa, omega=omega)),
+            setup=prefill(xattn.rfa, omega=omega, **budget)),
         Row("decode rfa S=64, window=64 sinks=1", step(xattn.rfa), modes=("step",),
             setup=prefill(xattn.rfa, omega=omega, **window)),
         Row("decode softmax_attention (cache)", step(xattn.softmax_attention),
@@ -213,7 +221,7 @@ def measure_row(row: Row, mode: str, length: int, to_backend: Callable[[np.ndarr
     return count_ops(lambda: row.call(*leaves, None).sum().backward(), sync)
 
 
-def jax_compile_times(lengths: list[int]) -> list[dict[str, Any]]:
+def jax_compile_times(lengths: list[int], working_memory: int | None) -> list[dict[str, Any]]:
     """Lowering and compile times of ``jax.jit(jax.grad(...))`` of causal RFA S = 64."""
     import jax
     import jax.numpy as jnp
@@ -222,7 +230,8 @@ def jax_compile_times(lengths: list[int]) -> list[dict[str, Any]]:
     omega = sample_omega(0, FEATURES, dim, xp=jnp, dtype=jnp.float32)
 
     def loss(q, k, v, omega):
-        return jnp.sum(xattn.rfa(q, k, v, omega=omega, causal=True))
+        return jnp.sum(xattn.rfa(q, k, v, omega=omega, causal=True,
+                                 working_memory=working_memory))
 
     results = []
     for length in lengths:
@@ -246,7 +255,8 @@ def jax_compile_times(lengths: list[int]) -> list[dict[str, Any]]:
     return results
 
 
-def torch_compile_time(length: int, device: Any, backend: str) -> dict[str, Any]:
+def torch_compile_time(length: int, device: Any, backend: str,
+                       working_memory: int | None) -> dict[str, Any]:
     """One ``torch.compile(fullgraph=True)`` of causal RFA S = 64 forward: the time of
     its first call (compile and run), or the error it raises."""
     import torch._dynamo
@@ -259,8 +269,10 @@ def torch_compile_time(length: int, device: Any, backend: str) -> dict[str, Any]
     import array_api_compat.torch as xp
     omega = sample_omega(0, FEATURES, dim, xp=xp, dtype=xp.float32, device=device)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v: xattn.rfa(q, k, v, omega=omega, causal=True),
-                             fullgraph=True, backend=backend)
+    def call(q, k, v):
+        return xattn.rfa(q, k, v, omega=omega, causal=True, working_memory=working_memory)
+
+    compiled = torch.compile(call, fullgraph=True, backend=backend)
     result: dict[str, Any] = {"length": length, "device": str(device), "backend": backend,
                               "fullgraph": True, "inductor_caches": "disabled"}
     started = time.perf_counter()
@@ -273,7 +285,7 @@ def torch_compile_time(length: int, device: Any, backend: str) -> dict[str, Any]
             out = compiled(q, k, v)
         result["warnings"] = len(caught)
         result["first_call_s"] = round(time.perf_counter() - started, 2)
-        reference = xattn.rfa(q, k, v, omega=omega, causal=True)
+        reference = call(q, k, v)
         result["status"] = "compiled"
         result["max_abs_difference"] = float((out - reference).abs().max())
     except Exception as error:  # the failure is the result
@@ -329,10 +341,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jax-compile-lengths", default="1024,4096")
     parser.add_argument("--torch-compile", action="store_true",
                         help="torch.compile(fullgraph=True) of causal rfa forward (slow)")
-    parser.add_argument("--torch-compile-length", type=int, default=256)
+    parser.add_argument("--torch-compile-length", type=int, default=2048)
     parser.add_argument("--torch-compile-backend", default="inductor")
+    parser.add_argument("--working-memory", default=str(GPU_BUDGET),
+                        help="bytes the causal calls may hold (working_memory=); 'device': "
+                             "each device's default. Default: a GPU's default (1 GiB), so "
+                             "that the counts are a GPU's kernel launches")
     parser.add_argument("--out", type=Path, default=HERE / "ops_results.json")
     args = parser.parse_args(argv)
+    working_memory = None if args.working_memory == "device" else int(args.working_memory)
     from bench_scaling import source_state  # here: this module imports without benchmarks/
     lengths = [int(item) for item in args.lengths.split(",")]
     threads = int(os.environ.get("BENCH_THREADS", "1"))
@@ -353,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         "xattn": xattn.__version__, "source": source_state(), "dtype": "float32",
         "shape": {"batch": batch, "heads": heads, "head_dim": dim}, "lengths": lengths,
         "features": FEATURES, "view_ops": sorted(VIEW_OPS),
+        "working_memory": args.working_memory,
         "counted": "every aten operation dispatched (TorchDispatchMode); compute_ops "
                    "leaves out view_ops",
         "backends": {}, "skipped_backends": skipped}
@@ -360,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
         if name not in devices:
             continue
         backend = load_backend("torch", devices[name], "float32")
-        rows = make_rows(backend.namespace, backend.to_backend(np.zeros(1)).device)
+        rows = make_rows(backend.namespace, backend.to_backend(np.zeros(1)).device,
+                         working_memory)
         if args.rows:
             wanted = args.rows.split(",")
             rows = [row for row in rows if any(part in row.name for part in wanted)]
@@ -390,14 +409,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.jax_compile:
         print("JAX compile (CPU):")
         report["jax_compile"] = jax_compile_times(
-            [int(item) for item in args.jax_compile_lengths.split(",")])
+            [int(item) for item in args.jax_compile_lengths.split(",")], working_memory)
         import jax
         report["machine"]["jax"] = jax.__version__
         write_json(args.out, report)
     if args.torch_compile:
         print("torch.compile:")
         report["torch_compile"] = torch_compile_time(args.torch_compile_length, "cpu",
-                                                     args.torch_compile_backend)
+                                                     args.torch_compile_backend, working_memory)
         write_json(args.out, report)
     write_json(args.out, report)
     print(f"wrote {args.out}")

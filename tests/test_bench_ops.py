@@ -45,3 +45,48 @@ def test_sdpa_forward_is_one_operation_and_views_are_told_apart(bench_ops):
     with bench_ops.OpCounter() as counter:
         q.transpose(-1, -2).sum()
     assert (counter.count, counter.compute) == (2, 1)
+
+
+# Each causal path below the working-memory budget: the same number of dispatched
+# operations at two lengths (a loop over blocks of positions would add ~1,800 per 1,024
+# positions). The lengths need different numbers of chunks at every level of the prefix
+# (J = 32 and 256 chunks of 16), both with a last chunk of padding.
+CAUSAL_CALLS = {
+    "rfa": dict(num_features=16),
+    "rfa-hyperbolic": dict(num_features=16, feature_map="hyperbolic"),
+    "rfa-trigonometric": dict(num_features=16, feature_map="trigonometric"),
+    "rfa-window-sinks": dict(num_features=16, window=8, sinks=1),
+    "rfa-key-mask": dict(num_features=16, key_mask=True),
+    "lara": dict(num_samples=4, proposal_means=True, weighting="balance"),
+}
+
+
+@pytest.mark.parametrize("name", list(CAUSAL_CALLS))
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
+@pytest.mark.filterwarnings("ignore::xattn.TrigonometricDenominatorWarning")
+def test_causal_operations_do_not_grow_with_the_sequence(bench_ops, name, backward):
+    import torch
+
+    import xattn
+
+    def count(length):
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, length, 8, generator=generator, requires_grad=backward)
+                   for _ in range(3))
+        options = dict(CAUSAL_CALLS[name], causal=True, rng=0, working_memory=2**30)
+        if options.get("key_mask"):
+            options["key_mask"] = torch.arange(length) % 5 != 3
+        if options.get("proposal_means"):
+            options["proposal_means"] = 0.1 * torch.randn(4, 8, generator=generator)
+        estimator = xattn.lara if name == "lara" else xattn.rfa
+        if "rfa" in name:  # fixed samples: the count of the estimator, not of the draw
+            options["omega"] = torch.randn(options.pop("num_features"), 8, generator=generator)
+            options.pop("rng")
+
+        def call():
+            out = estimator(q, k, v, **options)
+            if backward:
+                out.sum().backward()
+        return bench_ops.count_ops(call)["ops"]
+
+    assert count(509) == count(4093)

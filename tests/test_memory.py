@@ -32,6 +32,7 @@ import xattn
 from xattn.cli.measure import tracemalloc_peak
 
 MiB = 2**20
+BUDGET = xattn.default_working_memory(np.zeros(0))  # what a block of the causal scan holds
 DIM = 64
 GROWTH_SLACK = 1 * MiB  # allocator rounding and the small per-chunk lists of pieces
 
@@ -72,9 +73,9 @@ CASES = {
     # name: (function, options, length L, bound on W, copies of the output)
     # rfa: keys and queries in chunks of 1024; W measured about 1.7-3 MiB (S = 256)
     "rfa": (xattn.rfa, dict(num_features=256, rng=0), 8192, 16 * MiB, 1),
-    # causal rfa: blocks of 128 positions with per-sample prefix states; W about 6.3 MiB,
-    # so L = 8192: below 4 L = 32768 a second output copy would hide under W
-    "rfa-causal": (xattn.rfa, dict(num_features=256, rng=0, causal=True), 8192, 16 * MiB, 1),
+    # causal rfa: blocks of as many positions as the CPU's working memory allows (32 MiB:
+    # 656 positions at S = 256), chunked inside; W about 20 MiB, at most that budget
+    "rfa-causal": (xattn.rfa, dict(num_features=256, rng=0, causal=True), 8192, BUDGET, 1),
     "rfa-trigonometric": (xattn.rfa, dict(num_features=64, rng=0, feature_map="trigonometric"),
                           4096, 16 * MiB, 1),
     # window and sinks: an exact band per block of queries, random features for the keys

@@ -606,6 +606,20 @@ def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     return xp.where(x == xp.inf, posinf, xp.where(x == -xp.inf, neginf, x))
 
 
+def nonfinite_rows(x: Array) -> Array:
+    """Boolean (..., L): whether row ``x[..., i, :]`` holds a NaN or an infinity.
+
+    On torch and JAX: ``not max(|x|) < inf`` along the row (four operations; NaN
+    propagates through the maximum). Elsewhere ``not all(isfinite(x))``, whose only
+    temporary is one boolean per entry (NumPy would make ``|x|`` a float copy of the
+    input).
+    """
+    xp = array_api_compat.array_namespace(x)
+    if array_api_compat.is_torch_array(x) or array_api_compat.is_jax_array(x):
+        return ~(xp.max(xp.abs(x), axis=-1) < xp.inf)
+    return ~xp.all(xp.isfinite(x), axis=-1)
+
+
 def cumulative_max(x: Array, axis: int) -> Array:
     """The running maximum of ``x`` along ``axis``: ``max(x[..., :i + 1])`` at ``i``.
 

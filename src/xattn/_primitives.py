@@ -21,6 +21,7 @@ from xattn._array import (
     AttentionInputs,
     chunked_like,
     nan_to_num,
+    nonfinite_rows,
     one_chunk_along,
     split_rows,
     written_in_place,
@@ -284,11 +285,8 @@ def quarantine(inputs: AttentionInputs, *, causal: bool, offset: int = 0,
     """
     xp = inputs.xp
 
-    def non_finite(x: Array) -> Array:  # a NaN or an infinity differs from its replacement
-        return xp.any(finite_entries(xp, x) != x, axis=-1)
-
-    bad_queries = non_finite(inputs.q)
-    bad_keys = non_finite(inputs.k) | non_finite(inputs.v)  # (..., M)
+    bad_queries = nonfinite_rows(inputs.q)
+    bad_keys = nonfinite_rows(inputs.k) | nonfinite_rows(inputs.v)  # (..., M)
     if inputs.key_mask is not None:
         bad_keys = bad_keys & inputs.key_mask
     if inputs.query_mask is not None:

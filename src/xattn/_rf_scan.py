@@ -428,21 +428,16 @@ def block_positions(*, length: int, batch_size: int, num_features: int, width: i
     \text{band}` numbers per position, F features (2S for the trigonometric and hyperbolic
     maps), E = Dv + 1 value columns, b = :data:`PAIR_BLOCK`, ``band`` the exact keys per
     query of a window (the working set of :mod:`xattn._chunks`, measured on NumPy). The
-    block is as long as ``working_memory`` bytes allow, at least one chunk; the sequence
-    is then cut into blocks of equal length (a multiple of b), so the last is not a
-    sliver. Below the budget the whole sequence is one block: a fixed number of array
-    operations at any length.
+    block is as long as ``working_memory`` bytes allow (a multiple of b, at least one
+    chunk), whatever the length, so the working set does not depend on it. Below the
+    budget the whole sequence is one block: a fixed number of array operations at any
+    length.
     """
     per_position = ((12 + 2 * DIRECT_PAIRS) * num_features + 5 * num_features * width
                     // PAIR_BLOCK + 4 * width + 2 * PAIR_BLOCK + 3 * band)
     per_position *= max(batch_size, 1) * itemsize
     largest = max(PAIR_BLOCK, working_memory // per_position // PAIR_BLOCK * PAIR_BLOCK)
-    num_blocks = -(-max(length, 1) // largest)
-    return _round_up(-(-max(length, 1) // num_blocks), PAIR_BLOCK)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+    return min(largest, -(-max(length, 1) // PAIR_BLOCK) * PAIR_BLOCK)
 
 
 def _key_inputs(xp: Any, mapping: FeatureMap, k: RowBlocks, v: RowBlocks, root_scale: float,
