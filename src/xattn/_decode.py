@@ -14,8 +14,11 @@ the :math:`K` sink keys. The :math:`L` new tokens :math:`P + j` need, for query
   a chunked prefill costs what one causal call costs, a single token
   :math:`O(S D_v)` besides its band, never a pass over the past;
 * **exact** terms :math:`e^{\hat q_n \cdot \hat k_m}` over the band :math:`e \in [j, j +
-  w]` of ``E`` and the sink slots :math:`s \le n`, blockwise as
-  :func:`xattn._window._exact_partial` does for a whole sequence.
+  w]` of ``E`` and the sink slots :math:`s \le n`, by the code that computes a whole
+  sequence's (:func:`xattn._window.exact_partial`: query :math:`j` at position :math:`j
+  + w` of ``E``, causal, in chunks of queries): memory :math:`O(B (C + w + K))` for a
+  block of :math:`B` queries and a number of operations that does not depend on
+  :math:`B`.
 
 Positions enter only as arrays (the state's ``position`` plus ``arange``): the window and
 sink buffers keep their shapes and validity flags say which entries hold a key, so a step
@@ -36,14 +39,7 @@ from collections.abc import Generator
 from typing import Any, TypeVar
 
 from xattn._array import Array, AttentionInputs
-from xattn._primitives import (
-    RowPieces,
-    finite_entries,
-    finite_shift,
-    mark_tainted,
-    quarantine,
-    value_columns,
-)
+from xattn._primitives import RowPieces, finite_entries, mark_tainted, quarantine
 from xattn._rf_scan import (
     FeatureMap,
     Partial,
@@ -54,11 +50,14 @@ from xattn._rf_scan import (
     state_over_keys,
 )
 from xattn._state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
+from xattn._window import exact_partial
 
 __all__ = ["STATE_BAND_BLOCK", "continue_rfa", "extend_cache"]
 
 STATE_BAND_BLOCK = 256
-"""The longest block of a windowed prefill: its exact band is a (block, block + w) product."""
+"""Formerly the longest block of a windowed prefill, when its exact band was one (block,
+block + w) product; the band is chunked now (:func:`xattn._window.exact_partial`, memory
+``O(block (C + w + K))``), so no longer needed to bound memory."""
 
 Cache = TypeVar("Cache", bound=_KeyValueCache)
 
@@ -96,42 +95,6 @@ def _updated_sinks(xp: Any, state: RFAState, keys: Array, values: Array, valid: 
     return (xp.where(taken[:, None], gather(keys), state.sink_keys),
             xp.where(taken[:, None], gather(values), state.sink_values),
             xp.where(taken, xp.any(lands & valid[..., None, :count], axis=-1), state.sink_valid))
-
-
-def _band_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, query_positions: Array,
-                  band: tuple[Array, Array, Array] | None,
-                  sinks: tuple[Array, Array, Array] | None) -> Partial:
-    r"""Exact sums of the new queries ``start:stop`` over their band and the sink slots.
-
-    ``band`` is the extended keys, values and validity ``E[start : stop + w]`` (query
-    ``j`` takes ``e - j`` in ``[0, w]``), ``sinks`` the sink slots (slot ``s`` allowed for
-    a query at position ``n >= s``); the rows' positions are ``query_positions``.
-    """
-    keys, values, valid, allowed = [], [], [], []
-    if sinks is not None:
-        slots = xp.arange(sinks[0].shape[-2], device=inputs.device)
-        keys.append(sinks[0])
-        values.append(sinks[1])
-        valid.append(sinks[2])
-        allowed.append(xp.astype(slots, query_positions.dtype)[None, :]
-                       <= query_positions[:, None])
-    if band is not None:
-        rows = xp.arange(start, stop, device=inputs.device)[:, None]
-        columns = xp.arange(start, start + band[0].shape[-2], device=inputs.device)[None, :]
-        window = band[0].shape[-2] - (stop - start)
-        keys.append(band[0])
-        values.append(band[1])
-        valid.append(band[2])
-        allowed.append((columns >= rows) & (columns <= rows + window))
-    key_rows = finite_entries(xp, xp.concat(keys, axis=-2))
-    value_rows = value_columns(xp, xp.concat(values, axis=-2))
-    queries = finite_entries(xp, inputs.q[..., start:stop, :])
-    scores = (inputs.scale * queries) @ xp.matrix_transpose(key_rows)
-    allowed_keys = xp.concat(allowed, axis=-1) & xp.concat(valid, axis=-1)[..., None, :]
-    scores = xp.where(allowed_keys, scores, -xp.inf)
-    shift = xp.max(scores, axis=-1, keepdims=True)
-    sums = xp.exp(scores - finite_shift(xp, shift)) @ value_rows
-    return shift, sums, sums[..., -1:]
 
 
 def _returned(partials: Generator[Partial, None, State]) -> State:
@@ -185,16 +148,18 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
         partial = next(partials)
         if window or sinks:  # with exact terms: the random part must estimate e^{q.k} itself
             shift, sums, weight = partial
-            constant = mapping.query_constant(
-                root_scale * finite_entries(xp, inputs.q[..., start:stop, :]))
-            band = None
-            if window:
-                band = (extended_keys[..., start:stop + window, :],
-                        extended_values[..., start:stop + window, :],
-                        extended_valid[..., start:stop + window])
-            exact = _band_partial(xp, inputs, start, stop, positions[start:stop], band,
-                                  (sink_keys, sink_values, sink_valid) if sinks else None)
-            partial = combine_partials(xp, [(shift + constant, sums, weight), exact])
+            queries = finite_entries(xp, inputs.q[..., start:stop, :])
+            constant = mapping.query_constant(root_scale * queries)
+            # query j sits at e = j + w of E: its band e - w .. e, chunked (xattn._window);
+            # the sinks only in their slots (E's validity leaves positions < K out)
+            exact = exact_partial(
+                xp, inputs.scale * queries, start + window, window=window, causal=True,
+                band=(extended_keys, extended_values, extended_valid) if window else None,
+                sinks=(sink_keys, sink_values, sink_valid) if sinks else None,
+                sink_position=state.position + start)
+            random_part = (shift + constant, sums, weight)
+            partial = (random_part if exact is None
+                       else combine_partials(xp, [random_part, exact]))
         rows, invalid = finish_partial(xp, partial, guard=guard)
         out.put(start, rows)
         if clamped is not None:

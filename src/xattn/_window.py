@@ -22,7 +22,7 @@ Nothing is counted twice and nothing is subtracted: :math:`R_n` is the union of 
 :math:`m \le n - w - 1` and :math:`m \ge n + w + 1` (:math:`m \ge K`), whose random-feature
 sums are prefix and suffix sums computed directly (:func:`xattn._rf_scan.scan_partials`
 with offset :math:`w + 1`), never totals minus band terms. The exact part of a block of
-:math:`B` queries is chunked (:func:`_exact_partial`): the queries are cut into chunks of
+:math:`B` queries is chunked (:func:`exact_partial`): the queries are cut into chunks of
 :math:`C` positions, :math:`C` the smallest power of two :math:`\ge \max(w, 16)` (the
 last chunk padded), carried on a batch axis, and each chunk scores only the
 :math:`C + 2w` keys around it (:math:`C + w` causal), gathered by a fixed number of
@@ -30,7 +30,8 @@ shifted, reshaped views of the block's keys; every query also scores the :math:`
 Memory and work are :math:`O(B (C + 2w + K))`, never :math:`O(B^2)` or an ``N x M``
 mask, and the number of array operations does not depend on :math:`B`. The exact and
 the random-feature parts are combined with one shift per query, the largest log-term of
-either, without an epsilon.
+either, without an epsilon. A state's prefill and steps (:mod:`xattn._decode`) compute
+their band and sink slots by the same :func:`exact_partial`.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from xattn._rf_scan import (
     state_over_keys,
 )
 
-__all__ = ["band_width", "windowed_rfa"]
+__all__ = ["KeyRows", "band_width", "exact_partial", "windowed_rfa"]
 
 
 #: The smallest number of queries in a chunk of the band (a power of two): the chunk size
@@ -128,8 +129,13 @@ def _unfold(xp: Any, rows: Array, size: int, count: int, width: int) -> Array:
     return join(xp, views, -2)[..., :width, :]
 
 
-def _band_scores(xp: Any, inputs: AttentionInputs, queries: Array, start: int, stop: int,
-                 size: int, count: int, window: int, sinks: int,
+KeyRows = tuple[Array, Array, Array | None]
+"""Keys ``(..., M, D)``, values ``(..., M, Dv)`` and their validity ``(..., M)`` (None:
+every key valid), as :func:`exact_partial` reads them (non-finite entries as 0)."""
+
+
+def _band_scores(xp: Any, band: KeyRows, queries: Array, start: int, stop: int, size: int,
+                 count: int, window: int, first_key: int,
                  causal: bool) -> tuple[Array, Array] | None:
     r"""Scores and values of the band keys of queries ``start:stop``, chunk by chunk.
 
@@ -137,17 +143,20 @@ def _band_scores(xp: Any, inputs: AttentionInputs, queries: Array, start: int, s
     ----------
     xp : namespace
         The Array API namespace.
-    inputs : AttentionInputs
-        The attention inputs.
+    band : (array, array, array or None)
+        The keys, values and validity of the sequence the band reads (:data:`KeyRows`).
     queries : array
         ``(..., count * size, D)``: the block's queries, scaled, finite, padded with zero
         rows after ``stop``.
     start, stop : int
-        The block's queries.
+        The block's queries, at positions ``start .. stop - 1`` of the keys' sequence.
     size, count : int
         The chunks of the block (:func:`_band_chunks`).
-    window, sinks : int
-        ``w`` and ``K``.
+    window : int
+        ``w``.
+    first_key : int
+        The keys before it are not in the band (the sinks, which :func:`_sink_scores`
+        takes).
     causal : bool
         Whether the band stops at the query (:math:`n - w \le m \le n`).
 
@@ -155,19 +164,19 @@ def _band_scores(xp: Any, inputs: AttentionInputs, queries: Array, start: int, s
     -------
     (array, array) or None
         The scores ``(..., count, size, W)``, ``-inf`` where the key is not in the query's
-        band, not a key (padding), a sink (``m < K``: those are :func:`_sink_scores`'s)
-        or masked, and the values with their column of ones ``(..., count, W, Dv + 1)``;
-        column ``j`` of chunk ``c`` is the key ``start - w + c * size + j``, ``W = size +
-        w`` (causal) or ``size + 2w``. None when no key can be in the band.
+        band, not a key (padding), before ``first_key`` or not valid, and the values with
+        their column of ones ``(..., count, W, Dv + 1)``; column ``j`` of chunk ``c`` is
+        the key ``start - w + c * size + j``, ``W = size + w`` (causal) or ``size + 2w``.
+        None when no key can be in the band.
     """
-    k, v, key_mask = inputs.k, inputs.v, inputs.key_mask
+    k, v, key_mask = band
     device = array_api_compat.device(k)
     reach = window if causal else 2 * window  # a query's band: columns row .. row + reach
     width = size + reach
     first = start - window  # the key position of column 0 of chunk 0
     span = width if count == 1 else (count - 1 - (-width // size)) * size
-    # the keys read: no sink, none after the last query's band
-    low = max(first, sinks)
+    # the keys read: none before first_key, none after the last query's band
+    low = max(first, first_key)
     high = min(first + span, k.shape[-2], stop if causal else stop + window)
     if low >= high:
         return None
@@ -178,10 +187,11 @@ def _band_scores(xp: Any, inputs: AttentionInputs, queries: Array, start: int, s
     scores = chunk_queries @ xp.matrix_transpose(_unfold(xp, keys, size, count, width))
     rows = xp.arange(size, device=device)[:, None]
     columns = xp.arange(width, device=device)[None, :]
-    in_band = (columns >= rows) & (columns <= rows + reach)  # (size, W)
-    offsets = xp.arange(count, device=device)[:, None] * size + columns  # from `first`
-    is_key = (offsets >= before) & (offsets < span - after)  # (count, W)
-    allowed = in_band & is_key[:, None, :]
+    allowed = (columns >= rows) & (columns <= rows + reach)  # (size, W): in the band
+    if before or after:  # padding read: only the columns that are keys
+        offsets = xp.arange(count, device=device)[:, None] * size + columns  # from `first`
+        is_key = (offsets >= before) & (offsets < span - after)  # (count, W)
+        allowed = allowed & is_key[:, None, :]
     if key_mask is not None:
         mask = pad_rows(xp, key_mask[..., low:high, None], before, after, False)
         allowed = allowed & _unfold(xp, mask, size, count, width)[..., None, :, 0]
@@ -189,48 +199,133 @@ def _band_scores(xp: Any, inputs: AttentionInputs, queries: Array, start: int, s
     return scores, _unfold(xp, values, size, count, width)
 
 
-def _sink_scores(xp: Any, inputs: AttentionInputs, queries: Array, start: int, sinks: int,
-                 causal: bool) -> tuple[Array, Array]:
-    """Scores ``(..., R, K)`` of the ``R`` rows of ``queries`` (positions ``start + i``)
-    against the sink keys ``m < K`` (``-inf`` where masked, or after the query with
-    ``causal``), and the sinks' values with their column of ones ``(..., K, Dv + 1)``."""
-    k, v, key_mask = inputs.k, inputs.v, inputs.key_mask
+def _sink_scores(xp: Any, sinks: KeyRows, queries: Array,
+                 first_position: int | Array | None) -> tuple[Array, Array]:
+    """Scores ``(..., R, K)`` of the ``R`` rows of ``queries`` against the sink keys
+    (``-inf`` where not valid, or, unless ``first_position`` is None, where the slot
+    ``s`` comes after the row's position ``first_position + i``: an int or a 0-d integer
+    array), and the sinks' values with their column of ones ``(..., K, Dv + 1)``."""
+    k, v, valid = sinks
     device = array_api_compat.device(k)
-    keys = finite_entries(xp, k[..., :sinks, :])
-    scores = queries @ xp.matrix_transpose(keys)
+    scores = queries @ xp.matrix_transpose(finite_entries(xp, k))
     allowed = None
-    if causal:
-        positions = xp.arange(start, start + queries.shape[-2], device=device)[:, None]
-        allowed = xp.arange(sinks, device=device)[None, :] <= positions
-    if key_mask is not None:
-        sink_mask = key_mask[..., None, :sinks]
-        allowed = sink_mask if allowed is None else (allowed & sink_mask)
+    if first_position is not None:
+        rows = queries.shape[-2]
+        if isinstance(first_position, int):
+            positions = xp.arange(first_position, first_position + rows, device=device)
+        else:  # a position known only as an array (a state's, under jax.jit)
+            positions = first_position + xp.arange(rows, device=device)
+        slots = xp.arange(k.shape[-2], dtype=positions.dtype, device=device)
+        allowed = slots[None, :] <= positions[:, None]
+    if valid is not None:
+        sink_valid = valid[..., None, :]
+        allowed = sink_valid if allowed is None else (allowed & sink_valid)
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)
-    return scores, value_columns(xp, v[..., :sinks, :])
+    return scores, value_columns(xp, v)
 
 
-def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, window: int,
-                   sinks: int, causal: bool) -> Partial | None:
-    r"""Exact sums of queries ``start:stop`` over their band and sink keys.
+def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: bool,
+                  band: KeyRows | None, first_key: int = 0, sinks: KeyRows | None = None,
+                  sink_position: int | Array | None = None) -> Partial | None:
+    r"""Exact sums of a block of queries over their band keys and the sink keys.
 
-    Query ``n`` takes the keys :math:`n - w \le m \le n + w` (causal: :math:`n - w \le m
-    \le n`; none when ``window`` is 0) and the sinks :math:`m < K` (causal: :math:`m \le
-    n`), each once, those ``key_mask`` allows.
+    Query ``i`` of the block, at position :math:`n = \text{start} + i` of the sequence of
+    ``band``, takes the keys :math:`n - w \le m \le n + w` (``causal``: :math:`n - w \le m
+    \le n`) with :math:`m \ge` ``first_key`` that are valid, and every valid sink key
+    (slot :math:`s \le` ``sink_position + i`` unless ``sink_position`` is None). A key is
+    counted once as long as the band never reads the sinks (``first_key``, or the sinks
+    invalid in ``band``'s validity, as a state's extended sequence has them).
 
     The block is cut into chunks of ``size`` queries (:func:`_band_chunks`, the last one
     padded) carried on a batch axis; each chunk scores the ``size + 2w`` keys (causal
     ``size + w``) around it (:func:`_band_scores`), and every query the sinks
     (:func:`_sink_scores`). Both are masked to ``-inf`` before the exponential and summed
     under one shift per query. Memory and work ``O(B (size + 2w + K))`` for ``B`` queries;
-    the number of array operations does not depend on ``B``.
+    the number of array operations does not depend on ``B``. Every shape comes from
+    Python ints (positions known only as arrays enter through ``sink_position``).
+
+    Parameters
+    ----------
+    xp : namespace
+        The Array API namespace.
+    queries : array
+        ``(..., B, D)``: the block's queries, scaled and finite.
+    start : int
+        The position of the first query in ``band``'s sequence.
+    window : int
+        ``w``; 0: no band.
+    causal : bool
+        Whether a query takes only the band keys ``m <= n``.
+    band : (array, array, array or None) or None
+        The keys, values and validity of the sequence (:data:`KeyRows`), read as far as
+        the block's band reaches; None: no band.
+    first_key : int
+        The band's first key (the sinks before it).
+    sinks : (array, array, array or None) or None
+        The sink keys, values and validity (:data:`KeyRows`, ``M = K``).
+    sink_position : int or array or None
+        The position of the first query, against which the sink slots count (slot
+        ``s`` is the key at position ``s``); None: every query takes every sink.
+
+    Returns
+    -------
+    Partial or None
+        ``(shift (..., B, 1), sums (..., B, Dv + 1), weight (..., B, 1))``: the largest
+        allowed score (``-inf`` where none), the sums of :math:`e^{s - \text{shift}} [v,
+        1]` and the denominator again; None when no key can take part. On Dask the rows
+        keep the chunks of ``queries``.
+    """
+    length = queries.shape[-2]
+    if not window:
+        band = None
+    size, count = _band_chunks(window, length) if band is not None else (length, 1)
+    padded = pad_rows(xp, queries, 0, size * count - length, 0.0)
+    scored = (_band_scores(xp, band, padded, start, start + length, size, count, window,
+                           first_key, causal) if band is not None else None)
+    sink = _sink_scores(xp, sinks, padded, sink_position) if sinks is not None else None
+    maxima = []
+    if scored is not None:
+        band_max = xp.max(scored[0], axis=-1, keepdims=True)  # (..., count, size, 1)
+        maxima.append(xp.reshape(band_max, (*band_max.shape[:-3], size * count, 1)))
+    if sink is not None:
+        maxima.append(xp.max(sink[0], axis=-1, keepdims=True))
+    if not maxima:
+        return None
+    shift = maxima[0] if len(maxima) == 1 else xp.maximum(maxima[0], maxima[1])
+    offset = finite_shift(xp, shift)
+    sums = None
+    if scored is not None:
+        chunk_offset = xp.reshape(offset, (*offset.shape[:-2], count, size, 1))
+        chunk_sums = xp.exp(scored[0] - chunk_offset) @ scored[1]  # (..., count, size, Dv + 1)
+        sums = xp.reshape(chunk_sums, (*chunk_sums.shape[:-3], size * count,
+                                       chunk_sums.shape[-1]))
+    if sink is not None:
+        sink_sums = xp.exp(sink[0] - offset) @ sink[1]
+        sums = sink_sums if sums is None else sums + sink_sums
+    assert sums is not None
+    # Dask: the rows in the chunks of the block's queries, like the other partials
+    shift = chunked_like(shift[..., :length, :], queries, -2)
+    sums = chunked_like(sums[..., :length, :], queries, -2)
+    return shift, sums, sums[..., -1:]
+
+
+def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, window: int,
+                   sinks: int, causal: bool) -> Partial | None:
+    r"""Exact sums of queries ``start:stop`` of ``inputs`` over their band and sink keys
+    (:func:`exact_partial`).
+
+    Query ``n`` takes the keys :math:`n - w \le m \le n + w` (causal: :math:`n - w \le m
+    \le n`; none when ``window`` is 0) with :math:`m \ge K` and the sinks :math:`m < K`
+    (causal: :math:`m \le n`), each once, those ``key_mask`` allows; non-finite entries
+    read as 0. Memory and work ``O(B (size + 2w + K))`` for ``B`` queries.
 
     Parameters
     ----------
     xp : namespace
         The Array API namespace.
     inputs : AttentionInputs
-        The attention inputs (non-finite entries read as 0).
+        The attention inputs.
     start, stop : int
         The queries, at positions ``start .. stop - 1`` (``0 <= start < stop <= N``).
     window, sinks : int
@@ -241,41 +336,17 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
     Returns
     -------
     Partial or None
-        ``(shift (..., B, 1), sums (..., B, Dv + 1), weight (..., B, 1))``: the largest
-        allowed score (``-inf`` where none), the sums of :math:`e^{s - \text{shift}} [v,
-        1]` and the denominator again; None when no key can take part.
+        As :func:`exact_partial`.
     """
-    length = stop - start
-    size, count = _band_chunks(window, length) if window else (length, 1)  # sinks only
-    block_queries = finite_entries(xp, inputs.q[..., start:stop, :])
-    queries = pad_rows(xp, inputs.scale * block_queries, 0, size * count - length, 0.0)
-    band = (_band_scores(xp, inputs, queries, start, stop, size, count, window, sinks, causal)
-            if window else None)
-    sink = _sink_scores(xp, inputs, queries, start, sinks, causal) if sinks else None
-    maxima = []
-    if band is not None:
-        band_max = xp.max(band[0], axis=-1, keepdims=True)  # (..., count, size, 1)
-        maxima.append(xp.reshape(band_max, (*band_max.shape[:-3], size * count, 1)))
-    if sink is not None:
-        maxima.append(xp.max(sink[0], axis=-1, keepdims=True))
-    if not maxima:
-        return None
-    shift = maxima[0] if len(maxima) == 1 else xp.maximum(maxima[0], maxima[1])
-    offset = finite_shift(xp, shift)
-    sums = None
-    if band is not None:
-        chunk_offset = xp.reshape(offset, (*offset.shape[:-2], count, size, 1))
-        chunk_sums = xp.exp(band[0] - chunk_offset) @ band[1]  # (..., count, size, Dv + 1)
-        sums = xp.reshape(chunk_sums, (*chunk_sums.shape[:-3], size * count,
-                                       chunk_sums.shape[-1]))
-    if sink is not None:
-        sink_sums = xp.exp(sink[0] - offset) @ sink[1]
-        sums = sink_sums if sums is None else sums + sink_sums
-    assert sums is not None
-    # Dask: the rows in the chunks of the block's queries, like the other partials
-    shift = chunked_like(shift[..., :length, :], block_queries, -2)
-    sums = chunked_like(sums[..., :length, :], block_queries, -2)
-    return shift, sums, sums[..., -1:]
+    k, v, key_mask = inputs.k, inputs.v, inputs.key_mask
+    queries = inputs.scale * finite_entries(xp, inputs.q[..., start:stop, :])
+    sink_rows = None
+    if sinks:
+        sink_rows = (k[..., :sinks, :], v[..., :sinks, :],
+                     None if key_mask is None else key_mask[..., :sinks])
+    return exact_partial(xp, queries, start, window=window, causal=causal,
+                         band=(k, v, key_mask) if window else None, first_key=sinks,
+                         sinks=sink_rows, sink_position=start if causal else None)
 
 
 def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, window: int,
