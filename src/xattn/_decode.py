@@ -52,12 +52,7 @@ from xattn._rf_scan import (
 from xattn._state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
 from xattn._window import exact_partial
 
-__all__ = ["STATE_BAND_BLOCK", "continue_rfa", "extend_cache"]
-
-STATE_BAND_BLOCK = 256
-"""Formerly the longest block of a windowed prefill, when its exact band was one (block,
-block + w) product; the band is chunked now (:func:`xattn._window.exact_partial`, memory
-``O(block (C + w + K))``), so no longer needed to bound memory."""
+__all__ = ["continue_rfa", "extend_cache"]
 
 Cache = TypeVar("Cache", bound=_KeyValueCache)
 

@@ -36,7 +36,7 @@ from xattn._array import (
     prepare_attention,
     stream_bounds,
 )
-from xattn._decode import STATE_BAND_BLOCK, continue_rfa
+from xattn._decode import continue_rfa
 from xattn._options import (
     DEFAULT_CHUNK_SIZE,
     check_bool,
@@ -415,8 +415,6 @@ def rfa(
             num_features=omega.shape[0] * (2 if trigonometric else 1),
             width=inputs.v.shape[-1] + 1, itemsize=xp.finfo(work).bits // 8,
             working_memory=working_memory, band=band_width(window, sinks))
-        if stateful and window:  # a prefill's band is exact over its whole block
-            block_size = min(block_size, STATE_BAND_BLOCK)
     # chunks of exact pairs no longer than the sequence (one token: no padding)
     pair_block = min(PAIR_BLOCK, block_size, max(inputs.num_queries, 1))
     mapping: FeatureMap = (TrigonometricMap(xp, omega, pair_block) if trigonometric

@@ -67,25 +67,25 @@ def rfa_decode_bytes(*, heads: int, head_dim: int, samples: int, window: int, si
     tests/test_cli.py): the state, held twice while a call makes the next one (``S (Dv +
     2)`` feature sums and maxima per head, ``(w + K)(D + Dv)`` window and sink buffers, the
     ``(S, D)`` samples), and the largest call, a prefill piece of ``c = min(position,
-    PREFILL_CHUNK)`` tokens: per head its samples' features block by block and their
-    ``(S, D)`` work, ``c`` tokens' keys, values and outputs, the window buffer joined to
-    them, the exact band of a block (``block (block + w + K)`` scores), the sink slots'
-    update (a ``(K, min(K, c))`` selection, ``(K, D)`` keys and values), and the host's
-    float64 draws of the inputs."""
+    PREFILL_CHUNK)`` tokens: per head its samples' features (the chunked scan's
+    intermediates, at most the CPU's working memory) and their ``(S, D)`` work, ``c``
+    tokens' keys, values and outputs, the window buffer joined to them, the exact band
+    in chunks (``c (C + 2w + K)`` scores, C = max(16, w) rounded up to a power of two),
+    the sink slots' update (a ``(K, min(K, c))`` selection, ``(K, D)`` keys and values),
+    and the host's float64 draws of the inputs."""
     dim = head_dim  # D = Dv in the command
     piece = min(position, PREFILL_CHUNK)
-    # a windowed prefill's blocks are at most 256 positions (their exact band is a block x
-    # (block + w) product); the chunked scan's intermediates of a block are within the
-    # CPU's working memory
-    block = min(piece, 256) if window else piece
     state = (itemsize * heads * (samples * (dim + 2) + (window + sinks) * 2 * dim)
              + heads * (window + sinks) + itemsize * samples * dim)
-    per_sample = (min(itemsize * heads * samples * 40 * block,
+    per_sample = (min(itemsize * heads * samples * 40 * piece,
                       xattn.default_working_memory(np.zeros(0)))
                   + itemsize * heads * samples * 40 * dim)
-    tokens = itemsize * heads * piece * (8 * 2 * dim + 2 * block) + 8 * 3 * heads * piece * dim
+    tokens = itemsize * heads * piece * (8 * 2 * dim + 32) + 8 * 3 * heads * piece * dim
     buffers = itemsize * heads * 8 * window * 2 * dim
-    band = 4 * itemsize * heads * block * (block + window + sinks) if window or sinks else 0
+    # the band in chunks of a power of two >= max(w, 16) queries against their keys
+    chunk = max(16, 1 << max(window - 1, 0).bit_length())
+    band = (4 * itemsize * heads * piece * (chunk + 2 * window + sinks) if window or sinks
+            else 0)
     landing = min(sinks, piece)
     sink_update = 2 * itemsize * heads * sinks * dim + (itemsize + 1) * sinks * landing
     return 2 * state + per_sample + tokens + buffers + band + sink_update
