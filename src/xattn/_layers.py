@@ -421,15 +421,16 @@ _ESTIMATOR_OPTIONS_DOC = """\
 
     * ``"rfa"``: ``num_features`` (default ``max(d, int(d ln d))``, d = head_dim),
       ``feature_map``, ``orthogonal``, ``sample_norm``, ``scale``, ``block_size``,
-      ``chunk_size``, ``window`` and ``sinks`` (exact attention on the keys with
-      ``|n - m| <= window``, ``0 <= n - m <= window`` with causal masking, and on the
-      first ``sinks`` keys, capped at the key length; random features for the others);
+      ``chunk_size``, ``working_memory``, ``window`` and ``sinks`` (exact attention on
+      the keys with ``|n - m| <= window``, ``0 <= n - m <= window`` with causal masking,
+      and on the first ``sinks`` keys, capped at the key length; random features for the
+      others);
     * ``"lara"``: ``num_samples`` (C, default 16, capped at the query length; with
       ``grid``, a pair ``(c_h, c_w)``, default ``(4, 4)`` capped at the grid), ``grid``
       (``(H, W)``: the tokens are an H x W image in row-major order, segmented into the
       bins of 2-D adaptive average pooling, so every sequence must have H W tokens),
       ``proposal`` (also ``"learned"``, above), ``weighting``, ``beta``, ``noise_scale``,
-      ``scale``, ``chunk_size``, ``defensive``;
+      ``scale``, ``chunk_size``, ``defensive``, ``working_memory``;
     * ``"ra"``: ``num_samples``, ``noise_scale``, ``scale``, ``chunk_size``;
     * ``"softmax"``: ``scale``, ``chunk_size``, ``implementation`` (default None: the
       framework's fused kernel, ``scaled_dot_product_attention`` for torch and

@@ -299,10 +299,10 @@ IMPLEMENTATIONS = ("native", "xattn")
 ESTIMATOR_OPTIONS = {
     "softmax": ("scale", "chunk_size", "implementation"),
     "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
-            "block_size", "chunk_size", "window", "sinks"),
+            "block_size", "chunk_size", "window", "sinks", "working_memory"),
     "ra": ("num_samples", "noise_scale", "scale", "chunk_size"),
     "lara": ("num_samples", "grid", "proposal", "weighting", "beta", "noise_scale", "scale",
-             "chunk_size", "defensive"),
+             "chunk_size", "defensive", "working_memory"),
 }
 LEARNED_WEIGHTINGS = ("balance", "query_proposal")
 """The weightings of a layer's ``proposal="learned"`` (they need no segments)."""

@@ -167,22 +167,26 @@ def rfa(
     output itself is held: **Memory** below). Dask arrays are handed to Dask whole (it
     computes them chunk by chunk and the result keeps the chunks of ``q``).
 
-    **Causal mode** walks the positions in blocks of ``block_size`` with a carried
-    ``(S, Dv)`` state :math:`K_s, A'_s, b'_s` of the earlier keys, rescaled as its
-    maximum grows. Inside a block, sub-blocks of 16 positions get the states before them
-    (the carried state merged with the earlier sub-blocks, in one matrix product per
-    sample for up to 8 sub-blocks, in groups of 8 beyond), and a query and a key of the
-    same sub-block are paired exactly,
+    **Causal mode** is the chunkwise-parallel form (Katharopoulos et al., 2020; Hua et
+    al., 2022; Yang et al., 2023): chunks of 16 positions carried as an axis, each
+    chunk's key statistics from one product for all chunks, the ``(S, Dv)`` state
+    :math:`K_s, A'_s, b'_s` before each chunk an exclusive prefix over the chunks (a
+    running maximum per sample with sums rescaled to it, merged through
+    lower-triangular selections: two matrix products per sample for up to 4,096
+    chunks), and a query and a key of the same chunk paired exactly,
     :math:`\log \kappa_{nm} = \operatorname{LSE}_s(\omega_s \cdot \hat q_n + a_{ms})`
-    (positive and hyperbolic maps). Every row is stabilized by its own largest term, so
-    the causal result equals the non-causal formula applied to each prefix up to
-    rounding, for scores as large as the non-causal path takes (the log-domain terms
-    only need to be finite), and no row underflows to zero while it has an allowed key.
-    Memory is ``O(S Dv (1 + block_size / 16) + S block_size)``
-    per batch-head
-    besides inputs and output (**Memory** below), and every stabilizer a query uses
-    depends only on keys at or before it: outputs at positions ``<= n`` do not depend on
-    tokens after ``n``. A
+    (positive and hyperbolic maps; the trigonometric map's chunks likewise, with one
+    shared maximum). The whole sequence is one block while its intermediates fit
+    ``working_memory`` (1 GiB on a GPU, 32 MiB on a CPU): a call is then a fixed number
+    of array operations at any length (:doc:`/guide/10_scaling`), longer sequences are
+    walked in blocks of that size with the state carried. Every row is stabilized by its
+    own largest term, so the causal result equals the non-causal formula applied to each
+    prefix up to rounding, for scores as large as the non-causal path takes (the
+    log-domain terms only need to be finite), and no row underflows to zero while it has
+    an allowed key. Memory is at most ``working_memory`` besides inputs and output
+    (**Memory** below), and every stabilizer a query uses depends only on keys at or
+    before it: outputs at positions ``<= n``, and the gradients of a loss on them, do not
+    depend on tokens after ``n``. A
     NaN or infinite key or value ``m`` makes the rows that attend it NaN (rows ``>= m``
     in causal mode, every row otherwise) and leaves the others unchanged.
 
@@ -202,9 +206,10 @@ def rfa(
     :math:`\hat\kappa(x, y) = \phi(x) \cdot \phi(y)` the unbiased random-feature estimate
     of :math:`e^{x \cdot y}`. The remaining keys' sums are prefix and suffix sums over
     :math:`m \le n - w - 1` and :math:`m \ge n + w + 1` (never totals minus band terms, so
-    nothing is counted twice and nothing cancels); the band is computed block by block
-    (never an ``N x M`` mask); exact and random parts share one log-domain shift per query.
-    With ``causal`` the band is :math:`n - w \le m \le n`. Cost
+    nothing is counted twice and nothing cancels); the band is computed in chunks of
+    queries against the keys within ``w`` of them (never an ``N x M`` mask); exact and
+    random parts share one log-domain shift per query. With ``causal`` the band is
+    :math:`n - w \le m \le n`. Cost
     ``O(N (2w + 1 + K) D + (N + M) S D)``. ``window=None`` or ``0`` with ``sinks=0`` is
     plain RFA (the same code and result).
 
@@ -215,21 +220,21 @@ def rfa(
     K) D + S Dv)`` whatever came before, and a decode loop runs under ``jax.lax.scan``.
 
     **Memory.** The output is made a chunk (or block) of queries at a time. On NumPy and
-    CuPy each piece is written into the result as it is made, so the output is held
-    once: the peak besides the inputs is the output plus a working set that does not
-    depend on ``N`` or ``M`` (the bounds above, and ``O(block_size (block_size + 2w +
-    K))`` for the band). On the other libraries the pieces are concatenated once at the
-    end (JAX arrays cannot be written; torch's autograd would copy the whole gradient for
-    every written piece), so the peak is the output plus one copy of it while its pieces
-    are joined, plus the working set. Beyond that, ``window`` without ``causal`` keeps
-    three numbers per query (shift, denominator and weight of the sums over the keys
-    after the band, which a pass from the last block back computes first; their
-    numerators wait in the output's rows), the trigonometric map one flag per query
-    (the clamped rows), and half-precision inputs their result cast back. Measured with
-    :mod:`tracemalloc` (NumPy, float32, one batch-head, N = M = 32768, D = Dv = 64,
-    S = 64, an 8 MiB output), the peak beyond the output is 1.1 MiB plain, 1.8 MiB
-    causal and 2.2 MiB with ``window=16, sinks=4``; on torch (``torch.profiler``), which
-    joins the pieces, 8.3, 8.1 and 8.6 MiB.
+    CuPy each piece is written into the result as it is made, so the output is held once:
+    the peak besides the inputs is the output plus a working set that does not depend on
+    ``N`` or ``M`` (the bounds above, and ``O(block_size (C + 2w + K))`` for the band, C =
+    max(16, w) rounded up to a power of two). On the other libraries the pieces are
+    concatenated once at the end (JAX arrays cannot be written; torch's autograd would copy
+    the whole gradient for every written piece), so the peak is the output plus one copy of
+    it while its pieces are joined, plus the working set. Beyond that, ``window`` without
+    ``causal`` keeps three numbers per query (shift, denominator and weight of the sums over
+    the keys after the band, which a pass from the last block back computes first; their
+    numerators wait in the output's rows), the trigonometric map one flag per query (the
+    clamped rows), and half-precision inputs their result cast back. Measured with
+    :mod:`tracemalloc` (NumPy, float32, one batch-head, N = M = 32768, D = Dv = 64, S = 64,
+    an 8 MiB output), the peak beyond the output is 1.4 MiB plain, 20.1 MiB causal and 22.2
+    MiB with ``window=16, sinks=4`` (blocks as long as the CPU's 32 MiB of
+    ``working_memory`` allow: fewer, larger array operations).
 
     Parameters
     ----------
