@@ -1,22 +1,23 @@
-r"""Random-feature sums over a prefix (or suffix) of the keys, walked in blocks.
+r"""Random-feature sums over a prefix (or suffix) of the keys, in blocks of chunks.
 
 Causal RFA needs, for every query :math:`n`, the random-feature sums over the keys
 :math:`m \le n`; the windowed RFA of :mod:`xattn._window` needs them over
 :math:`m \le n - o` and :math:`m \ge n + o` (keys outside a band of half-width
-:math:`o - 1`). This module computes them in one pass over blocks of positions:
+:math:`o - 1`). This module computes them over blocks of positions, each block as long as
+a working-memory budget allows (:func:`block_positions`: the whole sequence when it
+fits, so that a call is a fixed number of array operations):
 
 * a **carried state** holds the statistics of the keys of earlier blocks with a running
   maximum per random feature that is rescaled as it grows (online softmax per feature):
   :math:`K_s = \max_m a_{ms}`, :math:`A'_s = \sum_m e^{a_{ms} - K_s} [v_m, 1]` for the
   positive map, :math:`a_{ms} = \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2`;
-* inside a block, for the positive map, the keys are split into sub-blocks of
-  :data:`PAIR_BLOCK` positions: the carried state and the keys of earlier sub-blocks are
-  folded into the state before each sub-block (the same statistics, one per sub-block,
-  from one matrix product per sample; in groups of :data:`SUB_GROUP` sub-blocks when a
-  block has more, :func:`_prefix_states`), and a query and a key of the same sub-block
-  are paired **exactly**: :math:`\log \kappa_{nm} = \operatorname{LSE}_s (\omega_s
-  \cdot \hat q_n + a_{ms})` (computed by halving the sub-block, :func:`_pair_kernel`),
-  all summed with one shift per query, the largest term of its row.
+* inside a block, the chunkwise-parallel form of :mod:`xattn._chunks`: chunks of
+  :data:`~xattn._chunks.PAIR_BLOCK` positions carried as an axis, the state before each
+  chunk (the carried state and the earlier chunks) an exclusive prefix over the chunk
+  axis (:func:`~xattn._chunks.exclusive_prefix`), and a query and a key of the same
+  chunk paired **exactly**: :math:`\log \kappa_{nm} = \operatorname{LSE}_s (\omega_s
+  \cdot \hat q_n + a_{ms})` (:func:`~xattn._chunks.pair_kernel`), all summed with one
+  shift per query, the largest term of its row.
 
 Every query therefore gets its sums with the shift of its own dominant term: the result
 equals the non-causal formula applied to its prefix, up to rounding, whatever the size
@@ -36,9 +37,9 @@ NaN and infinity: the estimators read their inputs through
 :func:`~xattn._primitives.finite_entries` (non-finite entries as 0) and mark the rows
 that a non-finite key, value or query reaches with NaN at the end
 (:func:`~xattn._primitives.quarantine`), so no NaN from the inputs enters this scan, nor
-its backward pass. A logit that is NaN all the same (an overflow, ``inf - inf``) still
-reaches only the rows that attend its key: masked entries are selected away with
-``where``, never multiplied by zero.
+its backward pass. A key logit is never NaN or ``+inf`` (:meth:`PositiveMap.keys`), and
+masked entries are selected away with ``where`` before any exponential, never multiplied
+by zero.
 """
 
 from __future__ import annotations
