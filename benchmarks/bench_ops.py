@@ -9,9 +9,13 @@ path, not on the values or the machine: the same on every run (on torch's CPU ba
 default; ``--backends torch-cuda`` counts on a CUDA device, where a few operations, SDPA's
 kernel for one, have other names).
 
-xattn's causal estimators walk the sequence in Python loops (blocks of 128 positions), so
-one causal call dispatches a number of operations that grows with N, where torch's
-``scaled_dot_product_attention`` dispatches one. Shape (B, H, N, D) = (1, 2, N, 64),
+xattn's causal estimators run the chunkwise-parallel scan: the whole sequence is one
+block while its intermediates fit the working-memory budget, so a call dispatches the
+same number of operations at every length up to it; torch's
+``scaled_dot_product_attention`` dispatches one. The causal calls are counted under a
+GPU's budget (``--working-memory``, default 1 GiB: the count is then a GPU's number of
+kernel launches; ``device`` uses each device's default, 32 MiB on a CPU, where the blocks
+are shorter and the count grows past it). Shape (B, H, N, D) = (1, 2, N, 64),
 float32. Rows (forward, and forward plus backward where the row has one: q, k, v
 requiring gradients, ``out.sum().backward()`` counted with the call):
 
@@ -30,7 +34,7 @@ requiring gradients, ``out.sum().backward()`` counted with the call):
 Opt-in, because they are slow: ``--jax-compile`` times ``jax.jit(jax.grad(...))`` of
 causal RFA forward plus backward (``.lower(...)`` and ``.compile()`` separately; the
 number of StableHLO operations beside them), ``--torch-compile`` one
-``torch.compile(fullgraph=True)`` of causal RFA forward at N = 256 on the CPU (its first
+``torch.compile(fullgraph=True)`` of causal RFA forward at N = 2048 on the CPU (its first
 call, inductor's caches disabled: compile and run, or the error it raises)::
 
     python benchmarks/bench_ops.py                         # counts, about a minute
