@@ -60,14 +60,17 @@ PREFIX_GROUP_MAX = 64
 """The largest group of parts :func:`exclusive_prefix` merges by one selection."""
 
 
-def _merge_parts(xp: Any, part_max: Array, part_sums: Array, rows: int) -> tuple[Array, Array]:
-    """The statistics of the parts ``c <= j`` for ``j < rows``: parts along the last axis of
-    ``part_max`` (..., P) and axis -2 of ``part_sums`` (..., P, E); returns (..., rows) and
-    (..., rows, E), by :func:`~xattn._primitives.merge_maxima`'s rule through a
-    lower-triangular selection (one matrix product per leading index)."""
+def _merge_parts(xp: Any, part_max: Array, part_sums: Array, rows: int,
+                 strict: bool = False) -> tuple[Array, Array]:
+    """The statistics of the parts ``c <= j`` (``c < j`` if ``strict``) for ``j < rows``:
+    parts along the last axis of ``part_max`` (..., P) and axis -2 of ``part_sums`` (...,
+    P, E); returns (..., rows) and (..., rows, E), by
+    :func:`~xattn._primitives.merge_maxima`'s rule through a lower-triangular selection
+    (one matrix product per leading index). A row without parts has maximum ``-inf`` and
+    sums 0."""
     device = array_api_compat.device(part_max)
-    taken = (xp.arange(part_max.shape[-1], device=device)[None, :]
-             <= xp.arange(rows, device=device)[:, None])  # [j, c]
+    parts, row = xp.arange(part_max.shape[-1], device=device), xp.arange(rows, device=device)
+    taken = (parts[None, :] < row[:, None]) if strict else (parts[None, :] <= row[:, None])
     taken_max = xp.where(taken, part_max[..., None, :], -xp.inf)  # (..., rows, P)
     merged_max = xp.max(taken_max, axis=-1)
     return merged_max, xp.exp(taken_max - finite_shift(xp, merged_max)[..., None]) @ part_sums
@@ -89,16 +92,17 @@ def _in_groups(xp: Any, x: Array, axis: int, group: int, fill: float) -> Array:
     return xp.reshape(x, tuple(shape))
 
 
-def exclusive_prefix(xp: Any, carried: tuple[Array, Array], part_max: Array, part_sums: Array,
-                     single: int = PREFIX_GROUP) -> tuple[Array, Array, tuple[Array, Array]]:
+def exclusive_prefix(xp: Any, carried: tuple[Array, Array] | None, part_max: Array,
+                     part_sums: Array, single: int = PREFIX_GROUP,
+                     ) -> tuple[Array, Array, tuple[Array, Array]]:
     r"""The (maximum, sums) state before each of P parts, and after all of them.
 
     Parameters
     ----------
     xp : namespace
-    carried : (array (..., F), array (..., F, E))
+    carried : (array (..., F), array (..., F, E)) or None
         The state before the first part: per feature its raw maximum (``-inf`` for no key)
-        and its sums rescaled by it.
+        and its sums rescaled by it; None: no key before the first part.
     part_max : array (..., F, P)
         Each part's raw maximum per feature.
     part_sums : array (..., F, P, E)
@@ -125,12 +129,15 @@ def exclusive_prefix(xp: Any, carried: tuple[Array, Array], part_max: Array, par
     positions in chunks of 16) the prefix is two selections, a fixed number of
     operations, and its work :math:`O(P g)` stays below the readout's.
     """
-    carried_max, carried_sums = carried
     num_parts = part_max.shape[-1]
     if num_parts <= single:
-        merged_max, merged_sums = _merge_parts(
-            xp, xp.concat([carried_max[..., None], part_max], axis=-1),
-            xp.concat([carried_sums[..., None, :], part_sums], axis=-2), num_parts + 1)
+        if carried is None:  # row j: the parts i < j
+            merged_max, merged_sums = _merge_parts(xp, part_max, part_sums, num_parts + 1,
+                                                   strict=True)
+        else:  # the carried state is part 0, part i is part i + 1: row j takes c <= j
+            merged_max, merged_sums = _merge_parts(
+                xp, xp.concat([carried[0][..., None], part_max], axis=-1),
+                xp.concat([carried[1][..., None, :], part_sums], axis=-2), num_parts + 1)
         return (merged_max[..., :num_parts], merged_sums[..., :num_parts, :],
                 (merged_max[..., num_parts], merged_sums[..., num_parts, :]))
     group = min(max(PREFIX_GROUP, math.isqrt(num_parts - 1) + 1), PREFIX_GROUP_MAX)

@@ -117,9 +117,10 @@ class FeatureMap(Protocol):
         ...
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State) -> tuple[Partial, State]:
+              state: State | None) -> tuple[Partial, State]:
         """A block of aligned queries and keys (key ``i`` allowed for query ``j`` iff
-        ``i <= j``) after the keys of ``state``; returns its partial and the new state."""
+        ``i <= j``) after the keys of ``state`` (None: no key before the block); returns
+        its partial and the new state."""
         ...
 
 
@@ -161,6 +162,21 @@ def _broadcast_lead(xp: Any, x: Array, lead: tuple[int, ...], trailing: int) -> 
     ``trailing`` axes (no operation when it has that shape)."""
     target = (*lead, *x.shape[x.ndim - trailing:])
     return x if tuple(x.shape) == target else xp.broadcast_to(x, target)
+
+
+def _concat_last(xp: Any, arrays: list[Array], axis: int) -> Array:
+    """``arrays`` joined along ``axis`` (-1 or -2), their other axes broadcast first."""
+    ndim = max(x.ndim for x in arrays)
+    shape = [1] * ndim
+    for x in arrays:
+        for place, size in enumerate(x.shape, start=ndim - x.ndim):
+            shape[place] = max(shape[place], size)
+    joined = []
+    for x in arrays:
+        target = list(shape)
+        target[axis] = x.shape[axis]
+        joined.append(x if tuple(x.shape) == tuple(target) else xp.broadcast_to(x, tuple(target)))
+    return xp.concat(joined, axis=axis)
 
 
 def _lower_triangle(xp: Any, size: int, device: Any, *, strict: bool) -> Array:
@@ -247,7 +263,7 @@ class PositiveMap:
         return shift, out, out[..., -1:]
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State) -> tuple[Partial, State]:
+              state: State | None) -> tuple[Partial, State]:
         r"""One block: key ``i`` of the block is allowed for query ``j`` iff ``i <= j``.
 
         The chunkwise-parallel form (:mod:`xattn._chunks`): the B positions are J = B / b
@@ -278,8 +294,9 @@ class PositiveMap:
         chunk_sums = (xp.matrix_transpose(xp.exp(a - finite_shift(xp, chunk_max)[..., None, :]))
                       @ values)
 
-        # (2) the states before the chunks and after the block (features in front)
-        lead = state[0].shape[:-1]  # the carried state has the full batch shape
+        # (2) the states before the chunks and after the block (features in front; the
+        # carried state, when there is one, has the full batch shape)
+        lead = state[0].shape[:-1] if state is not None else chunk_sums.shape[:-3]
         before_max, before_sums, new_state = exclusive_prefix(
             xp, state, _broadcast_lead(xp, xp.matrix_transpose(chunk_max), lead, 2),
             _broadcast_lead(xp, xp.moveaxis(chunk_sums, -2, -3), lead, 3))
@@ -289,8 +306,10 @@ class PositiveMap:
         bound = xp.maximum(before_max, cumulative_max(fixed_a, axis=-2))
         shift = xp.max(stop_gradient(p) + bound, axis=-1, keepdims=True)  # (..., J, b, 1)
         shifted = p - finite_shift(xp, shift)
-        sums = (xp.exp(shifted + before_max) @ xp.moveaxis(before_sums, -3, -2)
-                + pair_kernel(xp, shifted, a) @ values)
+        # the state before the chunk and the chunk's own pairs, read out by one product
+        weights = _concat_last(xp, [xp.exp(shifted + before_max), pair_kernel(xp, shifted, a)],
+                               axis=-1)  # (..., J, b, S + b)
+        sums = weights @ _concat_last(xp, [xp.moveaxis(before_sums, -3, -2), values], axis=-2)
         sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
         shift = xp.reshape(shift, (*shift.shape[:-3], length, 1))
         return (shift, sums, sums[..., -1:]), new_state
@@ -362,7 +381,7 @@ class TrigonometricMap:
         return xp.broadcast_to(norm_max, rows), out, xp.broadcast_to(weight, rows)
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State) -> tuple[Partial, State]:
+              state: State | None) -> tuple[Partial, State]:
         r"""One block (key ``i`` allowed for query ``j`` iff ``i <= j``), in chunks of
         :attr:`multiple` positions carried as an axis, as :meth:`PositiveMap.block`: each
         chunk's sums :math:`\sum_m w_m \phi(\hat k_m) [v_m, 1]` and :math:`\sum_m w_m`
@@ -372,7 +391,6 @@ class TrigonometricMap:
         pairs of each chunk exactly, shifted by each query's running maximum."""
         xp = self.xp
         features, half_sq_norm = keys
-        norm_max, state_sums, state_weight = state
         chunk = self.multiple
         length, num_features, width = queries.shape[-2], queries.shape[-1], values.shape[-1]
         num_chunks, flat = length // chunk, num_features * width
@@ -387,12 +405,16 @@ class TrigonometricMap:
         chunk_max = xp.max(fixed_log_weights, axis=-2)  # (..., J, 1)
         weights = xp.exp(log_weights - finite_shift(xp, chunk_max)[..., None, :])
         chunk_sums = xp.matrix_transpose(k_features) @ (weights * values)  # (..., J, 2S, E)
-        chunk_sums = xp.concat([xp.reshape(chunk_sums, (*chunk_sums.shape[:-2], flat)),
-                                xp.sum(weights, axis=-2)], axis=-1)
-        lead = norm_max.shape[:-2]
-        carried = (xp.reshape(norm_max, (*lead, 1)),
-                   xp.concat([xp.reshape(state_sums, (*lead, 1, flat)),
-                              xp.reshape(state_weight, (*lead, 1, 1))], axis=-1))
+        chunk_sums = _concat_last(xp, [xp.reshape(chunk_sums, (*chunk_sums.shape[:-2], flat)),
+                                       xp.sum(weights, axis=-2)], axis=-1)
+        carried = None
+        lead = chunk_sums.shape[:-2]
+        if state is not None:  # the carried state, with the full batch shape
+            norm_max, state_sums, state_weight = state
+            lead = norm_max.shape[:-2]
+            carried = (xp.reshape(norm_max, (*lead, 1)),
+                       xp.concat([xp.reshape(state_sums, (*lead, 1, flat)),
+                                  xp.reshape(state_weight, (*lead, 1, 1))], axis=-1))
         before_max, before_sums, (after_max, after_sums) = exclusive_prefix(
             xp, carried, _broadcast_lead(xp, xp.matrix_transpose(chunk_max), lead, 2),
             _broadcast_lead(xp, chunk_sums[..., None, :, :], lead, 3))
@@ -412,12 +434,11 @@ class TrigonometricMap:
         kernel = (q_features @ xp.matrix_transpose(k_features)) * pair_weights
         sums = state_factor * (q_features @ before_sums) + kernel @ values
         weight = state_factor * before_weight + xp.sum(pair_weights, axis=-1, keepdims=True)
-        rows = (*sums.shape[:-3], length)
         new_state = (xp.reshape(after_max, (*lead, 1, 1)),
                      xp.reshape(after_sums[..., 0, :flat], (*lead, num_features, width)),
                      xp.reshape(after_sums[..., 0, flat:], (*lead, 1, 1)))
-        return ((xp.reshape(row_max, (*rows, 1)), xp.reshape(sums, (*rows, width)),
-                 xp.reshape(weight, (*rows, 1))), new_state)
+        return (tuple(xp.reshape(x, (*x.shape[:-3], length, x.shape[-1]))
+                      for x in (row_max, sums, weight)), new_state)
 
 
 def block_positions(*, length: int, batch_size: int, num_features: int, width: int,
@@ -494,8 +515,12 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     width = v.shape[-1] + 1
     blocks = [(start, min(start + block_size, num_queries))
               for start in range(0, num_queries, block_size)]
-    state = (mapping.empty_state(batch_shape, width, q.dtype, device) if initial is None
-             else initial)
+    state = initial  # None: no key yet (the first block merges no carried state)
+
+    def carried() -> State:
+        return (mapping.empty_state(batch_shape, width, q.dtype, device) if state is None
+                else state)
+
     if reverse and num_queries + offset < num_keys:
         # keys after the last query's reach are in every query's suffix
         state = state_over_keys(xp, mapping, k, v, root_scale=root_scale, key_mask=key_mask,
@@ -515,7 +540,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                                    else (start - offset, stop - offset))
             low, high = max(key_start, 0), min(key_stop, num_keys)
             if low >= high:  # no key reaches this block: the carried state only
-                yield mapping.readout(queries, state)
+                yield mapping.readout(queries, carried())
                 continue
             keys, values = _key_inputs(xp, mapping, key_rows, value_rows, root_scale, key_mask,
                                        first_key, low, high)
@@ -545,6 +570,6 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                 partial = (xp.flip(shift, axis=-2), xp.flip(sums, axis=-2),
                            xp.flip(weight, axis=-2))
             yield partial
-        return state
+        return carried()
 
     return run()

@@ -209,9 +209,9 @@ def rfa(
     nothing is counted twice and nothing cancels); the band is computed in chunks of
     queries against the keys within ``w`` of them (never an ``N x M`` mask); exact and
     random parts share one log-domain shift per query. With ``causal`` the band is
-    :math:`n - w \le m \le n`. Cost
-    ``O(N (2w + 1 + K) D + (N + M) S D)``. ``window=None`` or ``0`` with ``sinks=0`` is
-    plain RFA (the same code and result).
+    :math:`n - w \le m \le n`. Cost ``O(N (C + 2w + K) D + (N + M) S D)`` (C the band's
+    chunk, below). ``window=None`` or ``0`` with ``sinks=0`` is plain RFA (the same code
+    and result).
 
     **Generation.** ``return_state=True`` returns the state that ``state=`` continues: a
     sequence given in pieces gets the outputs and state of one causal call on all of it,
