@@ -177,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
                                           "length"), spec.name) for spec in exact]
         print(f"{name}: {'; '.join(verdicts)}")
     print(f"[MiB]: peak memory of the first call, from {backend.memory_method}")
+    budget = environment(backend)["working_memory_bytes"]
+    print(f"causal rfa and lara: blocks of at most {budget / 2**20:.0f} MiB of intermediates "
+          f"(xattn.default_working_memory on {backend.device}; the whole sequence when it "
+          f"fits)")
     payload = {
         "command": "bench",
         "environment": environment(backend),

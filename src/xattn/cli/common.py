@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import xattn
 
 __all__ = ["DEFAULT_OUT", "EXIT_USAGE", "CommandError", "advance", "environment",
@@ -118,10 +120,13 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def environment(backend: Any) -> dict[str, Any]:
-    """Versions and platform, for the JSON outputs."""
+    """Versions and platform, for the JSON outputs; with the working memory a block of the
+    causal scan may hold on the backend's device (:func:`xattn.default_working_memory`)."""
     return {"xattn": xattn.__version__, "python": platform.python_version(),
             "platform": platform.platform(), "backend": backend.name,
-            "backend_version": backend.version, "device": backend.device}
+            "backend_version": backend.version, "device": backend.device,
+            "working_memory_bytes": xattn.default_working_memory(
+                backend.to_backend(np.zeros(1)))}
 
 
 def output_dir(path: str, files: tuple[str, ...] = ()) -> Path:
