@@ -320,8 +320,9 @@ def check_nonfinite_reaches_its_rows(backend, rng, num_tokens, block_sizes, corr
     return run
 
 
-# 160 tokens: blocks of 16 (one sub-block of 16, whose halves of 8 are factorized) and of
-# 160 (10 sub-blocks: the states before them in two groups of 8, the second padded)
+# 160 tokens: blocks of 16 (one chunk of 16, whose cross pairs of halves of 8 are
+# factorized) and of 160 (10 chunks: the exclusive prefix in two groups of 8, the second
+# padded; xattn._chunks)
 LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 160, (16, 160)
 
 
@@ -331,7 +332,7 @@ def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, f
                                                                       dtype_name):
     """As above for the paths that only longer blocks take: the pairs of halves of 8
     positions factorized through the first half's largest key logit, and the states before
-    more than 8 sub-blocks merged in groups. Scores from 1 to 1e15, a random key mask:
+    more than 8 chunks merged in groups. Scores from 1 to 1e15, a random key mask:
     each row equals the non-causal formula on its prefix, and no row with a key is zero."""
     xp = backend.ns
     dtype, host_dtype = getattr(xp, dtype_name), np.dtype(dtype_name)
@@ -361,8 +362,8 @@ def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, f
 
 
 def test_nonfinite_key_reaches_exactly_its_rows_in_long_blocks(backend, rng):
-    """NaN or infinity in a key or value m, in the first or a later group of sub-blocks, or
-    in the first or second half of a sub-block: causal rows >= m are NaN, rows < m
+    """NaN or infinity in a key or value m, in the first or a later group of chunks, or in
+    the first or second half of a chunk: causal rows >= m are NaN, rows < m
     unchanged, with blocks of 16 and of 160 positions (see above)."""
     check_nonfinite_reaches_its_rows(
         backend, rng, LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS,
