@@ -24,10 +24,11 @@ import numpy as np
 
 from xattn._options import check_bool, check_scale
 
-__all__ = ["AttentionInputs", "array_namespace", "check_device", "check_proposal_means",
-           "check_samples", "chunked_like", "compute_dtype",
-           "concrete_count", "host_to_device", "index_sizes", "is_real_floating",
-           "library_name", "native_attention", "one_chunk_along", "prepare_attention", "qr",
+__all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "AttentionInputs", "array_namespace",
+           "check_device", "check_proposal_means", "check_samples", "chunked_like",
+           "compute_dtype", "concrete_count", "cumulative_max", "default_working_memory",
+           "host_to_device", "index_sizes", "is_real_floating", "library_name", "nan_to_num",
+           "native_attention", "nonfinite_rows", "one_chunk_along", "prepare_attention", "qr",
            "register_pytree", "sequence_positions", "split_rows", "stop_gradient",
            "stream_bounds", "take", "written_in_place"]
 

@@ -59,7 +59,7 @@ from xattn._rf_scan import (
     state_over_keys,
 )
 
-__all__ = ["KeyRows", "band_width", "exact_partial", "windowed_rfa"]
+__all__ = ["BAND_CHUNK_MIN", "KeyRows", "band_width", "exact_partial", "windowed_rfa"]
 
 
 #: The smallest number of queries in a chunk of the band (a power of two): the chunk size
