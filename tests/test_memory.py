@@ -20,8 +20,9 @@ sinks, trigonometric). Each is measured at a length L and at 4 L; W may not grow
 than 1 MiB between them, where any array of N x S (or N x C) floats would add 24 (or 6)
 MiB and one more copy of the output 3 x L x 256 bytes (3 MiB at L = 4096), and W stays
 below a bound far under the full-size budget (for the causal scan and the window band,
-the CPU's working memory, 32 MiB: their blocks are as long as it allows). Then at
-N = 131072 the peak is at most 2 x 32 MiB of output + W <= 96 MiB.
+the CPU's working memory, 64 MiB: their blocks are as long as it allows). Then at
+N = 131072 the peak is at most 2 x 32 MiB of output + W <= 96 MiB (rfa holds its output
+once: 32 MiB + W).
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ CASES = {
     # name: (function, options, length L, bound on W, copies of the output)
     # rfa: keys and queries in chunks of 1024; W measured about 1.7-3 MiB (S = 256)
     "rfa": (xattn.rfa, dict(num_features=256, rng=0), 8192, 16 * MiB, 1),
-    # causal rfa: blocks of as many positions as the CPU's working memory allows (32 MiB:
-    # 656 positions at S = 256), chunked inside; W about 20 MiB, at most that budget
+    # causal rfa: blocks of as many positions as the CPU's working memory allows (64 MiB:
+    # 1,312 positions at S = 256), chunked inside; W about 40 MiB, at most that budget
     "rfa-causal": (xattn.rfa, dict(num_features=256, rng=0, causal=True), 8192, BUDGET, 1),
     "rfa-trigonometric": (xattn.rfa, dict(num_features=64, rng=0, feature_map="trigonometric"),
                           4096, 16 * MiB, 1),
@@ -83,16 +84,17 @@ CASES = {
     # positions here), each with its exact band in chunks and random features for the keys
     # before and after it; the keys after it are summed in a pass from the last block
     # back, whose results wait (in the output's rows) for the forward pass. W reaches its
-    # bound once the sequence holds a full block: L = 8192 (W about 22 MiB with a window)
+    # bound once the sequence holds a few full blocks (of about 4,800 positions here):
+    # L = 16384, W about 44 MiB with a window
     "rfa-window-sinks": (xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4),
-                         8192, BUDGET, 1),
+                         16384, BUDGET, 1),
     "rfa-window-sinks-causal": (
-        xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4, causal=True), 8192,
+        xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4, causal=True), 16384,
         BUDGET, 1),
-    "rfa-sinks": (xattn.rfa, dict(num_features=64, rng=0, sinks=4), 8192, 16 * MiB, 1),
+    "rfa-sinks": (xattn.rfa, dict(num_features=64, rng=0, sinks=4), 16384, 16 * MiB, 1),
     "rfa-window-sinks-trigonometric": (
         xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4,
-                        feature_map="trigonometric"), 8192, BUDGET, 1),
+                        feature_map="trigonometric"), 16384, BUDGET, 1),
     # lara: W about 1 MiB (C = 64); an (N, C) array at 4 L = 65536 would be 16 MiB
     "lara": (xattn.lara, dict(num_samples=64, rng=0), 16384, 8 * MiB, 2),
     # C = 256 > Dv: the exponentials of the softmax over queries are recomputed in the

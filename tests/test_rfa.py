@@ -421,8 +421,9 @@ def test_working_memory_is_bounded(causal):
     """N = 131072, S = 256, D = Dv = 64, float32 on NumPy: the call allocates at most
     96 MiB (tracemalloc; inputs excluded). The output is 32 MiB, held once (its chunks are
     written into it on NumPy); the M x S key logits alone would be 128 MiB. Measured
-    44.6 MiB (38.5 MiB causal), first call of the process included; 75.1 (64.4) MiB
-    when the chunks were concatenated."""
+    44.6 MiB (causal 81.1 MiB: blocks as long as the CPU's 64 MiB of working memory
+    allow, 38.5 MiB with the blocks of 128 positions before the chunkwise scan), first
+    call of the process included; 75.1 (64.4) MiB when the chunks were concatenated."""
     draw = np.random.default_rng(0)
     q, k, v = (draw.normal(size=(1, 131072, 64)).astype(np.float32) for _ in range(3))
     tracemalloc.start()

@@ -534,8 +534,8 @@ def stop_gradient(x: Array) -> Array:
     return x.detach() if array_api_compat.is_torch_array(x) else x
 
 
-CPU_WORKING_MEMORY = 32 * 2**20
-"""Default working memory of one estimator call on a CPU, in bytes (32 MiB: a block of
+CPU_WORKING_MEMORY = 64 * 2**20
+"""Default working memory of one estimator call on a CPU, in bytes (64 MiB: a block of
 intermediates that stays near the caches; the full-size memory bars of the estimators
 leave room for it)."""
 
@@ -562,7 +562,7 @@ def default_working_memory(x: Array) -> int:
     Returns
     -------
     int
-        1 GiB on a GPU (torch CUDA or ROCm, CuPy, JAX on a GPU), 32 MiB elsewhere (a
+        1 GiB on a GPU (torch CUDA or ROCm, CuPy, JAX on a GPU), 64 MiB elsewhere (a
         CPU: intermediates near the caches, and room under the estimators' memory bars).
 
     Examples
@@ -570,7 +570,7 @@ def default_working_memory(x: Array) -> int:
     >>> import numpy as np
     >>> import xattn
     >>> xattn.default_working_memory(np.zeros(3)) // 2**20
-    32
+    64
     """
     if array_api_compat.is_cupy_array(x):
         return GPU_WORKING_MEMORY

@@ -177,7 +177,7 @@ def rfa(
     :math:`\log \kappa_{nm} = \operatorname{LSE}_s(\omega_s \cdot \hat q_n + a_{ms})`
     (positive and hyperbolic maps; the trigonometric map's chunks likewise, with one
     shared maximum). The whole sequence is one block while its intermediates fit
-    ``working_memory`` (1 GiB on a GPU, 32 MiB on a CPU): a call is then a fixed number
+    ``working_memory`` (1 GiB on a GPU, 64 MiB on a CPU): a call is then a fixed number
     of array operations at any length (:doc:`/guide/10_scaling`), longer sequences are
     walked in blocks of that size with the state carried. Every row is stabilized by its
     own largest term, so the causal result equals the non-causal formula applied to each
@@ -232,8 +232,8 @@ def rfa(
     numerators wait in the output's rows), the trigonometric map one flag per query (the
     clamped rows), and half-precision inputs their result cast back. Measured with
     :mod:`tracemalloc` (NumPy, float32, one batch-head, N = M = 32768, D = Dv = 64, S = 64,
-    an 8 MiB output), the peak beyond the output is 1.4 MiB plain, 20.1 MiB causal and 22.2
-    MiB with ``window=16, sinks=4`` (blocks as long as the CPU's 32 MiB of
+    an 8 MiB output), the peak beyond the output is 1.4 MiB plain, 40.1 MiB causal and 43.5
+    MiB with ``window=16, sinks=4`` (blocks as long as the CPU's 64 MiB of
     ``working_memory`` allow: fewer, larger array operations).
 
     Parameters
@@ -284,7 +284,7 @@ def rfa(
         (any ``K`` with ``return_state``); None: 0, or that of ``state``.
     working_memory : int, optional
         Bytes of intermediates a block of the causal scan (and of ``window``/``sinks``)
-        may hold; sets ``block_size``. None: 1 GiB on a GPU, 32 MiB on a CPU
+        may hold; sets ``block_size``. None: 1 GiB on a GPU, 64 MiB on a CPU
         (:func:`xattn.default_working_memory`).
     state : RFAState, optional
         Continue a sequence (``causal=True``): q, k, v are the ``L`` tokens after the ``P``
