@@ -11,13 +11,12 @@ as one block, and makes no tensor of the order of the block squared.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
 
 import xattn
 import xattn._decode
+from op_counting import op_counter
 
 lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
 
@@ -96,32 +95,6 @@ def test_sinks_longer_than_the_prefill(backend, rng):
                                atol=1e-10 * max(1.0, float(np.max(np.abs(expected)))))
 
 
-def _op_counter():
-    """A ``TorchDispatchMode`` counting the aten operations dispatched (``count``, ``ops``
-    by name, as ``benchmarks/bench_ops.py``'s ``OpCounter``) and the largest number of
-    elements of a tensor they return (``largest``)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpCounter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-            self.ops: Counter[str] = Counter()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.count += 1
-            self.ops[f"aten.{func.overloadpacket.__name__}"] += 1
-            for x in out if isinstance(out, tuple | list) else (out,):
-                if isinstance(x, torch.Tensor):
-                    self.largest = max(self.largest, x.numel())
-            return out
-
-    return OpCounter()
-
-
 @pytest.mark.parametrize(("window", "sinks"), [(5, 3), (20, 0), (1, 1), (0, 3)])
 def test_torch_band_operations_do_not_grow_with_the_prefill(monkeypatch, window, sinks):
     """A prefill of 512 and of 2048 tokens as one block (``block_size`` the prefill: the
@@ -135,7 +108,7 @@ def test_torch_band_operations_do_not_grow_with_the_prefill(monkeypatch, window,
     exact_partial = xattn._decode.exact_partial
 
     def counted(*args, **kwargs):
-        with _op_counter() as counter:
+        with op_counter() as counter:
             result = exact_partial(*args, **kwargs)
         counters.append(counter)
         return result

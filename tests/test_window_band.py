@@ -12,11 +12,11 @@ huge key outside a row's band does not reach that row's gradients.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 
 import numpy as np
 import pytest
 
+from op_counting import op_counter
 from xattn._array import prepare_attention
 from xattn._window import _band_chunks, _exact_partial
 
@@ -211,32 +211,6 @@ def test_dask_stays_lazy_and_keeps_the_query_chunks(rng):
         np.testing.assert_allclose(sums.compute(), expected_sums, rtol=1e-12, atol=1e-12)
 
 
-def _op_counter():
-    """A ``TorchDispatchMode`` that counts the aten operations torch dispatches (as
-    ``benchmarks/bench_ops.py``'s ``OpCounter``: ``count``, ``ops`` by name) and keeps the
-    largest number of elements of a tensor they return (``largest``)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpCounter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-            self.ops: Counter[str] = Counter()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.count += 1
-            self.ops[f"aten.{func.overloadpacket.__name__}"] += 1
-            for x in out if isinstance(out, tuple | list) else (out,):
-                if isinstance(x, torch.Tensor):
-                    self.largest = max(self.largest, x.numel())
-            return out
-
-    return OpCounter()
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_operations_do_not_grow_with_the_block(causal):
     """The same aten operations at N = 256 and N = 4096 (forward and backward), and no
@@ -250,9 +224,9 @@ def test_torch_operations_do_not_grow_with_the_block(causal):
                                                                   batch=(1, 2)))
         q, k, v = (x.requires_grad_() for x in (q, k, v))
         inputs = prepare_attention(q, k, v, key_mask=key_mask)
-        with _op_counter() as forward:
+        with op_counter() as forward:
             _, sums, _ = _exact_partial(inputs.xp, inputs, 0, length, window, sinks, causal)
-        with _op_counter() as backward:
+        with op_counter() as backward:
             (sums[..., :-1] / sums[..., -1:]).sum().backward()
         counts[length] = (forward.count, backward.count, forward.ops, backward.ops)
         size, _ = _band_chunks(window, length)
