@@ -164,7 +164,7 @@ def _broadcast_lead(xp: Any, x: Array, lead: tuple[int, ...], trailing: int) -> 
     return x if tuple(x.shape) == target else xp.broadcast_to(x, target)
 
 
-def _concat_last(xp: Any, arrays: list[Array], axis: int) -> Array:
+def _broadcast_concat(xp: Any, arrays: list[Array], axis: int) -> Array:
     """``arrays`` joined along ``axis`` (-1 or -2), their other axes broadcast first."""
     ndim = max(x.ndim for x in arrays)
     shape = [1] * ndim
@@ -307,9 +307,9 @@ class PositiveMap:
         shift = xp.max(stop_gradient(p) + bound, axis=-1, keepdims=True)  # (..., J, b, 1)
         shifted = p - finite_shift(xp, shift)
         # the state before the chunk and the chunk's own pairs, read out by one product
-        weights = _concat_last(xp, [xp.exp(shifted + before_max), pair_kernel(xp, shifted, a)],
+        weights = _broadcast_concat(xp, [xp.exp(shifted + before_max), pair_kernel(xp, shifted, a)],
                                axis=-1)  # (..., J, b, S + b)
-        sums = weights @ _concat_last(xp, [xp.moveaxis(before_sums, -3, -2), values], axis=-2)
+        sums = weights @ _broadcast_concat(xp, [xp.moveaxis(before_sums, -3, -2), values], axis=-2)
         sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
         shift = xp.reshape(shift, (*shift.shape[:-3], length, 1))
         return (shift, sums, sums[..., -1:]), new_state
@@ -405,7 +405,7 @@ class TrigonometricMap:
         chunk_max = xp.max(fixed_log_weights, axis=-2)  # (..., J, 1)
         weights = xp.exp(log_weights - finite_shift(xp, chunk_max)[..., None, :])
         chunk_sums = xp.matrix_transpose(k_features) @ (weights * values)  # (..., J, 2S, E)
-        chunk_sums = _concat_last(xp, [xp.reshape(chunk_sums, (*chunk_sums.shape[:-2], flat)),
+        chunk_sums = _broadcast_concat(xp, [xp.reshape(chunk_sums, (*chunk_sums.shape[:-2], flat)),
                                        xp.sum(weights, axis=-2)], axis=-1)
         carried = None
         lead = chunk_sums.shape[:-2]
