@@ -22,14 +22,14 @@ BAD_OPTION_VALUES = {
     "rfa": {"num_features": [0, 2.5, True], "feature_map": ["relu"],
             "orthogonal": ["yes", 1], "sample_norm": ["unit"], "scale": [0.0],
             "block_size": [0, 2.5], "chunk_size": [0, 2.5], "window": [-1, 1.5, "a"],
-            "sinks": [-1, 2.5, "a"]},
+            "sinks": [-1, 2.5, "a"], "working_memory": [0, 2.5, "1 GiB"]},
     "ra": {"num_samples": [0, 2.5, 512.0], "noise_scale": [-1.0, "x", math.nan],
            "scale": ["x"], "chunk_size": [0, 1.5]},
     "lara": {"num_samples": [0, 2.5, 2.0, -1, (2, 2)], "grid": [(0, 4), "8x8", (2.5, 4)],
              "proposal": ["uniform"],
              "weighting": ["uniform"], "beta": ["2", math.nan],
              "noise_scale": [-0.5, True, math.inf], "scale": [-2.0], "chunk_size": [0, 1.5],
-             "defensive": [-1, 1.5, "2"]},
+             "defensive": [-1, 1.5, "2"], "working_memory": [0, -8, 1.5]},
 }
 BAD_OPTION_CASES = [(estimator, option, value)
                     for estimator, options in BAD_OPTION_VALUES.items()

@@ -116,10 +116,10 @@ def test_causal_rfa_is_the_formula_on_every_prefix_whatever_the_block(
 @pytest.mark.parametrize("shapes", [((2, 1), (1, 3), (1, 3)), ((1, 1), (1, 1), (1, 3)),
                                     ((2, 1), (1, 1), (1, 1)), ((1, 3), (2, 1), (2, 3))])
 @pytest.mark.parametrize("feature_map", ["positive", "trigonometric"])
-@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize(("causal", "window"), [(True, 0), (True, 3), (False, 3)])
 @pytest.mark.filterwarnings("ignore::xattn.TrigonometricDenominatorWarning")
 def test_leading_dimensions_broadcast_in_the_first_block(backend, rng, shapes, feature_map,
-                                                         window):
+                                                         causal, window):
     """The first block merges no carried state, so its statistics keep the keys' and
     values' own leading shapes: the same result as inputs broadcast beforehand."""
     xp = backend.ns
@@ -129,7 +129,8 @@ def test_leading_dimensions_broadcast_in_the_first_block(backend, rng, shapes, f
     v = rng.normal(size=(*value_lead, 37, 3))
     omega = rng.normal(size=(8, 4))
     full = np.broadcast_shapes(query_lead, key_lead, value_lead)
-    options = dict(causal=True, feature_map=feature_map, window=window, sinks=1 if window else 0)
+    options = dict(causal=causal, feature_map=feature_map, window=window,
+                   sinks=1 if window else 0)
     expected = xattn.rfa(*(np.broadcast_to(x, full + x.shape[-2:]) for x in (q, k, v)),
                          omega=omega, block_size=16, **options)
     out = xattn.rfa(*(backend.asarray(x) for x in (q, k, v)), omega=backend.asarray(omega),

@@ -311,7 +311,8 @@ class PositiveMap:
                                axis=-1)  # (..., J, b, S + b)
         sums = weights @ _broadcast_concat(xp, [xp.moveaxis(before_sums, -3, -2), values], axis=-2)
         sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
-        shift = xp.reshape(shift, (*shift.shape[:-3], length, 1))
+        shift = _broadcast_lead(xp, xp.reshape(shift, (*shift.shape[:-3], length, 1)),
+                                sums.shape[:-2], 2)  # the partial's parts shaped alike
         return (shift, sums, sums[..., -1:]), new_state
 
 
@@ -437,8 +438,11 @@ class TrigonometricMap:
         new_state = (xp.reshape(after_max, (*lead, 1, 1)),
                      xp.reshape(after_sums[..., 0, :flat], (*lead, num_features, width)),
                      xp.reshape(after_sums[..., 0, flat:], (*lead, 1, 1)))
-        return (tuple(xp.reshape(x, (*x.shape[:-3], length, x.shape[-1]))
-                      for x in (row_max, sums, weight)), new_state)
+        sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
+        row_max, weight = (  # the partial's parts shaped alike
+            _broadcast_lead(xp, xp.reshape(x, (*x.shape[:-3], length, 1)), sums.shape[:-2], 2)
+            for x in (row_max, weight))
+        return (row_max, sums, weight), new_state
 
 
 def block_positions(*, length: int, batch_size: int, num_features: int, width: int,
