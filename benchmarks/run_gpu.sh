@@ -14,7 +14,8 @@
 # write OUTDIR/test_outcomes.txt (one line per finished test) and OUTDIR/tests_summary.txt
 # (counts per GPU backend and the failures, also after a cut-off). The exit status is
 # nonzero only when the setup fails. The limits (seconds) can be changed through the
-# environment: TESTS_S, BENCH_TORCH_S, BENCH_CUPY_S, BENCH_JAX_S, DECODE_S, OPS_S; the
+# environment: TESTS_S, BENCH_TORCH_S, CAUSAL_S, BENCH_CUPY_S, BENCH_JAX_S, DECODE_S, OPS_S
+# (0 skips that benchmark stage); the
 # number of pytest workers through WORKERS (default 12). Arguments after OUTDIR go to
 # pytest (for example -m "not slow").
 set -uo pipefail
@@ -31,14 +32,15 @@ ROOT=$(pwd)
 PYTHON=${PYTHON:-python3}
 WORKERS=${WORKERS:-12}
 # the limits in seconds, the stages' including the time before SIGKILL: setup 25 (pip)
-# + 20 (import check) + 10 (nvidia-smi) + 30 (versions), tests 235, benchmarks 65 + 35
-# + 55 + 40 + 40 (10 of them for bench_ops.py --help), summary 10: 565 in all
-TESTS_S=${TESTS_S:-235}
+# + 20 (import check) + 10 (nvidia-smi) + 30 (versions), tests 220, benchmarks 65 + 45
+# + 35 + 50 + 35 + 30 (10 of them for bench_ops.py --help), summary 10: 575 in all
+TESTS_S=${TESTS_S:-220}
 BENCH_TORCH_S=${BENCH_TORCH_S:-65}
+CAUSAL_S=${CAUSAL_S:-45}
 BENCH_CUPY_S=${BENCH_CUPY_S:-35}
-BENCH_JAX_S=${BENCH_JAX_S:-55}
-DECODE_S=${DECODE_S:-40}
-OPS_S=${OPS_S:-40}
+BENCH_JAX_S=${BENCH_JAX_S:-50}
+DECODE_S=${DECODE_S:-35}
+OPS_S=${OPS_S:-30}
 GPU_BACKENDS=cupy,torch-cuda,jax-gpu
 
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the pytest workers share the GPU
@@ -115,21 +117,29 @@ timeout 10 "$PYTHON" benchmarks/summarize_test_log.py "$OUT/test_outcomes.txt" \
     "$OUT/tests.log" > "$OUT/tests_summary.txt" 2>&1
 
 # --- benchmarks: each backend in its own stage ------------------------------------------
+# a stage whose limit is 0 is skipped
 LENGTHS=1024,4096,16384,65536
-stage bench_gpu_torch-cuda "$BENCH_TORCH_S" "$PYTHON" benchmarks/bench_gpu.py \
-    --backends torch-cuda --dtypes float32,bfloat16 --lengths $LENGTHS --ra-max 4096 \
-    --repeats 3 --time-limit 0.1 --out "$OUT/bench_gpu_torch-cuda.json"
-stage bench_gpu_cupy "$BENCH_CUPY_S" "$PYTHON" benchmarks/bench_gpu.py \
-    --backends cupy --dtypes float32 --lengths $LENGTHS --ra-max 4096 \
-    --repeats 3 --time-limit 0.1 --out "$OUT/bench_gpu_cupy.json"
-stage bench_gpu_jax-gpu "$BENCH_JAX_S" "$PYTHON" benchmarks/bench_gpu.py \
-    --backends jax-gpu --dtypes float32 --lengths 1024,4096,16384 --ra-max 4096 \
-    --repeats 3 --time-limit 0.1 --out "$OUT/bench_gpu_jax-gpu.json"
+[ "$BENCH_TORCH_S" -gt 0 ] && stage bench_gpu_torch-cuda "$BENCH_TORCH_S" "$PYTHON" \
+    benchmarks/bench_gpu.py --backends torch-cuda --dtypes float32,bfloat16 \
+    --lengths $LENGTHS --ra-max 4096 --repeats 3 --time-limit 0.1 \
+    --out "$OUT/bench_gpu_torch-cuda.json"
+# causal RFA S = 64 in training (forward + backward) against causal SDPA
+[ "$CAUSAL_S" -gt 0 ] && stage causal_rfa_torch-cuda "$CAUSAL_S" "$PYTHON" \
+    benchmarks/bench_causal_rfa.py --device cuda --dtypes float32,bfloat16 --shape 4,8,64 \
+    --features 64 --lengths 1024,4096,16384 --runs 1 --repeats 3 \
+    --output "$OUT/causal_rfa_torch-cuda.json"
+[ "$BENCH_CUPY_S" -gt 0 ] && stage bench_gpu_cupy "$BENCH_CUPY_S" "$PYTHON" \
+    benchmarks/bench_gpu.py --backends cupy --dtypes float32 --lengths $LENGTHS \
+    --ra-max 4096 --repeats 3 --time-limit 0.1 --out "$OUT/bench_gpu_cupy.json"
+[ "$BENCH_JAX_S" -gt 0 ] && stage bench_gpu_jax-gpu "$BENCH_JAX_S" "$PYTHON" \
+    benchmarks/bench_gpu.py --backends jax-gpu --dtypes float32 --lengths 1024,4096,16384 \
+    --ra-max 4096 --repeats 3 --time-limit 0.1 --out "$OUT/bench_gpu_jax-gpu.json"
 # per-token decoding on torch-CUDA: bench_decode.py runs on the CPU only; `xattn bench
 # --decode` is the same measurement on any device
-stage decode_torch-cuda "$DECODE_S" "$PYTHON" -m xattn.cli bench --decode --backend torch \
-    --device cuda --lengths $LENGTHS --no-progress --out "$OUT/decode_torch-cuda"
-if [ -f benchmarks/bench_ops.py ]; then
+[ "$DECODE_S" -gt 0 ] && stage decode_torch-cuda "$DECODE_S" "$PYTHON" -m xattn.cli bench \
+    --decode --backend torch --device cuda --lengths $LENGTHS --no-progress \
+    --out "$OUT/decode_torch-cuda"
+if [ "$OPS_S" -gt 10 ] && [ -f benchmarks/bench_ops.py ]; then
     ops_args=()
     ops_help=$(timeout 10 "$PYTHON" benchmarks/bench_ops.py --help 2>&1)
     case $ops_help in *--backends*) ops_args+=(--backends "$GPU_BACKENDS") ;; esac
