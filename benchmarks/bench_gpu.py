@@ -51,6 +51,20 @@ BACKENDS = {"torch-cuda": ("torch", "cuda"), "cupy": ("cupy", "cuda"),
             "jax-gpu": ("jax", "cuda"), "torch": ("torch", "cpu"), "jax": ("jax", "cpu")}
 
 
+def method_names(text: str) -> list[str]:
+    """The methods of a comma-separated ``--methods``, whose names may hold a comma
+    ("softmax (native, causal)"): pieces are joined until they name a method."""
+    names, pending = [], ""
+    for piece in text.split(","):
+        pending = f"{pending},{piece}" if pending else piece.strip()
+        if pending in METHODS:
+            names.append(pending)
+            pending = ""
+    if pending:
+        raise SystemExit(f"--methods: unknown method {pending!r}; choose among {METHODS}")
+    return names
+
+
 def method_function(name: str, args: argparse.Namespace, library: str) -> Any:
     """``f(q, k, v)`` computing ``name``; None where the backend has no such method."""
     import xattn
@@ -144,7 +158,7 @@ def run_backend(args: argparse.Namespace) -> dict[str, Any]:
     args.torch_device = "cuda:0" if device == "cuda" else "cpu"
     timer = Timer(library, backend)
     calls: dict[str, Any] = {}
-    for name in args.methods.split(","):
+    for name in method_names(args.methods):
         function = method_function(name, args, library)
         if function is not None:
             calls[name] = jax_jit(function) if library == "jax" else function
@@ -297,6 +311,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     from xattn.cli.figures import loglog_axes, new_figure, save_figure
 
     runs = [run for run in report["runs"] if run.get("rows")]
+    if not runs:
+        return
     figure, axes = new_figure(ncols=len(runs), width=4.2, height=4.2)
     axes = axes if len(runs) > 1 else [axes]
     styles = dict(zip(METHODS, ("k-", "k--", "k:", "C0-", "C0--", "C1-", "C2-", "C3-",

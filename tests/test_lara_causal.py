@@ -154,7 +154,7 @@ def test_pieces_with_the_state_equal_one_call(backend, rng, pieces):
         assert isinstance(state, xattn.LARAState)
         outputs.append(backend.to_numpy(out))
         start += length
-    backend.check(xp.asarray(np.concatenate(outputs, axis=1)), backend.to_numpy(whole),
+    backend.check(backend.asarray(np.concatenate(outputs, axis=1)), backend.to_numpy(whole),
                   dtype=xp.float64, rtol=1e-10)
     assert int(state.features.position) == q.shape[-2]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 
+import array_api_compat
 import numpy as np
 import pytest
 
@@ -29,7 +30,7 @@ def lara_means(xp, q, options):
     which Dask could only compare by computing)."""
     if options.get("state") is not None:
         return None
-    return xp.asarray(PROPOSAL_MEANS, dtype=q.dtype)
+    return xp.asarray(PROPOSAL_MEANS, dtype=q.dtype, device=array_api_compat.device(q))
 
 
 # name -> function of (q, k, v, xp, **options)

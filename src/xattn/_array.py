@@ -625,9 +625,10 @@ def cumulative_max(x: Array, axis: int) -> Array:
     """The running maximum of ``x`` along ``axis``: ``max(x[..., :i + 1])`` at ``i``.
 
     The standard has no cumulative maximum, so this delegates to the library's own where it
-    has one (``torch.cummax``, ``jax.lax.cummax``, ``numpy.maximum.accumulate`` and CuPy's),
-    one operation; elsewhere (Dask, array-api-strict) it doubles: ``ceil(log2(L))`` steps of
-    shift and ``maximum``. NaN propagates in every form.
+    has one (``torch.cummax``, ``jax.lax.cummax``, ``numpy.maximum.accumulate``), one
+    operation; elsewhere (CuPy, whose ``maximum`` has no ``accumulate``; Dask,
+    array-api-strict) it doubles: ``ceil(log2(L))`` steps of shift and ``maximum``. NaN
+    propagates in every form.
     """
     axis = axis % x.ndim
     if array_api_compat.is_torch_array(x):
@@ -638,9 +639,8 @@ def cumulative_max(x: Array, axis: int) -> Array:
         import jax
 
         return jax.lax.cummax(x, axis=axis)
-    if array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x):
-        module = np if array_api_compat.is_numpy_array(x) else importlib.import_module("cupy")
-        return module.maximum.accumulate(x, axis=axis)
+    if array_api_compat.is_numpy_array(x):
+        return np.maximum.accumulate(x, axis=axis)
     xp = array_api_compat.array_namespace(x)
     length, step = x.shape[axis], 1
     while step < length:
