@@ -229,32 +229,111 @@ def test_result_does_not_depend_on_chunk_size(backend, rng, biased):
         backend.check(out, expected, dtype=xp.float64)
 
 
+@pytest.mark.parametrize("biased", [False, True])
+def test_result_does_not_depend_on_working_memory(backend, rng, biased):
+    """Steps as long as ``working_memory`` allows: one (query, sample) row (1 byte), two
+    (samples of one query split 2, 2, 1), a query and a half (whole queries), four queries,
+    all of them (the default). A row holds 6 float64 numbers and 2 booleans per key, times
+    the batch of 2 and M = 6 keys: 600 bytes. Every grouping equals the reference with the
+    same draws."""
+    xp = backend.ns
+    q, k, v = make_qkv(rng, **BACKEND_CASE)
+    key_mask = np.array([[True, False, True, True, True, True],
+                         [True, True, True, False, False, True]])
+    uniforms, noise = host_draws(SEED, (2,), 7, 5, 4, biased=biased)
+    expected = reference.randomized_attention(q, k, v, uniforms, noise, biased=biased,
+                                              key_mask=key_mask, causal=True)
+    arrays = tuple(map(backend.asarray, (q, k, v)))
+    for working_memory in (1, 1_300, 4_500, 12_000, None):
+        out = xattn.ra(*arrays, num_samples=5, biased=biased, key_mask=backend.asarray(key_mask),
+                       causal=True, working_memory=working_memory, rng=SEED)
+        backend.check(out, expected, dtype=xp.float64)
+
+
+def test_working_memory_and_chunk_size_give_the_same_steps():
+    """An explicit ``chunk_size`` overrides the budget; a budget of R rows' bytes makes
+    the steps of ``chunk_size=R``: the very same operations, so bit-identical results."""
+    q, k, v = make_qkv(np.random.default_rng(3), batch=(3,), num_queries=40, num_keys=70)
+    per_row = 3 * 70 * (6 * 8 + 2)  # batch x keys x bytes per (row, key)
+    for rows, num_samples in ((1, 3), (7, 3), (64, 2), (200, 1)):
+        options = {"num_samples": num_samples, "causal": True, "rng": 5}
+        by_budget = xattn.ra(q, k, v, working_memory=rows * per_row, **options)
+        by_chunks = xattn.ra(q, k, v, chunk_size=rows, **options)
+        np.testing.assert_array_equal(by_budget, by_chunks)
+        overridden = xattn.ra(q, k, v, chunk_size=rows, working_memory=1, **options)
+        np.testing.assert_array_equal(overridden, by_chunks)
+
+
+def _count_operations(length, **options):
+    """Aten operations dispatched by one forward call on (1, 2, length, 64) float32."""
+    torch = pytest.importorskip("torch")
+    from op_counting import op_counter
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, length, 64, generator=generator) for _ in range(3))
+    if options.get("key_mask") is True:
+        options["key_mask"] = torch.arange(length) % 5 != 3
+    with op_counter() as counter:
+        xattn.ra(q, k, v, rng=0, **options)
+    return counter.count
+
+
+@pytest.mark.parametrize("options", [
+    {"num_samples": 1}, {"num_samples": 3, "causal": True, "key_mask": True},
+    {"num_samples": 2, "biased": True, "causal": True},
+    {"biased": True, "deterministic": True, "key_mask": True}], ids=str)
+def test_operations_do_not_grow_below_the_budget(options):
+    """Below the working-memory budget a call is one step: the same number of dispatched
+    operations at two lengths (both with a last partial block of 32 keys in the inverse
+    CDF's cumulative sums); the loop over queries in blocks of 128 dispatched about 78 per
+    block. Beyond the budget, the count grows by the same amount per step."""
+    counts = [_count_operations(length, working_memory=2**30, **options)
+              for length in (100, 420)]
+    assert counts[0] == counts[1], counts
+    per_row = 2 * 420 * (6 * 4 + 2) * options.get("num_samples", 1)  # one query's rows
+    steps = {n: _count_operations(420, working_memory=per_row * -(-420 // n), **options)
+             for n in (2, 3, 5)}
+    assert steps[5] - steps[3] == 2 * (steps[3] - steps[2]) > 0, steps
+
+
+def test_operations_at_the_length_of_the_target():
+    """``benchmarks/bench_ops.py``'s row: S = 1, (1, 2, 1024, 64) float32, the CPU's
+    default budget (64 MiB holds all 1,024 rows): at most 150 operations (653 with the
+    loop over blocks of 128 queries; 101 measured)."""
+    assert _count_operations(1024, num_samples=1) <= 150
+
+
 def test_working_memory_does_not_grow_with_samples():
     """NumPy, tracemalloc: beyond its draws (uniforms and normals, (..., N, S, D + 1)
-    float64), a call holds a few (..., chunk_size, M) arrays, whatever S. Measured peaks
-    at batch 4, N = M = 256, D = 16: 5.9 MiB at S = 4 and 13.4 MiB at S = 64 (draws 0.5
-    and 8.5 MiB; one (4, 128, 256) float64 array is 1 MiB); the earlier implementation,
-    which held all S samples' (..., 128, S, M) statistics at once, peaked at 416 MiB for
-    S = 64. Allow the draws plus twelve such arrays."""
+    float64), a call holds at most ``working_memory`` (steps of (query, sample) rows whose
+    (..., rows, M) arrays fit it), whatever S; with an explicit ``chunk_size`` a few
+    (..., chunk_size, M) arrays. Measured peaks beyond the draws at batch 4, N = M = 256,
+    D = 16: 28 and 32 MiB at S = 4 and 64 under the CPU's default 64 MiB, 5.1 and 4.1 MiB
+    under 8 MiB; the earlier implementation, which held all S samples' (..., 128, S, M)
+    statistics at once, peaked at 416 MiB for S = 64."""
     from xattn.cli.measure import tracemalloc_peak
 
     gen = np.random.default_rng(0)
     batch, length, dim = 4, 256, 16
     q, k, v = (gen.normal(size=(batch, length, dim)) for _ in range(3))
     xattn.ra(q[:, :2], k, v, causal=True, rng=0)  # first-call allocations (imports, caches)
-    chunk_array = batch * 128 * length * 8
+    chunk_array = batch * 128 * length * 8  # one (4, 128, 256) float64 array: 1 MiB
     for num_samples in (4, 64):
-        _, peak = tracemalloc_peak(lambda s=num_samples: xattn.ra(
-            q, k, v, num_samples=s, causal=True, rng=0))
         draws = batch * length * num_samples * (dim + 1) * 8
-        assert peak < draws + 12 * chunk_array, (num_samples, peak / 2**20)
+        for options, bound in (({}, xattn.default_working_memory(q)),
+                               ({"working_memory": 8 * 2**20}, 8 * 2**20),
+                               ({"chunk_size": 128}, 12 * chunk_array)):
+            _, peak = tracemalloc_peak(lambda s=num_samples, o=options: xattn.ra(
+                q, k, v, num_samples=s, causal=True, rng=0, **o))
+            assert peak < draws + bound, (num_samples, options, peak / 2**20)
 
 
 def test_working_memory_at_the_size_of_the_memory_issue():
     """NumPy, tracemalloc, the shape of the issue on RA's memory: S = 64 samples,
     N = M = 512, 12 heads, D = 64, float32. The peak (inputs excluded) is measured at
-    294 MiB, most of it the draws (a uniform and D normals for each of the 12 x 512 x 64
-    (query, sample) pairs), the rest a few (12, chunk_size, M) arrays; it must stay under
+    297 MiB, most of it the draws (a uniform and D normals for each of the 12 x 512 x 64
+    (query, sample) pairs, drawn in float64 on the host), the rest a step's intermediates
+    (at most the CPU's 64 MiB of ``working_memory``, fewer than the draws); it must stay under
     400 MiB (``benchmarks/bench_ra.py`` reports the same figure). About 7 s."""
     from xattn.cli.measure import tracemalloc_peak
 
@@ -417,6 +496,10 @@ def test_bad_input(rng):
         xattn.ra(q, k, v, num_samples=1.5)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         xattn.ra(q, k, v, chunk_size=0)
+    with pytest.raises(ValueError, match="working_memory must be >= 1"):
+        xattn.ra(q, k, v, working_memory=0)
+    with pytest.raises(TypeError, match="working_memory"):
+        xattn.ra(q, k, v, working_memory=2.5)
     with pytest.raises(ValueError, match="deterministic=True requires biased=True"):
         xattn.ra(q, k, v, deterministic=True)
     with pytest.raises(TypeError, match="biased must be a bool"):

@@ -727,3 +727,16 @@ def native_attention(inputs: AttentionInputs, causal: bool, *,
     if out.dtype != inputs.compute_dtype:
         out = xp.astype(out, inputs.compute_dtype)
     return out if has_keys is None else xp.where(has_keys, out, xp.zeros_like(out))
+
+
+def take_rows(x: Array, indices: Array) -> Array:
+    """``x[indices]`` along axis 0 for nonnegative integer ``indices`` (1-D): ``xp.take``.
+
+    On torch one ``index_select``: array_api_compat's ``take`` first maps negative indices
+    (three more operations, kernel launches on a GPU, on every call).
+    """
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        return torch.index_select(x, 0, indices)
+    return array_api_compat.array_namespace(x).take(x, indices, axis=0)

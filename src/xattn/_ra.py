@@ -32,21 +32,16 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import array_api_compat
-
 from xattn._array import (
     Array,
     AttentionInputs,
+    default_working_memory,
     prepare_attention,
     sequence_positions,
+    take_rows,
 )
 from xattn._decode import extend_cache
-from xattn._options import (
-    DEFAULT_RA_CHUNK_SIZE,
-    check_bool,
-    check_noise_scale,
-    check_positive_int,
-)
+from xattn._options import check_bool, check_noise_scale, check_positive_int
 from xattn._primitives import (
     finite_inputs,
     finite_shift,
@@ -59,6 +54,7 @@ from xattn._state import RAState, check_state_call
 from xattn.random import as_generator
 
 __all__ = ["ra"]
+
 
 def _allowed_keys(xp: Any, key_mask: Array | None, query_positions: Array | None,
                   key_positions: Array) -> Array | None:
@@ -75,64 +71,6 @@ def _allowed_keys(xp: Any, key_mask: Array | None, query_positions: Array | None
     return allowed
 
 
-def _softmax_terms(xp: Any, logits: Array, allowed: Array | None) -> tuple[Array, Array]:
-    """Unnormalized softmax weights ``exp(logits - max)`` over the allowed entries of the
-    last axis, and their sums (..., 1). The caller divides only what it needs (a product
-    with the weights, or the thresholds of the inverse CDF): one pass over (..., R, M)
-    fewer than normalizing the weights. A row without allowed entries has all-zero
-    weights and sum 0."""
-    if allowed is not None:
-        logits = xp.where(allowed, logits, -xp.inf)
-    weights = xp.exp(logits - finite_shift(xp, xp.max(logits, axis=-1, keepdims=True)))
-    return weights, xp.sum(weights, axis=-1, keepdims=True)
-
-
-def _cumulative_sum(xp: Any, x: Array, block: int = 32) -> Array:
-    """Inclusive cumulative sum along the last axis.
-
-    Where the namespace can gather (not Dask), blocks of ``block`` entries are summed by one
-    matrix product with an upper-triangular matrix of ones and then offset by the running
-    block totals: the same sums up to rounding, and on NumPy about 1.6 times faster than a
-    sequential ``cumulative_sum`` over the (..., B, M) weights.
-    """
-    length = x.shape[-1]
-    if length < 2 * block or not hasattr(xp, "take_along_axis"):
-        return xp.cumulative_sum(x, axis=-1)
-    full = length - length % block
-    positions = xp.arange(block, device=array_api_compat.device(x))
-    upper = xp.astype(positions[:, None] <= positions[None, :], x.dtype)  # (block, block)
-    sums = xp.reshape(x[..., :full], (*x.shape[:-1], full // block, block)) @ upper
-    block_totals = sums[..., -1]  # (..., M // block)
-    running = xp.cumulative_sum(block_totals, axis=-1)
-    head = xp.reshape(sums + (running - block_totals)[..., None], (*x.shape[:-1], full))
-    if full == length:
-        return head
-    tail = xp.cumulative_sum(x[..., full:], axis=-1) + running[..., -1:]
-    return xp.concat([head, tail], axis=-1)
-
-
-def _normalized(xp: Any, sums: Array, totals: Array) -> Array:
-    """``sums / totals``, with 0 where the total is 0 (a row without allowed keys)."""
-    return sums / nonzero_divisor(xp, totals)
-
-
-def _gather_keys(xp: Any, k_hat: Array, component: Array, key_positions: Array,
-                 batch: tuple[int, ...]) -> Array:
-    """``k_hat[..., z, :]`` for the components ``z`` (..., R): (..., R, D).
-
-    A gather (``take_along_axis``) where the namespace has one, which is differentiable
-    in k on torch and JAX and costs O(R D). Dask has none: there a one-hot matrix, built
-    against the key positions (chunked like the keys), selects the rows in one matrix
-    product, O(R M D).
-    """
-    if hasattr(xp, "take_along_axis"):
-        keys = xp.broadcast_to(k_hat, (*batch, *k_hat.shape[-2:]))
-        return xp.take_along_axis(keys, component[..., None], axis=-2)
-    # not xpx.one_hot: it compares with an unchunked arange(M), one Dask block of all keys
-    one_hot = xp.astype(component[..., None] == key_positions, k_hat.dtype)  # (..., R, M)
-    return one_hot @ k_hat
-
-
 class _Keys(NamedTuple):
     """The key side of RA, shared by every query: the scaled keys and values."""
 
@@ -145,21 +83,94 @@ class _Keys(NamedTuple):
     key_positions: Array  # (M,), chunked like the keys on Dask
     key_mask: Array | None
     batch: tuple[int, ...]
+    stacked_keys: Array | None  # (prod(batch) M, D): every batch entry's keys; not Dask
+    key_offsets: Array | None  # (*batch, 1, 1): the row of each entry's key 0 in them
+    block_sums: Array | None  # the upper-triangular ones of _cumulative_sum
 
 
-def _key_side(inputs: AttentionInputs) -> _Keys:
+def _softmax_terms(keys: _Keys, logits: Array, allowed: Array | None) -> tuple[Array, Array]:
+    """Unnormalized softmax weights ``exp(logits - max)`` over the allowed entries of the
+    last axis, and their sums (..., 1). The caller divides only what it needs (a product
+    with the weights, or the thresholds of the inverse CDF): one pass over (..., R, M)
+    fewer than normalizing the weights. A row without allowed entries (only under a
+    ``key_mask``: a causal row always sees key 0) has all-zero weights and sum 0."""
+    xp = keys.xp
+    if allowed is not None:
+        logits = xp.where(allowed, logits, -xp.inf)
+    top = xp.max(logits, axis=-1, keepdims=True)
+    weights = xp.exp(logits - (top if keys.key_mask is None else finite_shift(xp, top)))
+    return weights, xp.sum(weights, axis=-1, keepdims=True)
+
+
+def _cumulative_sum(xp: Any, x: Array, upper: Array | None) -> Array:
+    """Inclusive cumulative sum along the last axis.
+
+    With ``upper`` (an upper-triangular (b, b) matrix of ones, :func:`_key_side`), blocks
+    of b entries are summed by one matrix product with it and then offset by the running
+    block totals: the same sums up to rounding, and on NumPy about 1.6 times faster than a
+    sequential ``cumulative_sum`` over the (..., B, M) weights.
+    """
+    if upper is None:
+        return xp.cumulative_sum(x, axis=-1)
+    length, block = x.shape[-1], upper.shape[0]
+    full = length - length % block
+    sums = xp.reshape(x[..., :full], (*x.shape[:-1], full // block, block)) @ upper
+    block_totals = sums[..., -1]  # (..., M // block)
+    running = xp.cumulative_sum(block_totals, axis=-1)
+    head = xp.reshape(sums + (running - block_totals)[..., None], (*x.shape[:-1], full))
+    if full == length:
+        return head
+    tail = xp.cumulative_sum(x[..., full:], axis=-1) + running[..., -1:]
+    return xp.concat([head, tail], axis=-1)
+
+
+def _normalized(keys: _Keys, sums: Array, totals: Array) -> Array:
+    """``sums / totals``, with 0 where the total is 0 (a row without allowed keys)."""
+    return sums / (totals if keys.key_mask is None else nonzero_divisor(keys.xp, totals))
+
+
+def _gather_keys(keys: _Keys, component: Array) -> Array:
+    """``k_hat[..., z, :]`` for the components ``z`` (..., B, G): (..., B, G, D).
+
+    One gather from the keys of all batch entries stacked (differentiable in k on torch
+    and JAX, O(B G D)); on Dask a one-hot matrix, built against the key positions (chunked
+    like the keys), selects them in one matrix product, O(B G M D)."""
+    xp, head_dim = keys.xp, keys.k_hat.shape[-1]
+    if keys.stacked_keys is not None:
+        assert keys.key_offsets is not None
+        rows = take_rows(keys.stacked_keys, xp.reshape(component + keys.key_offsets, (-1,)))
+        return xp.reshape(rows, (*component.shape, head_dim))
+    # not xpx.one_hot: it compares with an unchunked arange(M), one Dask block of all keys
+    rows = xp.reshape(component, (*component.shape[:-2], -1))  # (..., B G)
+    one_hot = xp.astype(rows[..., None] == keys.key_positions, keys.k_hat.dtype)
+    return xp.reshape(one_hot @ keys.k_hat, (*component.shape, head_dim))
+
+
+def _key_side(inputs: AttentionInputs, *, biased: bool) -> _Keys:
     r""":math:`\hat k = \sqrt{s}\,k`, and the columns :math:`[\hat k_m, -\lVert \hat k_m
     \rVert^2/2]`, so that :math:`[\omega, 1]` times them is :math:`\omega \cdot \hat k_m -
     \lVert \hat k_m \rVert^2/2` in the matrix product itself (no separate pass over the
-    (..., rows, M) logits)."""
-    xp = inputs.xp
+    (..., rows, M) logits); unbiased RA: the keys stacked for the gather of :math:`\hat
+    k_z` and, for 64 keys or more, the block sums of :func:`_cumulative_sum` (not Dask)."""
+    xp, batch = inputs.xp, inputs.batch_shape
     root_scale = math.sqrt(inputs.scale)
     k_hat = inputs.k * root_scale
     k_hat_t = xp.matrix_transpose(k_hat)
     key_half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1)[..., None, :]  # (..., 1, M)
+    stacked_keys = key_offsets = block_sums = None
+    num_keys = k_hat.shape[-2]
+    if not biased and hasattr(xp, "take_along_axis"):  # the namespace gathers (not Dask)
+        stacked_keys = xp.reshape(xp.broadcast_to(k_hat, (*batch, *k_hat.shape[-2:])),
+                                  (-1, k_hat.shape[-1]))
+        entries = xp.arange(math.prod(batch), device=inputs.device) * num_keys
+        key_offsets = xp.reshape(entries, (*batch, 1, 1))
+        if num_keys >= 64:  # blocks of 32 for _cumulative_sum
+            positions = xp.arange(32, device=inputs.device)
+            block_sums = xp.astype(positions[:, None] <= positions[None, :], k_hat.dtype)
     return _Keys(xp, root_scale, k_hat, k_hat_t,
                  xp.concat([k_hat_t, -key_half_sq_norm], axis=-2), inputs.v,
-                 sequence_positions(inputs.k, axis=-2), inputs.key_mask, inputs.batch_shape)
+                 sequence_positions(inputs.k, axis=-2), inputs.key_mask, batch,
+                 stacked_keys, key_offsets, block_sums)
 
 
 def _draw_randomness(inputs: AttentionInputs, generator: Any, num_draws: int, *,
@@ -181,81 +192,97 @@ def _draw_randomness(inputs: AttentionInputs, generator: Any, num_draws: int, *,
 
 
 class _Mixture(NamedTuple):
-    """The mixture of a chunk of queries (eq. 29): its unnormalized weights and their
-    sums; biased RA keeps the mixture mean, unbiased RA the cumulative weights and the last
-    allowed key of each query (for the inverse CDF)."""
+    """The mixture of a group of queries (eq. 29): its unnormalized weights' sums; biased
+    RA keeps the mixture mean, unbiased RA the cumulative weights (for the inverse CDF)."""
 
     allowed: Array | None  # (..., B, M), None: every key
     total: Array  # (..., B, 1)
     mean: Array | None  # (..., B, D), biased
     cumulative: Array | None  # (..., B, M), unbiased: total * CDF
-    last_key: Array | None  # (..., B, 1), unbiased with a mask
 
 
-def _mixture(keys: _Keys, q_chunk: Array, query_positions: Array | None, *,
+def _mixture(keys: _Keys, q_group: Array, query_positions: Array | None, *,
              biased: bool) -> _Mixture:
     r"""Mixture weights :math:`\pi_{nm} = \mathrm{softmax}_m(\hat q_n \cdot \hat k_m)` over
     the allowed keys (eq. 29), kept as :math:`e^{\hat q_n \cdot \hat k_m - \max}` and their
     sum; biased RA: the mean :math:`\hat q_n + \sum_m \pi_{nm} \hat k_m` (eq. 31)."""
     xp = keys.xp
     allowed = _allowed_keys(xp, keys.key_mask, query_positions, keys.key_positions)
-    terms, total = _softmax_terms(xp, q_chunk @ keys.k_hat_t, allowed)
+    terms, total = _softmax_terms(keys, q_group @ keys.k_hat_t, allowed)
     if biased:  # one Gaussian at the mixture mean: q_n + sum_m pi_nm k_m   (eq. 31)
-        return _Mixture(allowed, total, q_chunk + _normalized(xp, terms @ keys.k_hat, total),
-                        None, None)
-    cumulative = _cumulative_sum(xp, terms)  # total * CDF, (..., B, M)
-    last_key = None
-    if allowed is not None:  # the last allowed key of each query, (..., B, 1)
-        last_key = xp.max(xp.where(allowed, keys.key_positions, 0), axis=-1)[..., None]
-    return _Mixture(allowed, total, None, cumulative, last_key)
+        return _Mixture(allowed, total, q_group + _normalized(keys, terms @ keys.k_hat, total),
+                        None)
+    # total * CDF, (..., B, M)
+    return _Mixture(allowed, total, None, _cumulative_sum(xp, terms, keys.block_sums))
 
 
-def _proposal_samples(keys: _Keys, q_chunk: Array, mixture: _Mixture, uniforms: Array | None,
-                      noise: Array | None, *, group: int) -> Array:
-    r"""The samples :math:`\omega_{ns}` of a chunk of B queries and a group of G samples,
+def _proposal_samples(keys: _Keys, q_group: Array, mixture: _Mixture, uniforms: Array | None,
+                      noise: Array | None) -> Array:
+    r"""The samples :math:`\omega_{ns}` of a group of B queries and G samples each,
     (..., B G, D), query-major. Unbiased (eq. 30): :math:`\omega = \hat q_n + \hat k_z +
     \epsilon` with :math:`z \sim \pi_n` by inverse CDF; biased: :math:`\omega` = the
     mixture mean :math:`+ \epsilon`; deterministic: no noise."""
-    xp, batch = keys.xp, keys.batch
-    size, head_dim = q_chunk.shape[-2], q_chunk.shape[-1]
-    rows = (*batch, size * group)  # query-major: row = (query, sample)
+    xp = keys.xp
     if mixture.mean is not None:
-        proposal = xp.broadcast_to(mixture.mean[..., None, :], (*batch, size, group, head_dim))
+        proposal = mixture.mean[..., None, :]  # (..., B, 1, D): every sample's mean
     else:
         # z_ns ~ Categorical(pi_n) by inverse CDF: the cumulative weights below u
         # (both sides times the total: no division of the (..., B, M) weights)
         assert uniforms is not None and mixture.cumulative is not None  # unbiased
-        threshold = uniforms * mixture.total
+        threshold = uniforms * mixture.total  # (..., B, G)
         component = xp.count_nonzero(mixture.cumulative[..., None, :] < threshold[..., None],
                                      axis=-1)  # (..., B, G)
         # clipped to the last allowed key (rounding can leave the CDF just below u)
-        component = (xp.clip(component, max=keys.k_hat.shape[-2] - 1)
-                     if mixture.last_key is None else xp.minimum(component, mixture.last_key))
-        k_z = _gather_keys(xp, keys.k_hat, xp.reshape(component, rows), keys.key_positions,
-                           batch)  # (..., B G, D)
+        if mixture.allowed is None:
+            component = xp.clip(component, max=keys.k_hat.shape[-2] - 1)
+        else:  # the last allowed key of each query, (..., B, 1)
+            last_key = xp.max(xp.where(mixture.allowed, keys.key_positions, 0), axis=-1)
+            component = xp.minimum(component, last_key[..., None])
         # omega_ns = q_n + k_z + eps   (eq. 30)
-        proposal = q_chunk[..., None, :] + xp.reshape(k_z, (*rows[:-1], size, group, head_dim))
-    omega = proposal if noise is None else proposal + noise
-    return xp.reshape(omega, (*rows, head_dim))  # (..., B G, D): one GEMM below
+        proposal = q_group[..., None, :] + _gather_keys(keys, component)  # (..., B, G, D)
+    omega = proposal if noise is None else proposal + noise  # (..., B, G, D)
+    size, group, head_dim = omega.shape[-3:]
+    if tuple(omega.shape[:-3]) != keys.batch:  # the leading dims of v too
+        omega = xp.broadcast_to(omega, (*keys.batch, size, group, head_dim))
+    return xp.reshape(omega, (*keys.batch, size * group, head_dim))  # one GEMM below
 
 
-def _sample_estimates(keys: _Keys, omega: Array, query_positions: Array | None, *,
-                      group: int) -> Array:
+def _sample_estimates(keys: _Keys, omega: Array, mixture: _Mixture,
+                      query_positions: Array | None) -> Array:
     r""":math:`f_n(\omega) = \sum_m \mathrm{softmax}_m(\omega \cdot \hat k_m - \lVert
     \hat k_m \rVert^2/2)\, v_m` (eq. 6; :math:`\xi(\hat q_n, \omega)` cancels) for each
-    (query, sample) row of ``omega``, (..., B, G, Dv), over the keys the query may see."""
-    xp, batch = keys.xp, keys.batch
-    size = omega.shape[-2] // group
-    row_positions = None
-    if query_positions is not None:  # the query position of every (query, sample) row
+    (query, sample) row of ``omega``, (..., B G, Dv), over the keys the query may see."""
+    xp = keys.xp
+    size = mixture.total.shape[-2]
+    group = omega.shape[-2] // size
+    row_allowed = mixture.allowed  # one sample per query: the rows are the queries
+    if query_positions is not None and group > 1:  # each (query, sample) row's position
         row_positions = xp.reshape(xp.broadcast_to(query_positions[:, None], (size, group)),
                                    (size * group,))
-    row_allowed = _allowed_keys(xp, keys.key_mask, row_positions, keys.key_positions)
+        row_allowed = _allowed_keys(xp, keys.key_mask, row_positions, keys.key_positions)
     omega_extended = xp.concat([omega, xp.ones_like(omega[..., :1])], axis=-1)
-    key_terms, key_total = _softmax_terms(xp, omega_extended @ keys.k_hat_t_extended,
+    key_terms, key_total = _softmax_terms(keys, omega_extended @ keys.k_hat_t_extended,
                                           row_allowed)  # (..., B G, M), (..., B G, 1)
-    estimates = _normalized(xp, key_terms @ keys.v, key_total)  # (..., B G, Dv)
-    return xp.reshape(estimates, (*batch, size, group, keys.v.shape[-1]))
+    return _normalized(keys, key_terms @ keys.v, key_total)  # (..., B G, Dv)
+
+
+# numbers of the compute dtype a step holds per (query, sample) row and key at once (logits,
+# masked and shifted, weights, cumulative weights), besides booleans (masks, inverse CDF)
+_NUMBERS_PER_PAIR = 6
+
+
+def _rows_per_step(inputs: AttentionInputs, num_keys: int, working_memory: int) -> int:
+    """The (query, sample) rows of one step whose (..., rows, M) intermediates fit
+    ``working_memory`` bytes (at least one)."""
+    itemsize = inputs.xp.finfo(inputs.compute_dtype).bits // 8
+    per_row = math.prod(inputs.batch_shape) * num_keys * (_NUMBERS_PER_PAIR * itemsize + 2)
+    return max(1, working_memory // max(per_row, 1))
+
+
+def _part(x: Array | None, axis: int, start: int, stop: int) -> Array | None:
+    """``x[start:stop]`` along the (negative) ``axis``; ``x`` itself if that is all of it."""
+    whole = x is None or (start == 0 and stop == x.shape[axis])
+    return x if whole else x[(..., slice(start, stop), *(slice(None),) * (-1 - axis))]
 
 
 def ra(
@@ -271,10 +298,11 @@ def ra(
     key_mask: Array | None = None,
     causal: bool = False,
     rng: Any = None,
-    chunk_size: int = DEFAULT_RA_CHUNK_SIZE,
+    chunk_size: int | None = None,
     check_finite: bool = False,
     state: RAState | None = None,
     return_state: bool = False,
+    working_memory: int | None = None,
 ) -> Any:
     r"""Randomized attention (RA): unbiased (or biased) Monte Carlo softmax attention.
 
@@ -305,15 +333,19 @@ def ra(
     :math:`\sum_{m' \le m} \pi_{nm'}` below :math:`u = 1 - U`, :math:`U \sim [0, 1)`,
     clipped to the last allowed key (rounding can leave the total just below 1).
 
-    **Cost.** The work is organized in steps of about ``chunk_size`` (query, sample)
-    pairs: ``max(1, chunk_size // S)`` queries with all their samples (or, when
-    ``S > chunk_size``, one query with ``chunk_size`` of its samples). The query and sample
-    axes of a step are folded into one, so each product of the estimate (:math:`\omega
-    \cdot \hat k_m` and the read-out of v) is one matrix product of ``chunk_size`` rows,
-    and the drawn keys :math:`\hat k_z` are gathered (no one-hot matrix, except on Dask).
-    The largest intermediates are ``(..., chunk_size, M)``: the working memory beyond the
-    draws (``(..., N, S, D)`` normals) does not grow with N or S. The result does not
-    depend on ``chunk_size`` beyond rounding.
+    **Cost.** The work is organized in steps of R (query, sample) rows: ``max(1, R //
+    S)`` queries with all their samples (or, when ``S > R``, one query with R of its
+    samples). R is as large as ``working_memory`` allows (1 GiB on a GPU, 64 MiB on a CPU;
+    about six numbers and two booleans per row and key), or ``chunk_size``. A step is a
+    fixed number of array operations over all its rows, whatever R: the mixture weights,
+    their cumulative sums, the inverse CDF of every sample, one gather of the drawn keys
+    :math:`\hat k_z` (a one-hot product on Dask) and the estimate's two matrix products
+    (:math:`\omega \cdot \hat k_m` and the read-out of v). While all of a call's ``N S``
+    rows fit (``(1, 2, N, 64)`` float32 with S = 1 up to N = 4,096 on a GPU, 1,024 on a
+    CPU) a call is one step: a fixed number of operations (kernel launches on a GPU) at
+    any length; beyond, the steps, and the operations, grow with ``N S M``. Memory beyond
+    the draws (``(..., N, S, D)`` normals) is at most ``working_memory``, whatever N or S.
+    The result does not depend on R beyond rounding.
 
     **Gradients** with respect to ``q``, ``k`` and ``v`` flow through the continuous
     path: :math:`\pi` (biased form), :math:`\hat q_n + \hat k_z` for the drawn
@@ -361,11 +393,10 @@ def ra(
         output on every backend; a JAX key works under :func:`jax.jit`. Draw order:
         uniforms of shape ``(*batch, N, S)`` (unbiased form only), then standard normals
         of shape ``(*batch, N, S, D)``. Unused (nothing is drawn) when deterministic.
-    chunk_size : int
-        Number of (query, sample) pairs evaluated per step (see **Cost**); 128 by
-        default, less than the 1024 of the other estimators because a step holds
-        ``(..., chunk_size, M)`` intermediates, which grow with M. Larger steps run
-        fewer, larger matrix products.
+    chunk_size : int, optional
+        Number of (query, sample) rows evaluated per step (see **Cost**); None (the
+        default): as many as ``working_memory`` allows, all of them when they fit (a step
+        holds ``(..., chunk_size, M)`` intermediates, which grow with M).
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.
@@ -380,6 +411,10 @@ def ra(
     return_state : bool
         Return ``(out, state)``, the :class:`~xattn.RAState` grown by these tokens
         (``causal=True``; ``N = M``).
+    working_memory : int, optional
+        Bytes of intermediates a step of (query, sample) rows may hold; sets
+        ``chunk_size``. None: 1 GiB on a GPU, 64 MiB on a CPU
+        (:func:`xattn.default_working_memory`).
 
     Returns
     -------
@@ -390,9 +425,9 @@ def ra(
     Raises
     ------
     ValueError
-        ``num_samples`` or ``chunk_size`` < 1, ``deterministic=True`` with
-        ``biased=False``, inputs/masks of the wrong shape, ``state`` or ``return_state``
-        without ``causal``, a state of other heads.
+        ``num_samples``, ``chunk_size`` or ``working_memory`` < 1, ``deterministic=True``
+        with ``biased=False``, inputs/masks of the wrong shape, ``state`` or
+        ``return_state`` without ``causal``, a state of other heads.
     TypeError
         Non-bool flags, non-integer counts, wrong dtypes or mixed array libraries.
 
@@ -426,7 +461,10 @@ def ra(
     ((2, 5, 3), dtype('float64'))
     """
     num_samples = check_positive_int(num_samples, "num_samples")
-    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    if chunk_size is not None:
+        chunk_size = check_positive_int(chunk_size, "chunk_size")
+    if working_memory is not None:
+        working_memory = check_positive_int(working_memory, "working_memory")
     biased = check_bool(biased, "biased")
     deterministic = check_bool(deterministic, "deterministic")
     causal = check_bool(causal, "causal")
@@ -446,40 +484,46 @@ def ra(
     # non-finite rows reach exactly the rows that attend them, outputs and gradients
     tainted, _ = quarantine(inputs, causal=causal, offset=offset)
     inputs = finite_inputs(inputs)  # RA holds the scaled keys whole anyway
-    keys = _key_side(inputs)
     generator = None if deterministic else as_generator(rng)
     if inputs.is_empty:
         return (inputs.empty_result(), state) if return_state else inputs.empty_result()
+    if working_memory is None:
+        working_memory = default_working_memory(inputs.q)
+    xp, keys = inputs.xp, _key_side(inputs, biased=biased)
     num_draws = 1 if deterministic else num_samples  # deterministic: the samples coincide
     uniforms, noise = _draw_randomness(inputs, generator, num_draws, biased=biased,
                                        noise_scale=noise_scale)
     q_hat = inputs.q * keys.root_scale
 
-    # steps of ~chunk_size (query, sample) rows: whole queries, or samples of one query
-    queries_per_step = max(1, chunk_size // num_draws)
-    samples_per_step = min(num_draws, chunk_size)
+    # steps of (query, sample) rows: whole queries with all their samples, or samples of
+    # one query; as many as working_memory allows unless chunk_size says
+    rows_per_step = chunk_size or _rows_per_step(inputs, keys.k_hat.shape[-2], working_memory)
+    queries_per_step = max(1, rows_per_step // num_draws)
+    samples_per_step = min(num_draws, rows_per_step)
     outputs = []
     for start in range(0, inputs.num_queries, queries_per_step):
         stop = min(start + queries_per_step, inputs.num_queries)
-        q_chunk = q_hat[..., start:stop, :]  # (..., B, D)
-        query_positions = (inputs.xp.arange(start + offset, stop + offset,
-                                            device=inputs.device) if causal else None)
-        mixture = _mixture(keys, q_chunk, query_positions, biased=biased)
+        q_group = _part(q_hat, -2, start, stop)  # (..., B, D)
+        query_positions = (xp.arange(start + offset, stop + offset, device=inputs.device)
+                           if causal else None)
+        mixture = _mixture(keys, q_group, query_positions, biased=biased)
+        group_uniforms = _part(uniforms, -2, start, stop)  # (..., B, S)
+        group_noise = _part(noise, -3, start, stop)  # (..., B, S, D)
         total = None  # sum over the samples of f_n(omega_ns), (..., B, Dv)
         for sample_start in range(0, num_draws, samples_per_step):
             sample_stop = min(sample_start + samples_per_step, num_draws)
+            omega = _proposal_samples(keys, q_group, mixture,
+                                      _part(group_uniforms, -1, sample_start, sample_stop),
+                                      _part(group_noise, -2, sample_start, sample_stop))
+            estimates = _sample_estimates(keys, omega, mixture, query_positions)
             group = sample_stop - sample_start
-            omega = _proposal_samples(
-                keys, q_chunk, mixture,
-                None if uniforms is None else uniforms[..., start:stop, sample_start:sample_stop],
-                None if noise is None else noise[..., start:stop, sample_start:sample_stop, :],
-                group=group)
-            estimates = _sample_estimates(keys, omega, query_positions, group=group)
-            step_total = inputs.xp.sum(estimates, axis=-2)
-            total = step_total if total is None else total + step_total
+            if group > 1:  # (..., B G, Dv) -> summed over the group's samples, (..., B, Dv)
+                estimates = xp.sum(xp.reshape(estimates, (*keys.batch, stop - start, group,
+                                                          estimates.shape[-1])), axis=-2)
+            total = estimates if total is None else total + estimates
         assert total is not None  # num_draws >= 1: the sample loop ran
         outputs.append(total if num_draws == 1 else total / num_draws)  # mean over samples
 
-    out = mark_tainted(inputs.xp, join(inputs.xp, outputs, axis=-2), tainted)
+    out = mark_tainted(xp, join(xp, outputs, axis=-2), tainted)
     out = inputs.finish(out)
     return (out, state) if return_state else out

@@ -22,11 +22,9 @@ __all__ = ["HOST_ITEMSIZE", "TRAINING_ATTENTION_BYTES", "Problem", "dataset_byte
            "softmax_bytes", "softmax_training_bytes", "training_step_bytes"]
 
 HOST_ITEMSIZE = 8  # the host draws (int seeds) and generated inputs are float64
-# the estimators' default chunk sizes, read from their signatures (the one source)
-_SOFTMAX_CHUNK, _RA_CHUNK = (
-    int(inspect.signature(estimator).parameters["chunk_size"].default)
-    for estimator in (xattn.softmax_attention, xattn.ra))
-# the bytes of intermediates a block of RFA's causal scan may hold on a CPU (at most)
+# softmax's default chunk size, read from its signature (the one source)
+_SOFTMAX_CHUNK = int(inspect.signature(xattn.softmax_attention).parameters["chunk_size"].default)
+# the bytes of intermediates a block of RFA's causal scan, or a step of RA, may hold on a CPU
 _CPU_BUDGET = xattn.default_working_memory(np.zeros(0))
 
 
@@ -73,13 +71,13 @@ def rfa_bytes(problem: Problem, samples: int) -> int:
 
 
 def ra_bytes(problem: Problem, samples: int) -> int:
-    """RA: per chunk of queries (its default ``chunk_size``), (chunk, S, M) statistics;
-    host noise (N, S, D)."""
+    """RA: steps of (query, sample) rows whose (rows, M) statistics (about six numbers and
+    two booleans per row and key) fit its default ``working_memory`` (the CPU's, at most);
+    the draws (N, S, D + 1) on the device and on the host."""
     p = problem
-    chunk = min(p.num_queries, _RA_CHUNK)
-    device = p.itemsize * p.batch * (4 * chunk * samples * p.num_keys
-                                     + 2 * chunk * samples * p.head_dim
-                                     + 2 * p.num_queries * p.value_dim)
+    statistics = p.batch * p.num_queries * samples * p.num_keys * (6 * p.itemsize + 2)
+    device = min(statistics, _CPU_BUDGET) + p.itemsize * p.batch * (
+        p.num_queries * samples * (p.head_dim + 1) + 2 * p.num_queries * p.value_dim)
     return device + HOST_ITEMSIZE * p.batch * p.num_queries * samples * (p.head_dim + 1)
 
 
