@@ -28,9 +28,9 @@ from xattn._array import (
 )
 
 __all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_entries",
-           "finite_inputs", "finite_shift", "join", "logsumexp", "mark_tainted",
-           "masked_softmax", "merge_maxima", "nonzero_divisor", "pad_rows", "quarantine",
-           "running_max", "value_columns"]
+           "finite_inputs", "finite_shift", "group_rows", "join", "logsumexp",
+           "mark_tainted", "masked_softmax", "merge_maxima", "nonzero_divisor", "pad_rows",
+           "quarantine", "running_max", "value_columns"]
 
 
 def finite_shift(xp: Any, maxima: Array) -> Array:
@@ -238,6 +238,19 @@ def pad_rows(xp: Any, x: Array, before: int, after: int, fill: float) -> Array:
         pieces.append(xp.full((*x.shape[:-2], after, x.shape[-1]), fill, dtype=x.dtype,
                               device=device))
     return xp.concat(pieces, axis=-2)
+
+
+def group_rows(*, length: int, batch_size: int, row_numbers: int, itemsize: int,
+               working_memory: int, chunk_size: int | None = None) -> int:
+    """Rows per group of a non-causal pass over keys or queries under a working-memory
+    budget: as many as ``working_memory`` bytes hold at ``row_numbers`` numbers per row
+    and batch element (at least one), all ``length`` rows when they fit (one group: a
+    fixed number of array operations at any length), at most ``chunk_size`` if given."""
+    per_row = max(batch_size, 1) * max(row_numbers, 1) * itemsize
+    rows = max(1, working_memory // per_row)
+    if chunk_size is not None:
+        rows = min(rows, chunk_size)
+    return max(1, min(rows, length))
 
 
 def finite_entries(xp: Any, x: Array) -> Array:

@@ -45,7 +45,15 @@ from xattn._options import (
     check_window,
     default_num_features,
 )
-from xattn._primitives import RowPieces, finite_entries, mark_tainted, quarantine
+from xattn._primitives import (
+    RowPieces,
+    finite_entries,
+    finite_shift,
+    group_rows,
+    mark_tainted,
+    merge_maxima,
+    quarantine,
+)
 from xattn._rf_scan import (
     PAIR_BLOCK,
     FeatureMap,
@@ -63,16 +71,16 @@ from xattn._state import (
     rfa_state_options,
 )
 from xattn._window import band_width, windowed_rfa
-from xattn.features import (
-    FEATURE_MAPS,
-    SAMPLE_NORMS,
-    merge_key_statistics,
-    positive_key_statistics,
-    sample_omega,
-    weighted_readout,
-)
+from xattn.features import FEATURE_MAPS, SAMPLE_NORMS, sample_omega
 
-__all__ = ["TrigonometricDenominatorWarning", "causal_scan", "default_num_features", "rfa"]
+__all__ = ["TrigonometricDenominatorWarning", "causal_scan", "default_num_features",
+           "positive_key_sums", "positive_readout", "rfa"]
+
+#: Added to the key sums b'_s where ``key_mask`` may leave a sample without keys: the
+#: read-out of a query without allowed keys is then 0 / (a positive number) = 0. Where a
+#: key is allowed b'_s >= 1 (its largest term is e^0), which the addition leaves unchanged
+#: in float32 and float64; a denominator holds at least b'_s times LARA's weight floor.
+EMPTY_KEYS = 1e-20
 
 
 class TrigonometricDenominatorWarning(RuntimeWarning):
@@ -115,7 +123,7 @@ def rfa(
     causal: bool = False,
     rng: Any = None,
     block_size: int | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     sample_norm: str = "chi",
     check_finite: bool = False,
     window: int | None = None,
@@ -392,7 +400,8 @@ def rfa(
         block_size = check_positive_int(block_size, "block_size")
     working_memory = (default_working_memory(inputs.q) if working_memory is None
                       else check_positive_int(working_memory, "working_memory"))
-    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    if chunk_size is not None:
+        chunk_size = check_positive_int(chunk_size, "chunk_size")
     window, sinks = check_window(window, sinks, None if stateful else inputs.num_keys)
     if num_features is not None:
         num_features = check_positive_int(num_features, "num_features")
@@ -414,16 +423,25 @@ def rfa(
         # xi(x, w) = 2^{-1/2} [xi+(x, w), xi+(x, -w)]: the positive map with samples +-w;
         # the 2^{-1/2} factor is common to numerator and denominator and cancels
         omega = xp.concat([omega, -omega], axis=0)
+    width, itemsize = omega.shape[0] * (2 if trigonometric else 1), xp.finfo(work).bits // 8
+    batch_size = math.prod(inputs.batch_shape)
     if block_size is None:
         block_size = block_positions(
-            length=inputs.num_queries, batch_size=math.prod(inputs.batch_shape),
-            num_features=omega.shape[0] * (2 if trigonometric else 1),
-            width=inputs.v.shape[-1] + 1, itemsize=xp.finfo(work).bits // 8,
+            length=inputs.num_queries, batch_size=batch_size, num_features=width,
+            width=inputs.v.shape[-1] + 1, itemsize=itemsize,
             working_memory=working_memory, band=band_width(window, sinks))
     # chunks of exact pairs no longer than the sequence (one token: no padding)
     pair_block = min(PAIR_BLOCK, block_size, max(inputs.num_queries, 1))
-    mapping: FeatureMap = (TrigonometricMap(xp, omega, pair_block) if trigonometric
-                           else PositiveMap(xp, omega, pair_block))
+    grouped = not (stateful or causal or window or sinks)  # keys, then queries, in groups
+    mapping: Any = (TrigonometricMap(xp, omega, pair_block) if trigonometric
+                    else None if grouped else PositiveMap(xp, omega, pair_block))
+    # rows per group (key and query groups alike): F-wide logits, weights and their
+    # temporaries, a row of q or k, of v and of the output
+    rows = group_rows(length=max(inputs.num_queries, inputs.num_keys), batch_size=batch_size,
+                      row_numbers=4 * width + head_dim + inputs.v.shape[-1] + 2,
+                      itemsize=itemsize, working_memory=working_memory,
+                      chunk_size=chunk_size)
+    chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size  # causal chunks
 
     tainted = None
     if stateful:  # a piece of a sequence (xattn._decode), the first one without state
@@ -441,55 +459,107 @@ def rfa(
             out, invalid = causal_scan(xp, inputs, mapping, block_size, chunk_size,
                                        trigonometric)
         elif trigonometric:
-            out, invalid = _trigonometric(xp, inputs, mapping, chunk_size)
+            out, invalid = _trigonometric(xp, inputs, mapping, rows)
         else:
-            out, invalid = _positive(xp, inputs, omega, chunk_size), None
+            out, invalid = _positive(xp, inputs, omega, rows), None
         out = mark_tainted(xp, out, tainted)
     if invalid is not None:
         _warn_if_any(xp, invalid if tainted is None else invalid & ~tainted)
     return (inputs.finish(out), state) if return_state else inputs.finish(out)
 
 
-def _positive(xp: Any, inputs: Any, omega: Array, chunk_size: int) -> Array:
-    """Non-causal positive-map RFA, keys and queries streamed ``chunk_size`` at a time."""
-    root_scale = math.sqrt(inputs.scale)
-    q, k, v, key_mask = inputs.q, inputs.k, inputs.v, inputs.key_mask
+def rows_of(x: Array, start: int, stop: int) -> Array:
+    """Rows ``start:stop`` (axis -2) of ``x``; ``x`` itself when they are all of them (no
+    view: one group is a fixed number of array operations)."""
+    return x if (start, stop) == (0, x.shape[-2]) else x[..., start:stop, :]
 
-    def key_statistics(start: int, stop: int) -> tuple[Array, Array, Array]:
-        """K_s, A'_s, b'_s of the keys ``start:stop``."""
-        # non-finite entries read as 0 (the rows they reach are marked NaN by rfa)
-        return positive_key_statistics(
-            xp, root_scale * finite_entries(xp, k[..., start:stop, :]),
-            finite_entries(xp, v[..., start:stop, :]), omega,
-            None if key_mask is None else key_mask[..., start:stop])
 
-    key_chunks = stream_bounds(k, -2, chunk_size)  # at least one chunk: M >= 1
-    statistics = key_statistics(*key_chunks[0])  # over the keys seen so far
-    for start, stop in key_chunks[1:]:
-        statistics = merge_key_statistics(xp, statistics, key_statistics(start, stop))
-    key_max, numerator, denominator = statistics
-    omega_t = xp.matrix_transpose(omega)
-    out = RowPieces(q.shape[-2])
-    for start, stop in stream_bounds(q, -2, chunk_size):
-        queries = root_scale * finite_entries(xp, q[..., start:stop, :])
-        logits = queries @ omega_t + key_max[..., None, :]  # c_ns
-        out.put(start, weighted_readout(xp, logits, numerator, denominator))
+def positive_key_sums(xp: Any, inputs: Any, omega_t: Array,
+                      rows: int) -> tuple[Array, Array, Array]:
+    r"""RFA's stabilized key statistics of every key, :math:`K_s` and :math:`b'_s`
+    (..., 1, S) and :math:`A'_s` (..., S, Dv) (the module docstring), in groups of
+    ``rows`` keys merged by a running maximum per sample (one group when all fit).
+
+    ``omega_t`` is :math:`(\sqrt{s}\,\omega)^\top`, (D, S) or (..., D, S), so that
+    :math:`a_{ms} = k_m \cdot \sqrt{s}\,\omega_s - \tfrac{s}{2}\lVert k_m \rVert^2 =
+    \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2` without forming
+    :math:`\hat k`. With ``key_mask`` a sample without allowed keys has :math:`K_s = 0`
+    and sums 0, and :math:`b'_s` gets :data:`EMPTY_KEYS` added (the ratio of
+    :func:`positive_readout` is then 0, not 0/0); without it :math:`b'_s \ge 1` (its
+    largest term is :math:`e^0`).
+    """
+    k, v, key_mask, half_scale = inputs.k, inputs.v, inputs.key_mask, 0.5 * inputs.scale
+    sums = None
+    for start, stop in stream_bounds(k, -2, rows):
+        keys = finite_entries(xp, rows_of(k, start, stop))  # non-finite rows: marked NaN
+        logits = keys @ omega_t - half_scale * xp.sum(keys * keys, axis=-1, keepdims=True)
+        if key_mask is not None:
+            logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
+            key_max = finite_shift(xp, xp.max(logits, axis=-2, keepdims=True))
+        else:  # K_s = max_m a_ms is finite: at least one key
+            key_max = xp.max(logits, axis=-2, keepdims=True)
+        weights = xp.exp(logits - key_max)  # e^{a_ms - K_s}, masked keys 0
+        part = (key_max,
+                xp.matrix_transpose(weights) @ finite_entries(xp, rows_of(v, start, stop)),
+                xp.sum(weights, axis=-2, keepdims=True))
+        sums = part if sums is None else _merge_key_sums(xp, sums, part)
+    assert sums is not None  # M >= 1: at least one group
+    key_max, numerator, denominator = sums
+    return key_max, numerator, (denominator if key_mask is None
+                                else denominator + EMPTY_KEYS)
+
+
+def _merge_key_sums(xp: Any, first: tuple[Array, Array, Array],
+                    second: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+    """The key statistics of two disjoint groups of keys (as
+    :func:`xattn.features.merge_key_statistics`; sums of an empty group are 0)."""
+    maxima = (xp.where(part[2] == 0, -xp.inf, part[0]) for part in (first, second))
+    _, key_max, (first_factor, second_factor) = merge_maxima(xp, *maxima)
+    numerator = (xp.matrix_transpose(first_factor) * first[1]
+                 + xp.matrix_transpose(second_factor) * second[1])
+    return key_max, numerator, first_factor * first[2] + second_factor * second[2]
+
+
+def positive_readout(xp: Any, logits: Array, numerator: Array, denominator: Array,
+                     coefficients: Array | None = None) -> Array:
+    r""":math:`y_n = \sum_s u_{ns} A'_s / \sum_s u_{ns} b'_s`, :math:`u_{ns} = \alpha_{ns}
+    e^{c_{ns} - Q_n}`, :math:`Q_n = \max_s c_{ns}` (the shift cancels), for the logits
+    :math:`c_{ns}` (..., B, S) of a group of queries and the sums of
+    :func:`positive_key_sums`; :math:`\alpha_{ns}` = ``coefficients`` (LARA's positive
+    weights), 1 if None."""
+    weights = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
+    if coefficients is not None:
+        weights = coefficients * weights
+    return (weights @ numerator) / xp.sum(weights * denominator, axis=-1, keepdims=True)
+
+
+def _positive(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
+    """Non-causal positive-map RFA, keys and queries in groups of ``rows``."""
+    omega_t = xp.matrix_transpose(math.sqrt(inputs.scale) * omega)  # q . sqrt(s) w = q^ . w
+    key_max, numerator, denominator = positive_key_sums(xp, inputs, omega_t, rows)
+    out = RowPieces(inputs.num_queries)
+    for start, stop in stream_bounds(inputs.q, -2, rows):
+        queries = finite_entries(xp, rows_of(inputs.q, start, stop))
+        out.put(start, positive_readout(xp, queries @ omega_t + key_max,  # c_ns
+                                        numerator, denominator))
     return out.result()
 
 
 def _trigonometric(xp: Any, inputs: Any, mapping: FeatureMap,
-                   chunk_size: int) -> tuple[Array, Array]:
-    """Non-causal trigonometric RFA, streamed: the output and the clamped rows."""
+                   rows: int) -> tuple[Array, Array]:
+    """Non-causal trigonometric RFA, in groups of ``rows``: the output and the clamped
+    rows."""
     root_scale = math.sqrt(inputs.scale)
     state = state_over_keys(xp, mapping, inputs.k, inputs.v, root_scale=root_scale,
                             key_mask=inputs.key_mask, first_key=0, start=0,
-                            stop=inputs.num_keys, chunk_size=chunk_size,
+                            stop=inputs.num_keys, chunk_size=rows,
                             batch_shape=inputs.batch_shape)
     out, clamped = RowPieces(inputs.num_queries), RowPieces(inputs.num_queries)
-    for start, stop in stream_bounds(inputs.q, -2, chunk_size):
-        queries = mapping.queries(root_scale * finite_entries(xp, inputs.q[..., start:stop, :]))
-        rows, invalid = finish_partial(xp, mapping.readout(queries, state), guard=True)
-        out.put(start, rows)
+    for start, stop in stream_bounds(inputs.q, -2, rows):
+        queries = mapping.queries(root_scale * finite_entries(xp, rows_of(inputs.q, start,
+                                                                          stop)))
+        rows_out, invalid = finish_partial(xp, mapping.readout(queries, state), guard=True)
+        out.put(start, rows_out)
         clamped.put(start, invalid)
     return out.result(), clamped.result()
 
