@@ -27,8 +27,9 @@ from xattn._options import check_bool, check_scale
 __all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "AttentionInputs", "array_namespace",
            "check_device", "check_proposal_means", "check_samples", "chunked_like",
            "compute_dtype", "concrete_count", "cumulative_max", "default_working_memory",
-           "host_to_device", "index_sizes", "is_real_floating", "library_name", "nan_to_num",
-           "native_attention", "nonfinite_rows", "one_chunk_along", "prepare_attention", "qr",
+           "has_native_attention", "host_to_device", "index_sizes", "is_real_floating",
+           "library_name", "nan_to_num", "native_attention", "nonfinite_probe", "nonfinite_rows",
+           "one_chunk_along", "prepare_attention", "qr",
            "register_pytree", "sequence_positions", "split_rows", "stop_gradient",
            "stream_bounds", "take", "written_in_place"]
 
@@ -665,8 +666,39 @@ def split_rows(x: Array, size: int) -> list[Array]:
     return [x[..., a:b, :] for a, b in zip([0, *bounds], [*bounds, x.shape[-2]], strict=True)]
 
 
-def native_attention(inputs: AttentionInputs, causal: bool, *,
-                     automatic: bool = False) -> Array | None:
+def has_native_attention(inputs: AttentionInputs, *, automatic: bool = False) -> bool:
+    """Whether :func:`native_attention` has a fused kernel for ``inputs``: torch tensors;
+    JAX arrays with ``Dv = D`` not in float64 (jax.nn's kernel forms float32 logits), and
+    with ``automatic`` not on a CPU backend."""
+    q = inputs.q
+    if array_api_compat.is_torch_array(q):
+        return True
+    if not (array_api_compat.is_jax_array(q) and inputs.v.shape[-1] == q.shape[-1]
+            and inputs.compute_dtype != inputs.xp.float64):
+        return False
+    if automatic:
+        import jax
+        return jax.default_backend() != "cpu"
+    return True
+
+
+def nonfinite_probe(x: Array) -> Array:
+    """(..., 1): 0 where the row ``x[..., i, :]`` is finite, NaN where one of its entries
+    is NaN or infinite: ``sum(x * 0)``, two operations (on NumPy without its warning
+    about ``inf * 0``)."""
+    xp = array_api_compat.array_namespace(x)
+    if array_api_compat.is_numpy_array(x):
+        with np.errstate(invalid="ignore"):
+            return np.sum(x * 0.0, axis=-1, keepdims=True)
+    if array_api_compat.is_dask_array(x) or array_api_compat.is_array_api_strict_namespace(xp):
+        # NumPy underneath, computed elsewhere: the same values without its warning
+        return xp.sum(xp.where(xp.isfinite(x), xp.zeros_like(x), xp.nan), axis=-1,
+                      keepdims=True)
+    return xp.sum(x * 0.0, axis=-1, keepdims=True)
+
+
+def native_attention(inputs: AttentionInputs, causal: bool, *, automatic: bool = False,
+                     every_query_has_a_key: bool = False) -> Array | None:
     """Exact softmax attention by the array library's fused kernel, or None where it has
     none: ``torch.nn.functional.scaled_dot_product_attention`` for torch tensors,
     ``jax.nn.dot_product_attention`` for JAX arrays in float32 (it requires ``Dv = D`` and
@@ -683,25 +715,22 @@ def native_attention(inputs: AttentionInputs, causal: bool, *,
     ``automatic`` (the choice of ``implementation=None``) also returns None for JAX on a
     CPU backend, where XLA's kernel forms the whole (N, M) score matrix and measured about
     twice the time of the portable loop (``benchmarks/bench_native_softmax.py``).
+    ``every_query_has_a_key`` (the caller knows it from the shapes and options, such as
+    a decoding step whose own key is unmasked) leaves out the zero rows' operations.
     """
+    if not has_native_attention(inputs, automatic=automatic):
+        return None
     xp, q, k, v = inputs.xp, inputs.q, inputs.k, inputs.v
     is_torch = array_api_compat.is_torch_array(q)
-    # jax.nn's kernel needs Dv = D and forms float32 logits: float64 stays portable
-    if not is_torch and not (array_api_compat.is_jax_array(q) and v.shape[-1] == q.shape[-1]
-                             and inputs.compute_dtype != xp.float64):
-        return None
-    if not is_torch and automatic:
-        import jax
-        if jax.default_backend() == "cpu":
-            return None
     batch, num_queries, num_keys = inputs.batch_shape, q.shape[-2], k.shape[-2]
-    q, k, v = (xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    q, k, v = (x if tuple(x.shape[:-2]) == tuple(batch)
+               else xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
     mask = None if inputs.key_mask is None else inputs.key_mask[..., None, :]  # (..., 1, M)
     if causal and mask is not None:  # one (..., N, M) mask: the native kernels take one
         queries = xp.arange(num_queries, device=inputs.device)[:, None]
         mask = mask & (queries >= xp.arange(num_keys, device=inputs.device)[None, :])
     has_keys = None  # per query (or per batch entry): any allowed key
-    if mask is not None:
+    if mask is not None and not every_query_has_a_key:
         has_keys = xp.any(mask, axis=-1, keepdims=True)
         mask = xp.broadcast_to(mask | ~has_keys, (*batch, mask.shape[-2], num_keys))
     # both kernels take 4-D inputs, every leading dim flattened into one batch of one head:
@@ -711,10 +740,14 @@ def native_attention(inputs: AttentionInputs, causal: bool, *,
     if inputs.dtype != inputs.compute_dtype:  # half precision: exact, back to the caller's
         q, k, v = (xp.astype(x, inputs.dtype) for x in (q, k, v))
     out: Array
-    flat_mask = None if mask is None else xp.reshape(mask, (flat, 1, *mask.shape[-2:]))
+    # (B, H, ·, ·) is 4-D already: torch takes it as it is
+    four_d = is_torch and len(batch) == 2
+    flat_mask = mask if mask is None or four_d else xp.reshape(
+        mask, (flat, 1, *mask.shape[-2:]))
     if is_torch:
         import torch
-        q, k, v = (xp.reshape(x, (flat, 1, *x.shape[-2:])) for x in (q, k, v))
+        if not four_d:
+            q, k, v = (xp.reshape(x, (flat, 1, *x.shape[-2:])) for x in (q, k, v))
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=flat_mask, is_causal=causal and mask is None,
             scale=inputs.scale)
@@ -723,7 +756,8 @@ def native_attention(inputs: AttentionInputs, causal: bool, *,
         q, k, v = (xp.reshape(x, (flat, x.shape[-2], 1, x.shape[-1])) for x in (q, k, v))
         out = jax.nn.dot_product_attention(q, k, v, mask=flat_mask, scale=inputs.scale,
                                            is_causal=causal and mask is None)
-    out = xp.reshape(out, (*batch, num_queries, v.shape[-1]))
+    if not four_d:
+        out = xp.reshape(out, (*batch, num_queries, v.shape[-1]))
     if out.dtype != inputs.compute_dtype:
         out = xp.astype(out, inputs.compute_dtype)
     return out if has_keys is None else xp.where(has_keys, out, xp.zeros_like(out))

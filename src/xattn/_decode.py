@@ -26,6 +26,10 @@ traces once under :func:`jax.jit` and runs inside :func:`jax.lax.scan`. The keys
 leave the window (those of ``E`` before the last :math:`w`) join the sums; the sink
 slots take the new tokens at positions :math:`< K`; masked keys never enter the state.
 
+**One token** (:func:`step_rfa`, the decode step of generation): the same state update
+written for :math:`L = 1` as a short, fixed sequence of array operations, with no branch
+on array values and no pass over the window or the state beyond its fixed size.
+
 **Key-value caches** (:func:`extend_cache`): softmax attention and RA attend the cached
 keys and the new ones, query :math:`P + j` the keys :math:`m \le P + j`; the estimators
 run their own loops with that offset.
@@ -38,11 +42,21 @@ import math
 from collections.abc import Generator
 from typing import Any, TypeVar
 
-from xattn._array import Array, AttentionInputs
-from xattn._primitives import RowPieces, finite_entries, mark_tainted, quarantine
+import numpy as np
+
+from xattn._array import Array, AttentionInputs, nonfinite_probe, stop_gradient
+from xattn._primitives import (
+    RowPieces,
+    finite_entries,
+    finite_shift,
+    mark_tainted,
+    quarantine,
+    value_columns,
+)
 from xattn._rf_scan import (
     FeatureMap,
     Partial,
+    PositiveMap,
     State,
     combine_partials,
     finish_partial,
@@ -52,7 +66,7 @@ from xattn._rf_scan import (
 from xattn._state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
 from xattn._window import exact_partial
 
-__all__ = ["continue_rfa", "extend_cache"]
+__all__ = ["append_token", "continue_rfa", "extend_cache", "step_rfa"]
 
 Cache = TypeVar("Cache", bound=_KeyValueCache)
 
@@ -110,6 +124,8 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
     and the state after the new tokens.
     """
     check_state_inputs(state, inputs)
+    if inputs.num_queries == 1:  # generation's decode step
+        return step_rfa(xp, inputs, mapping, state, guard=guard)
     window, sinks = state.window, state.sinks
     batch = tuple(state.sink_keys.shape[:-2])
     # a non-finite key or value taints every later row: the state carries it as a NaN
@@ -177,6 +193,158 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
         return dataclasses.replace(inputs, batch_shape=batch).empty_result(), None, new_state
     return (mark_tainted(xp, out.result(), tainted),
             None if clamped is None else clamped.result() & ~tainted, new_state)
+
+
+def _to_batch(xp: Any, x: Array, batch: tuple[int, ...]) -> Array:
+    """``x`` (..., L, F) broadcast to the leading dims ``batch`` (no operation if it has them)."""
+    return x if tuple(x.shape[:-2]) == batch else xp.broadcast_to(x, (*batch, *x.shape[-2:]))
+
+
+def _same_lead(xp: Any, *arrays: Array) -> list[Array]:
+    """``arrays`` broadcast to their common leading dims (no operation where they agree)."""
+    lead = np.broadcast_shapes(*(tuple(x.shape[:-1]) for x in arrays))
+    return [x if tuple(x.shape[:-1]) == lead else xp.broadcast_to(x, (*lead, x.shape[-1]))
+            for x in arrays]
+
+
+def _nonfinite_probe(xp: Any, *rows: Array) -> Array:
+    """(..., 1, 1): 0 where every entry of the rows (..., 1, ·) is finite, NaN where one is
+    not (:func:`~xattn._array.nonfinite_probe` of the rows side by side)."""
+    return nonfinite_probe(xp.concat(rows, axis=-1) if len(rows) > 1 else rows[0])
+
+
+def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFAState, *,
+             guard: bool) -> tuple[Array, Array | None, RFAState]:
+    r"""Causal RFA of one new token :math:`n = P` after the :math:`P` of ``state``: what
+    :func:`continue_rfa` computes, as a fixed sequence of array operations.
+
+    With ``window`` :math:`w \ge 1`, query :math:`n` reads the state's sums (keys
+    :math:`K \le m \le n - w - 1`) and, exactly, the band ``E`` = [the window buffer,
+    the new key] (positions :math:`n - w, \dots, n`) and the sink slots; then the oldest
+    key of ``E`` joins the sums and ``E`` without it is the new buffer. With :math:`w =
+    0` the new key joins the sums first (query :math:`n` attends :math:`m \le n`). A
+    non-finite key or value taints this row and the state (its maximum becomes NaN, so
+    every later row is NaN); a non-finite query taints its own row.
+    """
+    window, sinks = state.window, state.sinks
+    root_scale = math.sqrt(inputs.scale)
+    q, k, v = inputs.q, inputs.k, inputs.v  # (..., 1, D), (..., 1, D), (..., 1, Dv)
+    # (..., 1, 1): NaN when the new token is not finite
+    key_probe = _nonfinite_probe(xp, *_same_lead(xp, k, v))
+    valid = None
+    if inputs.key_mask is not None:  # a masked token never enters the state
+        valid = inputs.key_mask  # (..., 1)
+        key_probe = xp.where(valid[..., None], key_probe, 0.0)
+        k, v = xp.where(valid[..., None], k, 0.0), xp.where(valid[..., None], v, 0.0)
+    row_probe = key_probe + _nonfinite_probe(xp, q)
+    # the state keeps finite entries (a non-finite token is in its maximum, as NaN)
+    q, k, v = finite_entries(xp, q), finite_entries(xp, k), finite_entries(xp, v)
+    position = state.position
+    features = state.feature_state
+
+    def joined(key: Array, value: Array, key_valid: Array | None) -> tuple[Array, ...]:
+        """The sums after one key (..., 1, ·) joins them (``key_valid`` False: it does not);
+        for the positive maps the online-softmax merge of one logit per feature."""
+        logits = mapping.keys(root_scale * key, key_valid)
+        value = xp.concat([value, xp.ones((*value.shape[:-1], 1), dtype=value.dtype,
+                                          device=inputs.device)], axis=-1)  # [v, 1]
+        if not isinstance(mapping, PositiveMap):
+            return mapping.merge_states(features, mapping.key_state(logits, value))
+        key_max, sums = features
+        logits = logits[0][..., 0, :]  # a_s of the key, (..., F)
+        new_max = xp.maximum(key_max, stop_gradient(logits))
+        shift = finite_shift(xp, new_max)
+        return new_max, (xp.exp(key_max - shift)[..., None] * sums
+                         + xp.exp(logits - shift)[..., None] * value)
+
+    sink_keys, sink_values, sink_valid = state.sink_keys, state.sink_values, state.sink_valid
+    if sinks:  # slot s takes the token at position s
+        lands = xp.astype(xp.arange(sinks, device=inputs.device), position.dtype) == position
+        sink_keys = xp.where(lands[:, None], k, sink_keys)
+        sink_values = xp.where(lands[:, None], v, sink_values)
+        sink_valid = xp.where(lands, True if valid is None else valid, sink_valid)
+    # the new key's place outside the sinks: positions >= K (and not masked)
+    new_valid = position >= sinks if sinks else valid
+    if sinks and valid is not None:
+        new_valid = new_valid & valid
+    queries = mapping.queries(root_scale * q)
+    if window:
+        batch = tuple(state.window_keys.shape[:-2])
+        band_keys = xp.concat([state.window_keys, _to_batch(xp, k, batch)], axis=-2)
+        band_values = xp.concat([state.window_values, _to_batch(xp, v, batch)], axis=-2)
+        band_valid = xp.concat([state.window_valid, xp.broadcast_to(
+            xp.asarray(True, device=inputs.device) if new_valid is None else new_valid,
+            (*batch, 1))], axis=-1)
+        read = features  # keys <= n - w - 1
+        features = joined(band_keys[..., :1, :], band_values[..., :1, :], band_valid[..., :1])
+    else:
+        features = joined(k, v, None if new_valid is None else
+                          xp.broadcast_to(new_valid, (*k.shape[:-2], 1)))
+        read = features  # keys <= n
+    if not (window or sinks):
+        partial = mapping.readout(queries, read)
+    else:  # exact terms e^{q.k} over the band and the sinks
+        keys = xp.concat([band_keys, sink_keys], axis=-2) if window and sinks else (
+            band_keys if window else sink_keys)
+        values = xp.concat([band_values, sink_values], axis=-2) if window and sinks else (
+            band_values if window else sink_values)
+        allowed = xp.concat([band_valid, sink_valid], axis=-1) if window and sinks else (
+            band_valid if window else sink_valid)
+        scores = xp.where(allowed[..., None, :],
+                          (inputs.scale * q) @ xp.matrix_transpose(keys),
+                          -xp.inf)  # (..., 1, w + 1 + K)
+        constant = mapping.query_constant(root_scale * q)
+        if isinstance(mapping, PositiveMap):  # features and exact keys in one readout
+            logits = xp.concat([queries + read[0][..., None, :] + constant, scores], axis=-1)
+            shift = stop_gradient(xp.max(logits, axis=-1, keepdims=True))
+            sums = xp.exp(logits - finite_shift(xp, shift)) @ xp.concat(
+                [read[1], value_columns(xp, values)], axis=-2)
+            partial = (shift, sums, sums[..., -1:])
+        else:
+            random_part = mapping.readout(queries, read)
+            shift = stop_gradient(xp.max(scores, axis=-1, keepdims=True))
+            exact_sums = xp.exp(scores - finite_shift(xp, shift)) @ value_columns(xp, values)
+            partial = combine_partials(xp, [(random_part[0] + constant, *random_part[1:]),
+                                            (shift, exact_sums, exact_sums[..., -1:])])
+    out, invalid = finish_partial(xp, partial, guard=guard)
+    # the state's maximum (..., F) or (..., 1, 1) carries the taint
+    tainted_max = features[0] + (key_probe if features[0].ndim == key_probe.ndim
+                                 else key_probe[..., 0])
+    new_state = dataclasses.replace(
+        state, feature_max=tainted_max, feature_sums=features[1],
+        feature_weight=features[2] if len(features) == 3 else None, position=position + 1,
+        window_keys=band_keys[..., 1:, :] if window else state.window_keys,
+        window_values=band_values[..., 1:, :] if window else state.window_values,
+        window_valid=band_valid[..., 1:] if window else state.window_valid,
+        sink_keys=sink_keys, sink_values=sink_values, sink_valid=sink_valid)
+    return out + row_probe, invalid, new_state
+
+
+def append_token(inputs: AttentionInputs, cache: Cache) -> tuple[AttentionInputs, Cache]:
+    """The decoding step of a key-value cache (one new token): the inputs of the query
+    against the cached keys and the new one, and the cache with the token appended, in a
+    few operations. A non-finite new key or value is stored as a key row of NaN, so that
+    this query and every later one that attends it is NaN by the kernel itself (a
+    non-finite query makes its own row NaN there too); a masked token is stored as zeros.
+    """
+    check_state_inputs(cache, inputs)
+    xp = inputs.xp
+    batch = tuple(cache.keys.shape[:-2])
+    k, v = inputs.k, inputs.v
+    # (..., 1, 1): NaN for a non-finite token
+    probe = _nonfinite_probe(xp, *_same_lead(xp, k, v))
+    if inputs.key_mask is None:
+        valid = xp.ones((*batch, 1), dtype=xp.bool, device=inputs.device)
+    else:
+        valid = xp.broadcast_to(inputs.key_mask, (*batch, 1))
+        probe = xp.where(valid[..., None], probe, 0.0)
+        k, v = xp.where(valid[..., None], k, 0.0), xp.where(valid[..., None], v, 0.0)
+
+    cache = type(cache)(xp.concat([cache.keys, _to_batch(xp, k + probe, batch)], axis=-2),
+                        xp.concat([cache.values, _to_batch(xp, v, batch)], axis=-2),
+                        xp.concat([cache.valid, valid], axis=-1))
+    return dataclasses.replace(inputs, k=cache.keys, v=cache.values, key_mask=cache.valid,
+                               batch_shape=batch), cache
 
 
 def extend_cache(inputs: AttentionInputs, cache: Cache | None,

@@ -7,12 +7,13 @@ from typing import Any
 from xattn._array import (
     Array,
     AttentionInputs,
+    has_native_attention,
     native_attention,
     prepare_attention,
     sequence_positions,
     stream_bounds,
 )
-from xattn._decode import extend_cache
+from xattn._decode import append_token, extend_cache
 from xattn._options import (
     DEFAULT_CHUNK_SIZE,
     IMPLEMENTATIONS,
@@ -157,6 +158,14 @@ def softmax_attention(
     if implementation is not None:
         check_choice(implementation, "implementation", IMPLEMENTATIONS)
     offset = 0  # the position of the first query: keys before it are in the cache
+    if (stateful and state is not None and state.position and inputs.num_queries == 1
+            and implementation != "xattn"
+            and has_native_attention(inputs, automatic=implementation is None)):
+        # a decoding step: the token appended, one call of the fused kernel
+        extended, state = append_token(inputs, state)
+        out = inputs.finish(native_attention(extended, False,
+                                             every_query_has_a_key=inputs.key_mask is None))
+        return (out, state) if return_state else out
     if stateful:  # attend the cached keys and the new ones (xattn._decode)
         inputs, state, offset = extend_cache(inputs, state, SoftmaxState)
     if inputs.is_empty:

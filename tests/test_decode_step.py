@@ -1,0 +1,206 @@
+"""The decoding step: one new token from a state, a short fixed sequence of operations.
+
+A call with ``state=`` and one token takes the step of :func:`xattn._decode.step_rfa`
+(RFA, every feature map, ``window`` and ``sinks``; causal LARA through it) or
+:func:`xattn._decode.append_token` (softmax's key-value cache with a fused kernel). Token
+by token from the first, the outputs equal one causal call on the whole sequence; a
+non-finite token makes its row and every later one NaN and no earlier one; a masked one
+reaches no row. On torch a step dispatches the same operations at every position, and
+``torch.compile(fullgraph=True)`` of a step equals the eager step.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import xattn
+from op_counting import op_counter
+from xattn import TrigonometricDenominatorWarning
+
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
+LENGTH, HEAD_DIM, VALUE_DIM, NUM_FEATURES = 12, 8, 3, 16
+OPTIONS = {
+    "positive": {},
+    "hyperbolic": {"feature_map": "hyperbolic"},
+    "trigonometric": {"feature_map": "trigonometric"},
+    "window-sinks": {"window": 3, "sinks": 2},
+    "window": {"window": 4},
+    "sinks": {"sinks": 2},
+    "trigonometric-window-sinks": {"feature_map": "trigonometric", "window": 3, "sinks": 2},
+}
+
+
+def sequence(rng, masked):
+    q, k = (0.5 * rng.normal(size=(2, 3, LENGTH, HEAD_DIM)) for _ in range(2))
+    v = rng.normal(size=(2, 3, LENGTH, VALUE_DIM))
+    key_mask = rng.random((2, 1, LENGTH)) < 0.75 if masked else None
+    return q, k, v, key_mask
+
+
+def token_by_token(backend, function, arrays, key_mask, later=None, **first_options):
+    """The outputs (NumPy, (..., N, Dv)) of one call per token, the first without state
+    (with ``first_options``), the others with it (and ``later``)."""
+    outputs, state = [], None
+    for n in range(arrays[0].shape[-2]):
+        piece = [backend.asarray(a[..., n:n + 1, :]) for a in arrays]
+        mask = None if key_mask is None else backend.asarray(key_mask[..., n:n + 1])
+        options = first_options if state is None else {"state": state, **(later or {})}
+        out, state = function(*piece, key_mask=mask, causal=True, return_state=True, **options)
+        outputs.append(backend.to_numpy(out))
+    return np.concatenate(outputs, axis=-2)
+
+
+def quiet(function):
+    def call(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
+            return function(*args, **kwargs)
+    return call
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_rfa_token_by_token_equals_one_call(backend, rng, name, masked):
+    q, k, v, key_mask = sequence(rng, masked)
+    omega = rng.normal(size=(NUM_FEATURES, HEAD_DIM))
+    rfa = quiet(xattn.rfa)
+    steps = token_by_token(backend, rfa, (q, k, v), key_mask, omega=backend.asarray(omega),
+                           **OPTIONS[name])
+    whole = rfa(*(backend.asarray(a) for a in (q, k, v)), omega=backend.asarray(omega),
+                key_mask=None if key_mask is None else backend.asarray(key_mask), causal=True,
+                **OPTIONS[name])
+    np.testing.assert_allclose(steps, backend.to_numpy(whole), rtol=1e-9, atol=1e-11)
+
+
+def test_lara_token_by_token_equals_one_call(backend, rng):
+    q, k, v, key_mask = sequence(rng, masked=True)
+    means = backend.asarray(0.3 * rng.normal(size=(4, HEAD_DIM)))
+    options = {"num_samples": 4, "proposal_means": means, "weighting": "balance", "rng": 3}
+    steps = token_by_token(backend, xattn.lara, (q, k, v), key_mask,
+                           later={"num_samples": 4}, **options)
+    whole = xattn.lara(*(backend.asarray(a) for a in (q, k, v)), causal=True,
+                       key_mask=backend.asarray(key_mask), **options)
+    np.testing.assert_allclose(steps, backend.to_numpy(whole), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_cache_token_by_token_equals_one_call(backend, rng, masked):
+    q, k, v, key_mask = sequence(rng, masked)
+    steps = token_by_token(backend, xattn.softmax_attention, (q, k, v), key_mask)
+    whole = xattn.softmax_attention(
+        *(backend.asarray(a) for a in (q, k, v)), causal=True,
+        key_mask=None if key_mask is None else backend.asarray(key_mask))
+    np.testing.assert_allclose(steps, backend.to_numpy(whole), rtol=1e-9, atol=1e-11)
+
+
+STEP_CASES = {
+    "rfa": lambda q, k, v, **o: xattn.rfa(q, k, v, num_features=NUM_FEATURES, rng=0, **o),
+    "rfa-window-sinks": lambda q, k, v, **o: xattn.rfa(
+        q, k, v, num_features=NUM_FEATURES, rng=0, window=3, sinks=1, **o),
+    "softmax": lambda q, k, v, **o: xattn.softmax_attention(q, k, v, **o),
+}
+
+
+def steps_with(backend, name, q, k, v, key_mask=None):
+    """A prefill of 2 tokens, then one call per token (``STEP_CASES[name]``)."""
+    function = STEP_CASES[name]
+    pieces = [(0, 2), *((n, n + 1) for n in range(2, LENGTH))]
+    outputs, state = [], None
+    for start, stop in pieces:
+        piece = [backend.asarray(a[..., start:stop, :]) for a in (q, k, v)]
+        mask = None if key_mask is None else backend.asarray(key_mask[..., start:stop])
+        if state is None:
+            out, state = function(*piece, key_mask=mask, causal=True, return_state=True)
+        else:
+            out, state = (STEP_CASES["softmax"] if name == "softmax" else xattn.rfa)(
+                *piece, key_mask=mask, causal=True, state=state, return_state=True)
+        outputs.append(backend.to_numpy(out))
+    return np.concatenate(outputs, axis=-2)
+
+
+@pytest.mark.parametrize("name", list(STEP_CASES))
+@pytest.mark.parametrize("which,bad", [("key", np.nan), ("key", -np.inf), ("value", np.inf),
+                                       ("query", np.nan)])
+def test_a_nonfinite_token_reaches_its_row_and_the_later_ones(backend, rng, name, which, bad):
+    q, k, v, _ = sequence(rng, masked=False)
+    clean = steps_with(backend, name, q, k, v)
+    position = 6
+    {"key": k, "value": v, "query": q}[which][..., position, 1] = bad
+    out = steps_with(backend, name, q, k, v)
+    np.testing.assert_array_equal(out[..., :position, :], clean[..., :position, :])
+    if which == "query":  # a query taints its own row only
+        assert np.all(np.isnan(out[..., position, :]))
+        np.testing.assert_array_equal(out[..., position + 1:, :], clean[..., position + 1:, :])
+    else:
+        assert np.all(np.isnan(out[..., position:, :]))
+
+
+@pytest.mark.parametrize("name", list(STEP_CASES))
+def test_a_masked_nonfinite_token_reaches_no_row(backend, rng, name):
+    q, k, v, _ = sequence(rng, masked=False)
+    key_mask = np.ones((2, 1, LENGTH), bool)
+    key_mask[..., 6] = False
+    clean = steps_with(backend, name, q, k, v, key_mask)
+    k[..., 6, :], v[..., 6, :] = np.nan, np.inf
+    out = steps_with(backend, name, q, k, v, key_mask)
+    np.testing.assert_allclose(out, clean, rtol=1e-12, atol=1e-14)
+
+
+# the operations of one step on torch (CPU, (1, 2, ., 64) float32, S = 64 or C = 16), as
+# benchmarks/bench_ops.py counts them; a step at a later position dispatches the same
+STEP_OPERATIONS = {"rfa": 60, "rfa-window-sinks": 108, "softmax": 13, "lara": 101}
+
+
+def _step_call(name, torch, prefill):
+    """``(q, k, v, state)`` of a step after ``prefill`` tokens and the function of a step."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, prefill + 1, 64, generator=generator) for _ in range(3))
+    means = torch.randn(16, 64, generator=generator) / 8
+    first = {"rfa": lambda *a, **o: xattn.rfa(*a, num_features=64, rng=0, **o),
+             "rfa-window-sinks": lambda *a, **o: xattn.rfa(*a, num_features=64, rng=0,
+                                                           window=64, sinks=1, **o),
+             "softmax": xattn.softmax_attention,
+             "lara": lambda *a, **o: xattn.lara(*a, num_samples=16, proposal_means=means,
+                                                weighting="balance", rng=0, **o)}[name]
+    _, state = first(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :],
+                     causal=True, return_state=True)
+    function = {"softmax": xattn.softmax_attention,
+                "lara": lambda *a, **o: xattn.lara(*a, num_samples=16, **o)}.get(name, xattn.rfa)
+    new = [x[..., prefill:, :].contiguous() for x in (q, k, v)]
+    return new, state, function
+
+
+@pytest.mark.parametrize("name", list(STEP_OPERATIONS))
+def test_a_step_dispatches_the_same_few_operations_at_every_position(name):
+    torch = pytest.importorskip("torch")
+    counts = []
+    for prefill in (100, 700):
+        (q, k, v), state, function = _step_call(name, torch, prefill)
+        with op_counter() as counter:
+            function(q, k, v, causal=True, state=state, return_state=True)
+        counts.append(counter.count)
+    assert counts[0] == counts[1], counts
+    assert counts[0] <= STEP_OPERATIONS[name], counts
+
+
+@pytest.mark.parametrize("name", ["rfa", "rfa-window-sinks", "softmax"])
+def test_torch_compile_fullgraph_of_a_step_equals_the_eager_step(name):
+    torch = pytest.importorskip("torch")
+    (q, k, v), state, function = _step_call(name, torch, 40)
+
+    def step(q, k, v, state):
+        return function(q, k, v, causal=True, state=state, return_state=True)
+
+    eager, eager_state = step(q, k, v, state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # dynamo's notes on lru_cache wrappers
+        compiled, compiled_state = torch.compile(step, fullgraph=True)(q, k, v, state)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled_state.keys if name == "softmax"
+                               else compiled_state.feature_sums,
+                               eager_state.keys if name == "softmax"
+                               else eager_state.feature_sums, rtol=1e-5, atol=1e-6)
