@@ -8,6 +8,8 @@ by prefill calls, then single-token steps from it are timed (median of ``--steps
 - exact softmax with its key-value cache (the baseline: what a Transformer keeps),
 - RFA, S = 256 features,
 - RFA with a window of 64 and 1 sink,
+- on torch, RFA's step compiled by ``torch.compile(fullgraph=True)`` (one compilation:
+  the state has the same shapes at every position; ``--no-torch-compile`` leaves it out),
 
 float32, one head, D = Dv = 64. The targets: RFA's per-token time at 64k over its time
 at 1k at most 1.2, with the state's bytes the same at every position; and the position
@@ -16,6 +18,7 @@ from which RFA is faster per token than softmax's cache, on each backend.
 
     python benchmarks/bench_decode.py                      # a few minutes
     python benchmarks/bench_decode.py --positions 1024,4096 --backends numpy
+    python benchmarks/bench_decode.py --backends torch --device cuda --out gpu_decode.json
 
 Writes ``benchmarks/decode_results.json`` and ``benchmarks/decode_results.png``.
 """
@@ -56,23 +59,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--out", type=Path, default=HERE / "decode_results.json")
+    parser.add_argument("--device", default="cpu",
+                        help="the device of every backend (cpu, or cuda on a GPU)")
+    parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
+                        help="leave out the torch.compile(fullgraph=True) step of RFA")
     args = parser.parse_args()
     positions = [int(item) for item in args.positions.split(",")]
     report = {"description": __doc__.splitlines()[0],
               "command": "python benchmarks/bench_decode.py",
               "machine": {"cpus": os.cpu_count(), "processor": platform.processor(),
                           "threads": int(THREADS), "load_average_start": list(os.getloadavg())},
-              "xattn": xattn.__version__, "dtype": "float32", "heads": 1,
+              "xattn": xattn.__version__, "device": args.device, "dtype": "float32", "heads": 1,
               "head_dim": args.head_dim, "samples": args.samples, "window": args.window,
               "sinks": args.sinks, "steps": args.steps, "positions": positions,
               "backends": {}}
     results_by_backend = {}
     for name in args.backends.split(","):
-        backend = load_backend(name, "cpu", "float32")
+        backend = load_backend(name, args.device, "float32")
         if name == "torch":
             import torch
             torch.set_num_threads(int(THREADS))
-        variants = decode_variants(args.samples, args.window, args.sinks, seed=0)
+        variants = decode_variants(args.samples, args.window, args.sinks, seed=0,
+                                   torch_compile=args.torch_compile and name == "torch")
         started = time.perf_counter()
         results = measure_decode(backend, variants, positions, heads=1,
                                  head_dim=args.head_dim, steps=args.steps, seed=0)
@@ -82,6 +90,8 @@ def main() -> None:
         first, last = positions[0], positions[-1]
         summary = {}
         for variant in variants[1:]:
+            if variant.name not in results:
+                continue
             times = {row["position"]: row["ms_per_token"] for row in rows[variant.name]}
             sizes = {row["state_bytes"] for row in rows[variant.name]}
             summary[variant.name] = {

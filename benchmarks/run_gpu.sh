@@ -16,7 +16,8 @@
 # nonzero only when the setup fails. The limits (seconds) can be changed through the
 # environment: TESTS_S, BENCH_TORCH_S, CAUSAL_S, BENCH_CUPY_S, BENCH_JAX_S, DECODE_S, OPS_S
 # (0 skips that benchmark stage); the
-# number of pytest workers through WORKERS (default 12). Arguments after OUTDIR go to
+# number of pytest workers through WORKERS (default 12), the test stage's backends through
+# TEST_BACKENDS (default cupy,torch-cuda,jax-gpu). Arguments after OUTDIR go to
 # pytest (for example -m "not slow").
 set -uo pipefail
 
@@ -33,15 +34,16 @@ PYTHON=${PYTHON:-python3}
 WORKERS=${WORKERS:-12}
 # the limits in seconds, the stages' including the time before SIGKILL: setup 25 (pip)
 # + 20 (import check) + 10 (nvidia-smi) + 30 (versions), tests 220, benchmarks 65 + 45
-# + 35 + 50 + 35 + 30 (10 of them for bench_ops.py --help), summary 10: 575 in all
-TESTS_S=${TESTS_S:-220}
+# + 35 + 50 + 70 + 30 (10 of them for bench_ops.py --help), summary 10: 575 in all
+TESTS_S=${TESTS_S:-185}
 BENCH_TORCH_S=${BENCH_TORCH_S:-65}
 CAUSAL_S=${CAUSAL_S:-45}
 BENCH_CUPY_S=${BENCH_CUPY_S:-35}
 BENCH_JAX_S=${BENCH_JAX_S:-50}
-DECODE_S=${DECODE_S:-35}
+DECODE_S=${DECODE_S:-70}
 OPS_S=${OPS_S:-30}
 GPU_BACKENDS=cupy,torch-cuda,jax-gpu
+TEST_BACKENDS=${TEST_BACKENDS:-$GPU_BACKENDS}  # the backends of the test stage
 
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the pytest workers share the GPU
 export PYTHONDONTWRITEBYTECODE=1
@@ -110,7 +112,7 @@ printf 'setup\t0\t%s\n' $((SECONDS - START)) >> "$OUT/stages.tsv"
 # pytest-xdist then gives its workers 10 s to stop
 PYTEST=(-c "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)
 import pytest; sys.exit(pytest.main())")
-XATTN_BACKENDS=$GPU_BACKENDS XATTN_TEST_LOG="$OUT/test_outcomes.txt" STAGE_SIGNAL=INT \
+XATTN_BACKENDS=$TEST_BACKENDS XATTN_TEST_LOG="$OUT/test_outcomes.txt" STAGE_SIGNAL=INT \
     STAGE_GRACE=20 stage tests "$TESTS_S" "$PYTHON" "${PYTEST[@]}" -n "$WORKERS" -v \
     --durations=25 -p no:cacheprovider "$@"
 timeout 10 "$PYTHON" benchmarks/summarize_test_log.py "$OUT/test_outcomes.txt" \
@@ -134,11 +136,10 @@ LENGTHS=1024,4096,16384,65536
 [ "$BENCH_JAX_S" -gt 0 ] && stage bench_gpu_jax-gpu "$BENCH_JAX_S" "$PYTHON" \
     benchmarks/bench_gpu.py --backends jax-gpu --dtypes float32 --lengths 1024,4096,16384 \
     --ra-max 4096 --repeats 3 --time-limit 0.1 --out "$OUT/bench_gpu_jax-gpu.json"
-# per-token decoding on torch-CUDA: bench_decode.py runs on the CPU only; `xattn bench
-# --decode` is the same measurement on any device
-[ "$DECODE_S" -gt 0 ] && stage decode_torch-cuda "$DECODE_S" "$PYTHON" -m xattn.cli bench \
-    --decode --backend torch --device cuda --lengths $LENGTHS --no-progress \
-    --out "$OUT/decode_torch-cuda"
+# per-token decoding on torch-CUDA, eager and torch.compile(fullgraph=True)
+[ "$DECODE_S" -gt 0 ] && stage decode_torch-cuda "$DECODE_S" "$PYTHON" \
+    benchmarks/bench_decode.py --backends torch --device cuda --positions $LENGTHS \
+    --steps 15 --out "$OUT/decode_torch-cuda.json"
 if [ "$OPS_S" -gt 10 ] && [ -f benchmarks/bench_ops.py ]; then
     ops_args=()
     ops_help=$(timeout 10 "$PYTHON" benchmarks/bench_ops.py --help 2>&1)

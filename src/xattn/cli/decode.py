@@ -49,15 +49,24 @@ class DecodeVariant:
     name: str
     function: Callable[..., Any]
     options: dict[str, Any]
+    #: On torch, the timed step is ``torch.compile(step, fullgraph=True)`` (the first,
+    #: untimed step compiles it); elsewhere the variant is skipped.
+    torch_compile: bool = False
 
 
-def decode_variants(samples: int, window: int, sinks: int, seed: int) -> list[DecodeVariant]:
-    """Exact softmax with its key-value cache, RFA, and RFA with a window and sinks."""
+def decode_variants(samples: int, window: int, sinks: int, seed: int, *,
+                    torch_compile: bool = False) -> list[DecodeVariant]:
+    """Exact softmax with its key-value cache, RFA, and RFA with a window and sinks; with
+    ``torch_compile``, RFA's step compiled by ``torch.compile(fullgraph=True)`` too."""
     rfa_options = {"num_features": samples, "rng": seed}
-    return [DecodeVariant("softmax (KV cache)", xattn.softmax_attention, {}),
-            DecodeVariant("rfa", xattn.rfa, rfa_options),
-            DecodeVariant(f"rfa+window {window}, {sinks} sink" + ("s" * (sinks != 1)),
-                          xattn.rfa, {**rfa_options, "window": window, "sinks": sinks})]
+    variants = [DecodeVariant("softmax (KV cache)", xattn.softmax_attention, {}),
+                DecodeVariant("rfa", xattn.rfa, rfa_options),
+                DecodeVariant(f"rfa+window {window}, {sinks} sink" + ("s" * (sinks != 1)),
+                              xattn.rfa, {**rfa_options, "window": window, "sinks": sinks})]
+    if torch_compile:
+        variants.append(DecodeVariant("rfa (torch.compile)", xattn.rfa, rfa_options,
+                                      torch_compile=True))
+    return variants
 
 
 def rfa_decode_bytes(*, heads: int, head_dim: int, samples: int, window: int, sinks: int,
@@ -116,14 +125,19 @@ def state_bytes(state: Any) -> int:
     return total
 
 
-def _step_function(variant: DecodeVariant, *, jit: bool) -> Callable[..., Any]:
-    """``step(q, k, v, state) -> (out, state)``; with ``jit``, compiled by jax.jit."""
+def _step_function(variant: DecodeVariant, *, jit: bool,
+                   torch_compile: bool = False) -> Callable[..., Any]:
+    """``step(q, k, v, state) -> (out, state)``; with ``jit``, compiled by jax.jit, with
+    ``torch_compile`` by ``torch.compile(fullgraph=True)``."""
     def step(q: Any, k: Any, v: Any, state: Any) -> Any:
         options = {name: value for name, value in variant.options.items()
                    if state is None or name not in ("num_features", "rng")}
         return variant.function(q, k, v, causal=True, state=state, return_state=True,
                                 **options)
 
+    if torch_compile:
+        import torch
+        return torch.compile(step, fullgraph=True)
     if not jit:
         return step
     import jax
@@ -147,6 +161,8 @@ def measure_decode(backend: Backend, variants: list[DecodeVariant], positions: l
     """
     host = np.random.default_rng(seed)
     positions = sorted(set(positions))
+    variants = [variant for variant in variants
+                if not variant.torch_compile or backend.name == "torch"]
 
     def tokens(count: int) -> tuple[Any, Any, Any]:
         return tuple(backend.to_backend(host.normal(size=(heads, count, head_dim)))
@@ -159,7 +175,8 @@ def measure_decode(backend: Backend, variants: list[DecodeVariant], positions: l
         for variant in variants:
             # prefill pieces run eagerly (their shapes differ); the timed step is jitted
             prefill = _step_function(variant, jit=False)
-            step = _step_function(variant, jit=backend.name == "jax")
+            step = _step_function(variant, jit=backend.name == "jax",
+                                  torch_compile=variant.torch_compile)
             state, seen = None, 0
             for position in positions:
                 while seen < position:
