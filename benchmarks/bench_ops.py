@@ -12,9 +12,9 @@ kernel for one, have other names).
 xattn's causal estimators run the chunkwise-parallel scan: the whole sequence is one
 block while its intermediates fit the working-memory budget, so a call dispatches the
 same number of operations at every length up to it; torch's
-``scaled_dot_product_attention`` dispatches one. The causal calls are counted under a
-GPU's budget (``--working-memory``, default 1 GiB: the count is then a GPU's number of
-kernel launches; ``device`` uses each device's default, 32 MiB on a CPU, where the blocks
+``scaled_dot_product_attention`` dispatches one. The causal calls and ra are counted
+under a GPU's budget (``--working-memory``, default 1 GiB: the count is then a GPU's number
+of kernel launches; ``device`` uses each device's default, 64 MiB on a CPU, where the blocks
 are shorter and the count grows past it). Shape (B, H, N, D) = (1, 2, N, 64),
 float32. Rows (forward, and forward plus backward where the row has one: q, k, v
 requiring gradients, ``out.sum().backward()`` counted with the call):
@@ -25,8 +25,9 @@ requiring gradients, ``out.sum().backward()`` counted with the call):
 - ``xattn.rfa`` S = 16, causal, ``window=64, sinks=1``;
 - ``xattn.lara`` non-causal C = 64 (its samples drawn in the call), and causal C = 16
   (fixed ``proposal_means``, ``weighting="balance"``);
-- ``xattn.ra`` S = 1, non-causal, forward only (quadratic: a length whose predicted time
-  under the counter exceeds ``--row-limit`` seconds is skipped);
+- ``xattn.ra`` S = 1, non-causal, forward only, under the same budget (one step of all
+  N rows while they fit it; quadratic: a length whose predicted time under the counter
+  exceeds ``--row-limit`` seconds is skipped);
 - decoding: one new token after a prefill of N tokens (``return_state=True``; only the
   step is counted): RFA S = 64, RFA S = 64 with a window of 64 and 1 sink, softmax with
   its key-value cache, causal LARA C = 16.
@@ -151,7 +152,7 @@ class Row:
 
 def make_rows(xp: Any, device: Any, working_memory: int | None = None) -> list[Row]:
     """The rows, with the samples they share drawn once here (not counted); the causal
-    calls of rfa and lara get ``working_memory`` (None: their device's default)."""
+    calls of rfa and lara, and ra, get ``working_memory`` (None: their device's default)."""
     dim = SHAPE[-1]
     budget = {} if working_memory is None else {"working_memory": working_memory}
     omega = sample_omega(0, FEATURES, dim, xp=xp, dtype=xp.float32, device=device)
@@ -196,7 +197,7 @@ def make_rows(xp: Any, device: Any, working_memory: int | None = None) -> list[R
         Row("lara C=64", lambda q, k, v, _: xattn.lara(q, k, v, num_samples=64, rng=0)),
         Row("lara C=16 causal", lambda q, k, v, _: xattn.lara(q, k, v, causal=True,
                                                                    **lara_causal)),
-        Row("ra S=1", lambda q, k, v, _: xattn.ra(q, k, v, num_samples=1, rng=0),
+        Row("ra S=1", lambda q, k, v, _: xattn.ra(q, k, v, num_samples=1, rng=0, **budget),
             modes=("forward",), power=2),
         Row("decode rfa S=64", step(xattn.rfa), modes=("step",),
             setup=prefill(xattn.rfa, omega=omega, **budget)),
