@@ -13,16 +13,17 @@ The targets at full size are
 Running every estimator at N = 131072 would take over a minute on two cores (causal RFA
 alone about 45 s), so the other tests here prove the property behind the targets at
 small N instead: the peak is the number of output copies the estimator's docstring
-states plus a working set W that does not depend on N or M. ``lara`` and
-``softmax_attention`` hold the output twice while its pieces are joined; ``rfa`` writes
-its pieces into the result on NumPy and holds it once, in every mode (causal, window,
-sinks, trigonometric). Each is measured at a length L and at 4 L; W may not grow by more
+states plus a working set W that does not depend on N or M. ``softmax_attention`` holds
+the output twice while its pieces are joined; ``rfa`` and ``lara`` write their pieces
+into the result on NumPy and hold it once, ``rfa`` in every mode (causal, window, sinks,
+trigonometric). Each is measured at a length L and at 4 L; W may not grow by more
 than 1 MiB between them, where any array of N x S (or N x C) floats would add 24 (or 6)
 MiB and one more copy of the output 3 x L x 256 bytes (3 MiB at L = 4096), and W stays
 below a bound far under the full-size budget (for the causal scan and the window band,
-the CPU's working memory, 64 MiB: their blocks are as long as it allows). Then at
-N = 131072 the peak is at most 2 x 32 MiB of output + W <= 96 MiB (rfa holds its output
-once: 32 MiB + W).
+the CPU's working memory, 64 MiB: their blocks are as long as it allows; rfa and lara
+without causal are measured under a smaller ``working_memory``, so that their groups
+are shorter than L). Then at N = 131072 the peak is at most 32 MiB of output + W <= 96
+MiB (W at most about the 64 MiB of working memory that sets rfa's and lara's groups).
 """
 
 from __future__ import annotations
@@ -65,21 +66,26 @@ def working_set(function, num_queries, num_keys, copies=2, **options):
 
 
 def test_lara_full_size_target():
-    """lara at N = M = 131072, C = 64: at most 96 MiB. Measured 65 MiB: 2 x 32 MiB of
-    output and about 1 MiB more; before streaming it was 258 MiB."""
+    """lara at N = M = 131072, C = 64: at most 96 MiB. Measured 85.7 MiB: 32 MiB of
+    output and groups of 26,214 rows under the CPU's 64 MiB of working memory (65 MiB
+    with chunks of 1,024 and the output held twice; before streaming 258 MiB)."""
     peak = peak_bytes(xattn.lara, 131072, 131072, num_samples=64, rng=0)
     assert peak <= 96 * MiB, f"peak {peak / MiB:.1f} MiB"
 
 
 CASES = {
     # name: (function, options, length L, bound on W, copies of the output)
-    # rfa: keys and queries in chunks of 1024; W measured about 1.7-3 MiB (S = 256)
-    "rfa": (xattn.rfa, dict(num_features=256, rng=0), 8192, 16 * MiB, 1),
+    # rfa and lara without causal: keys and queries in groups as long as working_memory
+    # allows (the whole sequence below it: 64 MiB on a CPU holds N = 16384 at S = 64, and
+    # W about 26 MiB at N = 8192, S = 256); with a small budget the groups are shorter than
+    # L here, so W is the same at L and 4 L: rfa about 6.5 MiB with 8 MiB (S = 256)
+    "rfa": (xattn.rfa, dict(num_features=256, rng=0, working_memory=8 * MiB), 8192,
+            16 * MiB, 1),
     # causal rfa: blocks of as many positions as the CPU's working memory allows (64 MiB:
     # 1,312 positions at S = 256), chunked inside; W about 40 MiB, at most that budget
     "rfa-causal": (xattn.rfa, dict(num_features=256, rng=0, causal=True), 8192, BUDGET, 1),
-    "rfa-trigonometric": (xattn.rfa, dict(num_features=64, rng=0, feature_map="trigonometric"),
-                          4096, 16 * MiB, 1),
+    "rfa-trigonometric": (xattn.rfa, dict(num_features=64, rng=0, feature_map="trigonometric",
+                                          working_memory=8 * MiB), 4096, 16 * MiB, 1),
     # window and sinks: blocks of queries as long as the budget allows (about 2,400
     # positions here), each with its exact band in chunks and random features for the keys
     # before and after it; the keys after it are summed in a pass from the last block
@@ -95,13 +101,16 @@ CASES = {
     "rfa-window-sinks-trigonometric": (
         xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4,
                         feature_map="trigonometric"), 16384, BUDGET, 1),
-    # lara: W about 1 MiB (C = 64); an (N, C) array at 4 L = 65536 would be 16 MiB
-    "lara": (xattn.lara, dict(num_samples=64, rng=0), 16384, 8 * MiB, 2),
-    # C = 256 > Dv: the exponentials of the softmax over queries are recomputed in the
-    # second pass instead of kept; an (N, C) array at 4 L = 32768 would be 32 MiB
-    "lara-wide": (xattn.lara, dict(num_samples=256, rng=0), 8192, 16 * MiB, 2),
-    "lara-wide-coupled": (xattn.lara, dict(num_samples=256, rng=0, weighting="coupled"),
-                         8192, 16 * MiB, 2),
+    # lara: W about 3.5 MiB with 4 MiB (C = 64; its pieces written into the output on
+    # NumPy); an (N, C) array at 4 L = 65536 would be 16 MiB. With several groups the
+    # exponentials of the softmax over queries are recomputed in the second pass instead
+    # of kept; an (N, C) array at 4 L = 32768 would be 32 MiB at C = 256
+    "lara": (xattn.lara, dict(num_samples=64, rng=0, working_memory=4 * MiB), 16384,
+             8 * MiB, 1),
+    "lara-wide": (xattn.lara, dict(num_samples=256, rng=0, working_memory=8 * MiB), 8192,
+                  16 * MiB, 1),
+    "lara-wide-coupled": (xattn.lara, dict(num_samples=256, rng=0, weighting="coupled",
+                                           working_memory=8 * MiB), 8192, 16 * MiB, 1),
 }
 
 

@@ -25,7 +25,7 @@ from xattn._options import check_choice, check_finite_real
 from xattn._primitives import finite_shift, masked_softmax, merge_maxima, nonzero_divisor
 
 __all__ = ["WEIGHTINGS", "WEIGHT_FLOOR", "QuerySoftmax", "balance_heuristic",
-           "importance_weights", "lara_weights"]
+           "importance_weights", "lara_weights", "own_proposal_weights"]
 
 WEIGHTINGS = ("balance", "decoupled", "coupled", "query_proposal")
 
@@ -71,6 +71,25 @@ def balance_heuristic(points: Array, proposal_means: Array) -> Array:
     log_density = points @ xp.matrix_transpose(proposal_means) - 0.5 * xp.sum(
         proposal_means * proposal_means, axis=-1)[..., None, :]
     return masked_softmax(xp, log_density, None, axis=-1)
+
+
+def own_proposal_weights(xp: Any, omega: Array, proposal_means: Array) -> tuple[Array, Array]:
+    r"""Per proposal, at its own sample: :math:`\log N(\omega_c; 0, I) - \log
+    q_c(\omega_c)` and the balance heuristic :math:`w_c` (eq. 36), both (..., 1, C).
+
+    With :math:`\ell_{cc'} = \omega_c \cdot \mu_{c'} - \tfrac12\lVert\mu_{c'}\rVert^2`
+    (:math:`\log q_{c'}(\omega_c)` up to a term of :math:`\omega_c` alone), the ratio is
+    :math:`\tfrac12\lVert\omega_c - \mu_c\rVert^2 - \tfrac12\lVert\omega_c\rVert^2 =
+    -\ell_{cc}` and :math:`w_c = 1 / \sum_{c'} e^{\ell_{cc'} - \ell_{cc}}` (a term
+    :math:`e^{+\infty}` gives :math:`w_c = 0`, its limit): the diagonal of
+    :func:`balance_heuristic` without its (C, C) softmax.
+    """
+    half_norms = 0.5 * xp.sum(proposal_means * proposal_means, axis=-1, keepdims=True)
+    ratio = half_norms - xp.sum(omega * proposal_means, axis=-1, keepdims=True)  # -l_cc
+    log_density = omega @ xp.matrix_transpose(proposal_means) - xp.matrix_transpose(
+        half_norms)  # l_cc', (..., C, C)
+    own_weight = 1.0 / xp.sum(xp.exp(log_density + ratio), axis=-1, keepdims=True)
+    return xp.matrix_transpose(ratio), xp.matrix_transpose(own_weight)
 
 
 def lara_weights(proposal_weights: Array, query_affinity: Array, *,
@@ -172,16 +191,24 @@ class QuerySoftmax:
         kept: list[Array | None] = []
         maxima, totals = [], []
         for start, stop in pieces:
-            scores = self._masked(q[..., start:stop, :] @ landmarks_t, start, stop)  # (..., B, C)
+            rows = q if (start, stop) == (0, q.shape[-2]) else q[..., start:stop, :]
+            scores = self._masked(rows @ landmarks_t, start, stop)  # (..., B, C)
             piece_max = xp.max(scores, axis=-2, keepdims=True)  # -inf: no allowed query
-            exponential = xp.exp(scores - finite_shift(xp, piece_max))
+            if query_mask is not None:
+                piece_max = finite_shift(xp, piece_max)
+            exponential = xp.exp(scores - piece_max)
             kept.append(exponential if keep_exponentials else None)
             maxima.append(piece_max)
             totals.append(xp.sum(exponential, axis=-2, keepdims=True))
-        _, self.shift, self.rescales = merge_maxima(xp, *maxima)  # no allowed query: 0
-        total = sum(rescale * piece_total for rescale, piece_total in zip(self.rescales, totals,
-                                                                          strict=True))
-        self.inverse_total = 1.0 / nonzero_divisor(xp, total)  # 1 / Z_c
+        if len(pieces) == 1:  # its own maximum is the shift
+            self.shift, self.rescales, total = maxima[0], (1.0,), totals[0]
+        else:
+            _, self.shift, self.rescales = merge_maxima(xp, *maxima)  # no allowed query: 0
+            total = sum(rescale * piece_total
+                        for rescale, piece_total in zip(self.rescales, totals, strict=True))
+        # Z_c >= 1 (its largest term is e^0) unless a mask leaves no query
+        self.inverse_total = 1.0 / (total if query_mask is None
+                                    else nonzero_divisor(xp, total))  # 1 / Z_c
         self.keep_exponentials = keep_exponentials
         self._kept = kept
 
@@ -196,7 +223,9 @@ class QuerySoftmax:
         if self.keep_exponentials:
             exponential, self._kept[index] = self._kept[index], None  # released once read
             assert exponential is not None, "each piece is read once"
-            return exponential, self.rescales[index] * self.inverse_total
+            rescale = self.rescales[index]  # 1.0 (a float) for a single piece
+            return exponential, (self.inverse_total if isinstance(rescale, float)
+                                 else rescale * self.inverse_total)
         assert scores is not None, "the scores are recomputed by the second pass"
         start, stop = self.pieces[index]
         return (self.xp.exp(self._masked(scores, start, stop) - self.shift),
@@ -204,24 +233,24 @@ class QuerySoftmax:
 
 
 def importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array] | None,
-                        weighting: str, beta: float) -> Array:
+                        weighting: str, beta: float, *, as_row: bool = False) -> Array:
     r""":math:`\alpha_{nc}` of a piece of queries, clipped below at the weight floor.
 
+    ``own_weight`` is :math:`w_c`, (..., C), or (..., 1, C) with ``as_row``.
     ``affinity`` is :meth:`QuerySoftmax.piece` (None for the balance heuristic,
     whose weights do not depend on the query: then (..., 1, C)). For the decoupled
-    weighting (eq. 38) :math:`\beta r_{nc}` is :math:`e_{nc} (\beta \rho_c)` and the mean
-    over proposals is one matrix-vector product, :math:`\frac1C \sum_c e_{nc} \beta
-    \rho_c`.
+    weighting (eq. 38) :math:`\beta r_{nc}` is :math:`e_{nc} (\beta \rho_c)` and its mean
+    over proposals :math:`\frac1C \sum_c e_{nc} \beta \rho_c`.
     """
     floor = xp.asarray(WEIGHT_FLOOR, dtype=own_weight.dtype,
                        device=array_api_compat.device(own_weight))  # 0-d: no N x C array
-    weights = own_weight[..., None, :]  # w_c, (..., 1, C)
+    weights = own_weight if as_row else own_weight[..., None, :]  # w_c, (..., 1, C)
     if affinity is None:  # "balance": alpha_nc = w_c for every query
         return xp.maximum(weights, floor)
     exponential, rho = affinity
     if weighting == "decoupled":  # w_c + beta (r_nc - mean_c' r_nc')
-        scaled = beta * rho  # (..., 1, C)
-        mean = exponential @ xp.matrix_transpose(scaled / scaled.shape[-1])  # (..., B, 1)
-        return xp.maximum(exponential * scaled + (weights - mean), floor)
-    return xp.maximum(lara_weights(own_weight, exponential * rho, weighting=weighting,
-                                   beta=beta), floor)
+        correction = exponential * (beta * rho)  # beta r_nc, (..., B, C)
+        mean = xp.sum(correction, axis=-1, keepdims=True) * (1.0 / correction.shape[-1])
+        return xp.maximum(correction + (weights - mean), floor)
+    return xp.maximum(lara_weights(weights[..., 0, :], exponential * rho,
+                                   weighting=weighting, beta=beta), floor)

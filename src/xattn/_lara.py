@@ -35,8 +35,8 @@ from xattn._array import (
 from xattn._importance import (
     WEIGHTINGS,
     QuerySoftmax,
-    balance_heuristic,
     importance_weights,
+    own_proposal_weights,
 )
 from xattn._lara_causal import (
     CAUSAL_WEIGHTINGS,
@@ -56,11 +56,11 @@ from xattn._options import (
     check_positive_int,
     check_segments,
 )
-from xattn._primitives import finite_entries, join, mark_tainted, masked_softmax, quarantine
+from xattn._primitives import RowPieces, finite_entries, mark_tainted, masked_softmax, quarantine
+from xattn._rf_groups import lara_group_rows, positive_key_sums, positive_readout, rows_of
 from xattn._rf_scan import stream_bounds
 from xattn._segments import segment_means
 from xattn._state import LARAState, check_state_array, check_state_call
-from xattn.features import merge_key_statistics, positive_key_statistics, weighted_readout
 from xattn.random import as_generator
 
 __all__ = ["PROPOSALS", "lara"]
@@ -129,66 +129,48 @@ def _samples(inputs: AttentionInputs, proposal_means: Array, num_samples: int, *
     return xp.broadcast_to(omega, sample_shape)
 
 
-def _key_statistics(inputs: AttentionInputs, omega: Array, root_scale: float,
-                    chunk_size: int) -> tuple[Array, Array, Array]:
-    r"""RFA's stabilized key statistics with the samples :math:`\omega_c`: :math:`K_c,
-    A'_c, b'_c`, the keys walked ``chunk_size`` at a time with a running maximum per
-    sample (:func:`~xattn.features.merge_key_statistics`)."""
-    xp, k, v, key_mask = inputs.xp, inputs.k, inputs.v, inputs.key_mask
-    statistics = None
-    for start, stop in stream_bounds(k, -2, chunk_size):
-        piece = positive_key_statistics(xp, root_scale * finite_entries(xp, k[..., start:stop, :]),
-                                        finite_entries(xp, v[..., start:stop, :]), omega,
-                                        None if key_mask is None else key_mask[..., start:stop])
-        statistics = piece if statistics is None else merge_key_statistics(xp, statistics,
-                                                                           piece)
-    assert statistics is not None  # stream_bounds gives at least one piece
-    return statistics
-
-
 def _query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means: Array,
-                omega: Array, statistics: tuple[Array, Array, Array], *, weighting: str,
-                beta: float, root_scale: float, chunk_size: int) -> Array:
-    r"""The estimator of eq. 28 for the queries, a piece of ``chunk_size`` at a time.
+                omega: Array, *, weighting: str, beta: float, root_scale: float,
+                rows: int) -> Array:
+    r"""The estimator of eq. 28: the key statistics, then the queries, in groups of
+    ``rows`` (one group when all fit).
 
-    Per piece: the logits :math:`e_{nc} = \omega_c \cdot \hat q_n + K_c -
-    \tfrac12\lVert\omega_c\rVert^2 + \tfrac12\lVert\omega_c - \mu_c\rVert^2` (the last two
-    terms are :math:`\log N(\omega_c; 0, I) - \log q_c(\omega_c)`), the weights
+    Per group of queries: the logits :math:`e_{nc} = \omega_c \cdot \hat q_n + K_c -
+    \tfrac12\lVert\omega_c\rVert^2 + \tfrac12\lVert\omega_c - \mu_c\rVert^2` (the last
+    two terms are :math:`\log N(\omega_c; 0, I) - \log q_c(\omega_c)`), the weights
     :math:`\alpha_{nc}` and the ratio :math:`\sum_c u_{nc} A'_c / \sum_c u_{nc} b'_c`.
     The query affinities of the decoupled and coupled weightings need a softmax over all
     queries, so a first pass (:class:`~xattn._importance.QuerySoftmax`) walks the
-    queries before this one. Its (N, C) exponentials are kept for the second pass when
-    they take no more memory than the output pieces that replace them (C <= Dv); for
-    C > Dv they are recomputed, in one product of the queries with the stacked
-    :math:`[\tilde q; \omega]`, so that working memory stays independent of N.
+    groups before this one. Its (N, C) exponentials are kept for the second pass when
+    there is one group; with several they are recomputed, in one product of the queries
+    with the stacked :math:`[\tilde q; \omega]`, so that working memory stays
+    independent of N.
     """
     xp, q, query_mask = inputs.xp, inputs.q, inputs.query_mask
     num_samples = omega.shape[-2]
-    key_max, numerator, denominator = statistics
-    offset = omega - proposal_means
-    log_density_ratio = 0.5 * (xp.sum(offset * offset, axis=-1) - xp.sum(omega * omega, axis=-1))
-    logit_offset = (key_max + log_density_ratio)[..., None, :]  # (..., 1, C)
-    # w_c: the balance heuristic of proposal c at its own sample omega_c (eq. 36)
-    own_weight = xp.linalg.diagonal(balance_heuristic(omega, proposal_means))
-
-    pieces = stream_bounds(q, -2, chunk_size)
-    # what multiplies q carries sqrt(s): q . (sqrt(s) omega_c) = q^ . omega_c, and
-    # q . (sqrt(s) q~_c) = q^ . q~_c for the affinities
+    # what multiplies q or k carries sqrt(s): q . (sqrt(s) omega_c) = q^ . omega_c
     projection_t = xp.matrix_transpose(root_scale * omega)
+    key_max, numerator, denominator = positive_key_sums(xp, inputs, projection_t, rows)
+    # w_c: the balance heuristic of proposal c at its own sample omega_c (eq. 36)
+    log_density_ratio, own_weight = own_proposal_weights(xp, omega, proposal_means)
+    logit_offset = key_max + log_density_ratio  # (..., 1, C)
+
+    groups = stream_bounds(q, -2, rows)
     affinities = None
     recompute = False
     if weighting not in ("balance", "query_proposal"):  # r_nc = softmax_n of q^_n . q~_c
+        # and q . (sqrt(s) q~_c) = q^ . q~_c
         scaled_landmarks = root_scale * query_landmarks
-        recompute = num_samples > inputs.v.shape[-1]
-        affinities = QuerySoftmax(xp, q, scaled_landmarks, query_mask, pieces,
+        recompute = len(groups) > 1
+        affinities = QuerySoftmax(xp, q, scaled_landmarks, query_mask, groups,
                                   keep_exponentials=not recompute)
         if recompute:  # the second pass: one GEMM of q against the stacked [q~; omega]
             landmarks_t = xp.broadcast_to(xp.matrix_transpose(scaled_landmarks),
                                           projection_t.shape)
             projection_t = xp.concat([landmarks_t, projection_t], axis=-1)
-    outputs = []
-    for index, (start, stop) in enumerate(pieces):
-        queries = finite_entries(xp, q[..., start:stop, :])  # rows marked NaN by lara
+    out = RowPieces(inputs.num_queries)
+    for index, (start, stop) in enumerate(groups):
+        queries = finite_entries(xp, rows_of(q, start, stop))  # rows marked NaN by lara
         logits = queries @ projection_t
         scores = None
         if recompute:  # s_nc, then the logits of omega
@@ -196,17 +178,16 @@ def _query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means:
         affinity = None if affinities is None else affinities.piece(index, scores)
         if weighting == "query_proposal":  # r_nc = softmax_c of q^_n . mu_c, then eq. 38
             affinity = (query_proposal_affinity(xp, root_scale * queries,
-                                                proposal_means),
-                        xp.ones_like(own_weight)[..., None, :])
+                                                proposal_means), 1.0)
         weights = importance_weights(xp, own_weight, affinity,
                                      "decoupled" if weighting == "query_proposal" else weighting,
-                                     beta)  # alpha_nc
-        out = weighted_readout(xp, logits + logit_offset, numerator, denominator,
-                               coefficients=weights)
+                                     beta, as_row=True)  # alpha_nc
+        rows_out = positive_readout(xp, logits + logit_offset, numerator, denominator,
+                                    coefficients=weights)
         if query_mask is not None:
-            out = xp.where(query_mask[..., start:stop, None], out, 0.0)
-        outputs.append(out)
-    return join(xp, outputs, axis=-2)
+            rows_out = xp.where(query_mask[..., start:stop, None], rows_out, 0.0)
+        out.put(start, rows_out)
+    return out.result()
 
 
 def lara(
@@ -228,7 +209,7 @@ def lara(
     query_mask: Array | None = None,
     causal: bool = False,
     rng: Any = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     check_finite: bool = False,
     state: Any = None,
     return_state: bool = False,
@@ -357,28 +338,30 @@ def lara(
         drawn with shape
         ``(*batch_shape, C, D)`` (an int seed gives the same draws on every backend;
         pass a JAX key under :func:`jax.jit`).
-    chunk_size : int
-        Keys and queries per piece (default 1024). The key statistics are accumulated a
-        piece of keys at a time with a running maximum per sample, as in RFA; the query
-        side (affinities, weights, logits and the ratio of eq. 28) runs a piece of
-        queries at a time, after one pass that finds the maxima and totals of the softmax
-        over queries in :math:`r_{nc}`. The (N, C) and (M, C) temporaries are then
-        ``(chunk_size, C)`` and stay in cache. The exponentials of that first pass are
-        kept for the second while C <= Dv (they are released piece by piece as output
-        pieces of the same or larger size replace them) and recomputed, in one product
-        of the queries with the stacked landmarks and samples, when C > Dv. The peak
-        working memory is therefore about the output (its pieces and their
-        concatenation) plus a working set that depends on ``chunk_size``, C and D but
-        not on N or M.
-        The result does not depend on ``chunk_size`` beyond rounding. Dask arrays are one
-        piece (Dask computes them chunk by chunk).
+    chunk_size : int, optional
+        Without ``causal``: at most this many keys and queries per group, whatever
+        ``working_memory`` allows (a smaller working set, more array operations). None
+        (the default): the groups of ``working_memory``; causal LARA's scan uses 1024.
+        The result does not depend on it beyond rounding.
     check_finite : bool
         Raise ``ValueError`` on NaN or infinity in q, k or v (default False: unchecked, and
         NaN propagates); see :ref:`non-finite-inputs`.
     working_memory : int, optional
-        Causal only: bytes of intermediates one block of the causal scan may hold, as
-        :func:`xattn.rfa`'s (the whole sequence in one block when it fits: a fixed number
-        of array operations). None: :func:`xattn.default_working_memory`.
+        Bytes of intermediates one block of the causal scan may hold, as
+        :func:`xattn.rfa`'s, and without ``causal`` one group of keys or queries: the key
+        statistics are accumulated a group of keys at a time with a running maximum per
+        sample, as in RFA; the query side (affinities, weights, logits and the ratio of
+        eq. 28) runs a group of queries at a time, after one pass that finds the maxima
+        and totals of the softmax over queries in :math:`r_{nc}`. A group holds about
+        ``5C + D + 2 Dv`` numbers per row and batch element (``9C + D + 2 Dv`` when there
+        are several: the exponentials of the first pass are then recomputed, in one
+        product of the queries with the stacked landmarks and samples, instead of kept).
+        The whole sequence is one group while it fits (N = M = 16,384 at C = 64, D = Dv =
+        64 and two batch-heads on a CPU's 64 MiB): a fixed number of array operations at
+        any length; longer sequences keep the working memory besides the output (written
+        group by group into the result on NumPy and CuPy, joined once elsewhere) at
+        about this budget, whatever N and M. None: :func:`xattn.default_working_memory`.
+        Dask arrays are one group (Dask computes them chunk by chunk).
 
     Returns
     -------
@@ -496,7 +479,8 @@ def lara(
                                   defensive=defensive, num_samples=num_samples,
                                   weighting=weighting, grid=grid)
     noise_scale = check_noise_scale(noise_scale)
-    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    if chunk_size is not None:
+        chunk_size = check_positive_int(chunk_size, "chunk_size")
     working_memory = (default_working_memory(inputs.q) if working_memory is None
                       else check_positive_int(working_memory, "working_memory"))
     if inputs.is_empty and not stateful:  # N = 0 or an empty batch: empty, whatever C
@@ -524,14 +508,14 @@ def lara(
                          noise_scale=noise_scale, rng=rng)
     if causal:
         result = causal_lara(inputs, omega, proposal_means, weighting=weighting, beta=beta,
-                             chunk_size=chunk_size, working_memory=working_memory,
+                             chunk_size=DEFAULT_CHUNK_SIZE if chunk_size is None
+                             else chunk_size, working_memory=working_memory,
                              stateful=stateful, state=state)
         out, state = result if stateful else (result, None)
-    else:
-        statistics = _key_statistics(inputs, omega, root_scale, chunk_size)
-        out = _query_pass(inputs, query_landmarks, proposal_means, omega, statistics,
-                          weighting=weighting, beta=beta, root_scale=root_scale,
-                          chunk_size=chunk_size)
+    else:  # keys, then queries, in groups as long as working_memory allows
+        rows = lara_group_rows(inputs, num_samples, working_memory, chunk_size)
+        out = _query_pass(inputs, query_landmarks, proposal_means, omega,
+                          weighting=weighting, beta=beta, root_scale=root_scale, rows=rows)
     if tainted is not None:
         out = mark_tainted(inputs.xp, out, tainted)
         if inputs.query_mask is not None:  # a masked query's row stays zero

@@ -10,16 +10,18 @@ mapping :math:`\xi` (Choromanski et al., ICLR 2021),
 
 which costs :math:`O((N + M) S D)` instead of softmax attention's :math:`O(N M D)`.
 The positive and hyperbolic maps are evaluated in the log domain with one stabilizer per
-side that cancels exactly (:func:`xattn.features.positive_key_statistics` and
-:func:`xattn.features.weighted_readout`); the trigonometric map, which can be negative, is
+side that cancels exactly (:func:`xattn._rf_groups.positive_key_sums` and
+:func:`xattn._rf_groups.positive_readout`); the trigonometric map, which can be negative, is
 evaluated with the key norms shifted by their maximum and a guarded denominator.
 
-Keys and queries are streamed in chunks (key statistics with a running per-sample maximum,
-read-out chunk by chunk), so the working memory besides the output does not grow with the
-sequence lengths; the output's pieces are written into it where arrays can be written
-(NumPy, CuPy) and concatenated once elsewhere (:class:`xattn._primitives.RowPieces`).
-Causal mode and the exact band and sinks of ``window=`` / ``sinks=`` are computed by
-:mod:`xattn._rf_scan` and :mod:`xattn._window`.
+Without ``causal``, keys and queries go in groups as long as ``working_memory`` allows
+(key statistics merged with a running per-sample maximum, read-out group by group): the
+whole sequence is one group below the budget (a fixed number of array operations at any
+length), and the working memory besides the output does not grow with the sequence
+lengths above it; the output's groups are written into it where arrays can be written
+(NumPy, CuPy) and concatenated once elsewhere (:class:`xattn._primitives.RowPieces`):
+:mod:`xattn._rf_groups`. Causal mode and the exact band and sinks of ``window=`` /
+``sinks=`` are computed by :mod:`xattn._rf_scan` and :mod:`xattn._window`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from xattn._array import (
     concrete_count,
     default_working_memory,
     prepare_attention,
-    stream_bounds,
 )
 from xattn._decode import continue_rfa
 from xattn._options import (
@@ -45,15 +46,8 @@ from xattn._options import (
     check_window,
     default_num_features,
 )
-from xattn._primitives import (
-    RowPieces,
-    finite_entries,
-    finite_shift,
-    group_rows,
-    mark_tainted,
-    merge_maxima,
-    quarantine,
-)
+from xattn._primitives import RowPieces, mark_tainted, quarantine
+from xattn._rf_groups import positive_rfa, rfa_group_rows, trigonometric_rfa
 from xattn._rf_scan import (
     PAIR_BLOCK,
     FeatureMap,
@@ -62,7 +56,6 @@ from xattn._rf_scan import (
     block_positions,
     finish_partial,
     scan_partials,
-    state_over_keys,
 )
 from xattn._state import (
     RFAState,
@@ -73,14 +66,7 @@ from xattn._state import (
 from xattn._window import band_width, windowed_rfa
 from xattn.features import FEATURE_MAPS, SAMPLE_NORMS, sample_omega
 
-__all__ = ["TrigonometricDenominatorWarning", "causal_scan", "default_num_features",
-           "positive_key_sums", "positive_readout", "rfa"]
-
-#: Added to the key sums b'_s where ``key_mask`` may leave a sample without keys: the
-#: read-out of a query without allowed keys is then 0 / (a positive number) = 0. Where a
-#: key is allowed b'_s >= 1 (its largest term is e^0), which the addition leaves unchanged
-#: in float32 and float64; a denominator holds at least b'_s times LARA's weight floor.
-EMPTY_KEYS = 1e-20
+__all__ = ["TrigonometricDenominatorWarning", "causal_scan", "default_num_features", "rfa"]
 
 
 class TrigonometricDenominatorWarning(RuntimeWarning):
@@ -167,13 +153,18 @@ def rfa(
       read (not inside :func:`jax.jit` or for lazy Dask arrays, where only the clamp
       applies). Never inf.
 
-    **Streaming.** Without ``causal``, the keys are walked ``chunk_size`` at a time with a
+    **Groups.** Without ``causal`` (and without ``window`` and ``sinks``), the keys and
+    then the queries go in groups of ``G`` rows, ``G`` as many as ``working_memory``
+    bytes hold (about ``4F + D + Dv`` numbers per row and batch-head, F = S features,
+    2S for the hyperbolic and trigonometric maps), at most ``chunk_size`` if given. Below
+    the budget (N = M = 16,384 at S = 64, D = Dv = 64 and two batch-heads on a CPU's 64
+    MiB) a call is one group: one product for the keys, one for the queries, a fixed
+    number of array operations at any length. Above it the key groups are merged with a
     running per-sample maximum :math:`K_s` that rescales :math:`A'_s, b'_s` as it grows
-    (:func:`xattn.features.merge_key_statistics`), and the queries are read out
-    ``chunk_size`` at a time: the working memory besides inputs and output is
-    ``O(chunk_size * S + S * Dv)`` per batch-head, independent of ``N`` and ``M`` (how the
-    output itself is held: **Memory** below). Dask arrays are handed to Dask whole (it
-    computes them chunk by chunk and the result keeps the chunks of ``q``).
+    and the queries are read out a group at a time: the working memory besides inputs
+    and output is at most about ``working_memory``, independent of ``N`` and ``M`` (how
+    the output itself is held: **Memory** below). Dask arrays are handed to Dask whole
+    (it computes them chunk by chunk and the result keeps the chunks of ``q``).
 
     **Causal mode** is the chunkwise-parallel form (Katharopoulos et al., 2020; Hua et
     al., 2022; Yang et al., 2023): chunks of 16 positions carried as an axis, each
@@ -240,9 +231,9 @@ def rfa(
     numerators wait in the output's rows), the trigonometric map one flag per query (the
     clamped rows), and half-precision inputs their result cast back. Measured with
     :mod:`tracemalloc` (NumPy, float32, one batch-head, N = M = 32768, D = Dv = 64, S = 64,
-    an 8 MiB output), the peak beyond the output is 1.4 MiB plain, 40.1 MiB causal and 43.5
-    MiB with ``window=16, sinks=4`` (blocks as long as the CPU's 64 MiB of
-    ``working_memory`` allow: fewer, larger array operations).
+    an 8 MiB output), the peak beyond the output is 34.1 MiB plain (one group), 40.1 MiB
+    causal and 43.5 MiB with ``window=16, sinks=4`` (groups and blocks as long as the
+    CPU's 64 MiB of ``working_memory`` allow: fewer, larger array operations).
 
     Parameters
     ----------
@@ -277,9 +268,12 @@ def rfa(
         Positions per block in causal mode and with ``window`` or ``sinks``; None (the
         default): as many as ``working_memory`` allows, the whole sequence when it fits
         (one block is a fixed number of array operations at any length).
-    chunk_size : int
-        Keys and queries per streamed chunk (without ``causal``, ``window`` and ``sinks``;
-        default 1024). The result does not depend on it beyond rounding.
+    chunk_size : int, optional
+        Without ``causal``, ``window`` and ``sinks``: at most this many keys and queries
+        per group, whatever ``working_memory`` allows (a smaller working set, more array
+        operations). None (the default): the groups of ``working_memory``. The causal
+        scan, ``window`` and ``sinks`` use 1024 for None. The result does not depend on
+        it beyond rounding.
     sample_norm : {"chi", "sqrt_dim"}
         Row norms of orthogonal samples (see :func:`xattn.features.sample_omega`).
     check_finite : bool
@@ -292,7 +286,8 @@ def rfa(
         (any ``K`` with ``return_state``); None: 0, or that of ``state``.
     working_memory : int, optional
         Bytes of intermediates a block of the causal scan (and of ``window``/``sinks``)
-        may hold; sets ``block_size``. None: 1 GiB on a GPU, 64 MiB on a CPU
+        may hold, which sets ``block_size``, and without them a group of keys or queries
+        (**Groups**; ``chunk_size`` caps it). None: 1 GiB on a GPU, 64 MiB on a CPU
         (:func:`xattn.default_working_memory`).
     state : RFAState, optional
         Continue a sequence (``causal=True``): q, k, v are the ``L`` tokens after the ``P``
@@ -424,23 +419,17 @@ def rfa(
         # the 2^{-1/2} factor is common to numerator and denominator and cancels
         omega = xp.concat([omega, -omega], axis=0)
     width, itemsize = omega.shape[0] * (2 if trigonometric else 1), xp.finfo(work).bits // 8
-    batch_size = math.prod(inputs.batch_shape)
     if block_size is None:
         block_size = block_positions(
-            length=inputs.num_queries, batch_size=batch_size, num_features=width,
-            width=inputs.v.shape[-1] + 1, itemsize=itemsize,
+            length=inputs.num_queries, batch_size=math.prod(inputs.batch_shape),
+            num_features=width, width=inputs.v.shape[-1] + 1, itemsize=itemsize,
             working_memory=working_memory, band=band_width(window, sinks))
     # chunks of exact pairs no longer than the sequence (one token: no padding)
     pair_block = min(PAIR_BLOCK, block_size, max(inputs.num_queries, 1))
     grouped = not (stateful or causal or window or sinks)  # keys, then queries, in groups
     mapping: Any = (TrigonometricMap(xp, omega, pair_block) if trigonometric
                     else None if grouped else PositiveMap(xp, omega, pair_block))
-    # rows per group (key and query groups alike): F-wide logits, weights and their
-    # temporaries, a row of q or k, of v and of the output
-    rows = group_rows(length=max(inputs.num_queries, inputs.num_keys), batch_size=batch_size,
-                      row_numbers=4 * width + head_dim + inputs.v.shape[-1] + 2,
-                      itemsize=itemsize, working_memory=working_memory,
-                      chunk_size=chunk_size)
+    rows = rfa_group_rows(inputs, width, itemsize, working_memory, chunk_size)
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size  # causal chunks
 
     tainted = None
@@ -459,109 +448,13 @@ def rfa(
             out, invalid = causal_scan(xp, inputs, mapping, block_size, chunk_size,
                                        trigonometric)
         elif trigonometric:
-            out, invalid = _trigonometric(xp, inputs, mapping, rows)
+            out, invalid = trigonometric_rfa(xp, inputs, mapping, rows)
         else:
-            out, invalid = _positive(xp, inputs, omega, rows), None
+            out, invalid = positive_rfa(xp, inputs, omega, rows), None
         out = mark_tainted(xp, out, tainted)
     if invalid is not None:
         _warn_if_any(xp, invalid if tainted is None else invalid & ~tainted)
     return (inputs.finish(out), state) if return_state else inputs.finish(out)
-
-
-def rows_of(x: Array, start: int, stop: int) -> Array:
-    """Rows ``start:stop`` (axis -2) of ``x``; ``x`` itself when they are all of them (no
-    view: one group is a fixed number of array operations)."""
-    return x if (start, stop) == (0, x.shape[-2]) else x[..., start:stop, :]
-
-
-def positive_key_sums(xp: Any, inputs: Any, omega_t: Array,
-                      rows: int) -> tuple[Array, Array, Array]:
-    r"""RFA's stabilized key statistics of every key, :math:`K_s` and :math:`b'_s`
-    (..., 1, S) and :math:`A'_s` (..., S, Dv) (the module docstring), in groups of
-    ``rows`` keys merged by a running maximum per sample (one group when all fit).
-
-    ``omega_t`` is :math:`(\sqrt{s}\,\omega)^\top`, (D, S) or (..., D, S), so that
-    :math:`a_{ms} = k_m \cdot \sqrt{s}\,\omega_s - \tfrac{s}{2}\lVert k_m \rVert^2 =
-    \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2` without forming
-    :math:`\hat k`. With ``key_mask`` a sample without allowed keys has :math:`K_s = 0`
-    and sums 0, and :math:`b'_s` gets :data:`EMPTY_KEYS` added (the ratio of
-    :func:`positive_readout` is then 0, not 0/0); without it :math:`b'_s \ge 1` (its
-    largest term is :math:`e^0`).
-    """
-    k, v, key_mask, half_scale = inputs.k, inputs.v, inputs.key_mask, 0.5 * inputs.scale
-    sums = None
-    for start, stop in stream_bounds(k, -2, rows):
-        keys = finite_entries(xp, rows_of(k, start, stop))  # non-finite rows: marked NaN
-        logits = keys @ omega_t - half_scale * xp.sum(keys * keys, axis=-1, keepdims=True)
-        if key_mask is not None:
-            logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
-            key_max = finite_shift(xp, xp.max(logits, axis=-2, keepdims=True))
-        else:  # K_s = max_m a_ms is finite: at least one key
-            key_max = xp.max(logits, axis=-2, keepdims=True)
-        weights = xp.exp(logits - key_max)  # e^{a_ms - K_s}, masked keys 0
-        part = (key_max,
-                xp.matrix_transpose(weights) @ finite_entries(xp, rows_of(v, start, stop)),
-                xp.sum(weights, axis=-2, keepdims=True))
-        sums = part if sums is None else _merge_key_sums(xp, sums, part)
-    assert sums is not None  # M >= 1: at least one group
-    key_max, numerator, denominator = sums
-    return key_max, numerator, (denominator if key_mask is None
-                                else denominator + EMPTY_KEYS)
-
-
-def _merge_key_sums(xp: Any, first: tuple[Array, Array, Array],
-                    second: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
-    """The key statistics of two disjoint groups of keys (as
-    :func:`xattn.features.merge_key_statistics`; sums of an empty group are 0)."""
-    maxima = (xp.where(part[2] == 0, -xp.inf, part[0]) for part in (first, second))
-    _, key_max, (first_factor, second_factor) = merge_maxima(xp, *maxima)
-    numerator = (xp.matrix_transpose(first_factor) * first[1]
-                 + xp.matrix_transpose(second_factor) * second[1])
-    return key_max, numerator, first_factor * first[2] + second_factor * second[2]
-
-
-def positive_readout(xp: Any, logits: Array, numerator: Array, denominator: Array,
-                     coefficients: Array | None = None) -> Array:
-    r""":math:`y_n = \sum_s u_{ns} A'_s / \sum_s u_{ns} b'_s`, :math:`u_{ns} = \alpha_{ns}
-    e^{c_{ns} - Q_n}`, :math:`Q_n = \max_s c_{ns}` (the shift cancels), for the logits
-    :math:`c_{ns}` (..., B, S) of a group of queries and the sums of
-    :func:`positive_key_sums`; :math:`\alpha_{ns}` = ``coefficients`` (LARA's positive
-    weights), 1 if None."""
-    weights = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
-    if coefficients is not None:
-        weights = coefficients * weights
-    return (weights @ numerator) / xp.sum(weights * denominator, axis=-1, keepdims=True)
-
-
-def _positive(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
-    """Non-causal positive-map RFA, keys and queries in groups of ``rows``."""
-    omega_t = xp.matrix_transpose(math.sqrt(inputs.scale) * omega)  # q . sqrt(s) w = q^ . w
-    key_max, numerator, denominator = positive_key_sums(xp, inputs, omega_t, rows)
-    out = RowPieces(inputs.num_queries)
-    for start, stop in stream_bounds(inputs.q, -2, rows):
-        queries = finite_entries(xp, rows_of(inputs.q, start, stop))
-        out.put(start, positive_readout(xp, queries @ omega_t + key_max,  # c_ns
-                                        numerator, denominator))
-    return out.result()
-
-
-def _trigonometric(xp: Any, inputs: Any, mapping: FeatureMap,
-                   rows: int) -> tuple[Array, Array]:
-    """Non-causal trigonometric RFA, in groups of ``rows``: the output and the clamped
-    rows."""
-    root_scale = math.sqrt(inputs.scale)
-    state = state_over_keys(xp, mapping, inputs.k, inputs.v, root_scale=root_scale,
-                            key_mask=inputs.key_mask, first_key=0, start=0,
-                            stop=inputs.num_keys, chunk_size=rows,
-                            batch_shape=inputs.batch_shape)
-    out, clamped = RowPieces(inputs.num_queries), RowPieces(inputs.num_queries)
-    for start, stop in stream_bounds(inputs.q, -2, rows):
-        queries = mapping.queries(root_scale * finite_entries(xp, rows_of(inputs.q, start,
-                                                                          stop)))
-        rows_out, invalid = finish_partial(xp, mapping.readout(queries, state), guard=True)
-        out.put(start, rows_out)
-        clamped.put(start, invalid)
-    return out.result(), clamped.result()
 
 
 def causal_scan(xp: Any, inputs: Any, mapping: FeatureMap, block_size: int, chunk_size: int,

@@ -1,0 +1,187 @@
+r"""Random-feature attention without ``causal`` in groups of keys and queries: non-causal
+:func:`xattn.rfa` and the shared sums of non-causal :func:`xattn.lara`.
+
+The keys and then the queries go in groups of as many rows as ``working_memory`` bytes
+hold (:func:`xattn._primitives.group_rows`; :func:`rfa_group_rows` and
+:func:`lara_group_rows` count the numbers a row holds). Below the budget the whole
+sequence is one group: one product for the keys and one for the queries, a fixed number
+of array operations at any length. Above it the key groups are merged by a running
+maximum per sample (the online-softmax merge, :func:`xattn._primitives.merge_maxima`) and
+the queries are read out a group at a time, so the working memory does not grow with
+the sequence.
+
+With samples :math:`\omega_s` and :math:`\hat q = \sqrt{s}\,q`, :math:`\hat k =
+\sqrt{s}\,k` (Choromanski et al., ICLR 2021; the stabilized form of the theory page on
+stabilization):
+
+.. math::
+
+    a_{ms} = \omega_s \cdot \hat k_m - \tfrac12\lVert \hat k_m \rVert^2, \quad
+    K_s = \max_m a_{ms}, \quad A'_s = \sum_m e^{a_{ms} - K_s} v_m, \quad
+    b'_s = \sum_m e^{a_{ms} - K_s},
+
+    c_{ns} = \omega_s \cdot \hat q_n + K_s, \quad
+    y_n = \frac{\sum_s \alpha_{ns} e^{c_{ns} - Q_n} A'_s}
+               {\sum_s \alpha_{ns} e^{c_{ns} - Q_n} b'_s}, \quad Q_n = \max_s c_{ns},
+
+with :math:`\alpha_{ns} = 1` for RFA and LARA's importance weights (eq. 28 of Zheng et
+al., ICML 2022, whose logits add :math:`\log N(\omega_c; 0, I) - \log q_c(\omega_c)`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from xattn._array import Array, stream_bounds
+from xattn._primitives import (
+    RowPieces,
+    finite_entries,
+    finite_shift,
+    group_rows,
+    merge_maxima,
+)
+from xattn._rf_scan import FeatureMap, finish_partial, state_over_keys
+
+__all__ = ["EMPTY_KEYS", "lara_group_rows", "positive_key_sums", "positive_readout",
+           "positive_rfa", "rfa_group_rows", "rows_of", "trigonometric_rfa"]
+
+#: Added to the key sums b'_s where ``key_mask`` may leave a sample without keys: the
+#: read-out of a query without allowed keys is then 0 / (a positive number) = 0. Where a
+#: key is allowed b'_s >= 1 (its largest term is e^0), which the addition leaves unchanged
+#: in float32 and float64; a denominator holds at least b'_s times LARA's weight floor.
+EMPTY_KEYS = 1e-20
+
+
+def rows_of(x: Array, start: int, stop: int) -> Array:
+    """Rows ``start:stop`` (axis -2) of ``x``; ``x`` itself when they are all of them (no
+    view: one group is a fixed number of array operations)."""
+    return x if (start, stop) == (0, x.shape[-2]) else x[..., start:stop, :]
+
+
+def positive_key_sums(xp: Any, inputs: Any, omega_t: Array,
+                      rows: int) -> tuple[Array, Array, Array]:
+    r"""RFA's stabilized key statistics of every key, :math:`K_s` and :math:`b'_s`
+    (..., 1, S) and :math:`A'_s` (..., S, Dv) (the module docstring), in groups of
+    ``rows`` keys merged by a running maximum per sample (one group when all fit).
+
+    ``omega_t`` is :math:`(\sqrt{s}\,\omega)^\top`, (D, S) or (..., D, S), so that
+    :math:`a_{ms} = k_m \cdot \sqrt{s}\,\omega_s - \tfrac{s}{2}\lVert k_m \rVert^2 =
+    \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2` without forming
+    :math:`\hat k`. With ``key_mask`` a sample without allowed keys has :math:`K_s = 0`
+    and sums 0, and :math:`b'_s` gets :data:`EMPTY_KEYS` added (the ratio of
+    :func:`positive_readout` is then 0, not 0/0); without it :math:`b'_s \ge 1` (its
+    largest term is :math:`e^0`).
+    """
+    k, v, key_mask, half_scale = inputs.k, inputs.v, inputs.key_mask, 0.5 * inputs.scale
+    sums = None
+    for start, stop in stream_bounds(k, -2, rows):
+        keys = finite_entries(xp, rows_of(k, start, stop))  # non-finite rows: marked NaN
+        logits = keys @ omega_t - half_scale * xp.sum(keys * keys, axis=-1, keepdims=True)
+        if key_mask is not None:
+            logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
+            key_max = finite_shift(xp, xp.max(logits, axis=-2, keepdims=True))
+        else:  # K_s = max_m a_ms is finite: at least one key
+            key_max = xp.max(logits, axis=-2, keepdims=True)
+        weights = xp.exp(logits - key_max)  # e^{a_ms - K_s}, masked keys 0
+        part = (key_max,
+                xp.matrix_transpose(weights) @ finite_entries(xp, rows_of(v, start, stop)),
+                xp.sum(weights, axis=-2, keepdims=True))
+        sums = part if sums is None else _merge_key_sums(xp, sums, part)
+    assert sums is not None  # M >= 1: at least one group
+    key_max, numerator, denominator = sums
+    return key_max, numerator, (denominator if key_mask is None
+                                else denominator + EMPTY_KEYS)
+
+
+def _merge_key_sums(xp: Any, first: tuple[Array, Array, Array],
+                    second: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+    """The key statistics of two disjoint groups of keys (as
+    :func:`xattn.features.merge_key_statistics`; sums of an empty group are 0)."""
+    maxima = (xp.where(part[2] == 0, -xp.inf, part[0]) for part in (first, second))
+    _, key_max, (first_factor, second_factor) = merge_maxima(xp, *maxima)
+    numerator = (xp.matrix_transpose(first_factor) * first[1]
+                 + xp.matrix_transpose(second_factor) * second[1])
+    return key_max, numerator, first_factor * first[2] + second_factor * second[2]
+
+
+def positive_readout(xp: Any, logits: Array, numerator: Array, denominator: Array,
+                     coefficients: Array | None = None) -> Array:
+    r""":math:`y_n = \sum_s u_{ns} A'_s / \sum_s u_{ns} b'_s`, :math:`u_{ns} = \alpha_{ns}
+    e^{c_{ns} - Q_n}`, :math:`Q_n = \max_s c_{ns}` (the shift cancels), for the logits
+    :math:`c_{ns}` (..., B, S) of a group of queries and the sums of
+    :func:`positive_key_sums`; :math:`\alpha_{ns}` = ``coefficients`` (LARA's positive
+    weights), 1 if None."""
+    weights = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
+    if coefficients is not None:
+        weights = coefficients * weights
+    return (weights @ numerator) / xp.sum(weights * denominator, axis=-1, keepdims=True)
+
+
+def positive_rfa(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
+    """Non-causal positive-map RFA, keys and queries in groups of ``rows``."""
+    omega_t = xp.matrix_transpose(math.sqrt(inputs.scale) * omega)  # q . sqrt(s) w = q^ . w
+    key_max, numerator, denominator = positive_key_sums(xp, inputs, omega_t, rows)
+    out = RowPieces(inputs.num_queries)
+    for start, stop in stream_bounds(inputs.q, -2, rows):
+        queries = finite_entries(xp, rows_of(inputs.q, start, stop))
+        out.put(start, positive_readout(xp, queries @ omega_t + key_max,  # c_ns
+                                        numerator, denominator))
+    return out.result()
+
+
+def trigonometric_rfa(xp: Any, inputs: Any, mapping: FeatureMap,
+                      rows: int) -> tuple[Array, Array]:
+    """Non-causal trigonometric RFA, in groups of ``rows``: the output and the clamped
+    rows."""
+    root_scale = math.sqrt(inputs.scale)
+    state = state_over_keys(xp, mapping, inputs.k, inputs.v, root_scale=root_scale,
+                            key_mask=inputs.key_mask, first_key=0, start=0,
+                            stop=inputs.num_keys, chunk_size=rows,
+                            batch_shape=inputs.batch_shape)
+    out, clamped = RowPieces(inputs.num_queries), RowPieces(inputs.num_queries)
+    for start, stop in stream_bounds(inputs.q, -2, rows):
+        queries = mapping.queries(root_scale * finite_entries(xp, rows_of(inputs.q, start,
+                                                                          stop)))
+        rows_out, invalid = finish_partial(xp, mapping.readout(queries, state), guard=True)
+        out.put(start, rows_out)
+        clamped.put(start, invalid)
+    return out.result(), clamped.result()
+
+
+#: Numbers per row and proposal that a group of non-causal LARA holds at once (the
+#: logits, weights and affinities of a query, with their temporaries), besides a row of
+#: q or k and two of v or the output: one group, and several (where the affinities are
+#: recomputed from the 2C-wide logits of [q~; omega]). Measured on NumPy, float32, D = Dv
+#: = 64: 4.1 C + D + 2 Dv per row with one group (C = 64, decoupled), 5.6 C + D + 2 Dv
+#: (C = 256); 8.5 C + D + 2 Dv with groups (C = 16, D = Dv = 32).
+LARA_ROW_NUMBERS, LARA_GROUPS_ROW_NUMBERS = 5, 9
+
+
+def rfa_group_rows(inputs: Any, num_features: int, itemsize: int, working_memory: int,
+                   chunk_size: int | None) -> int:
+    """Rows per group of non-causal RFA with F = ``num_features`` features: F-wide logits,
+    weights and their temporaries, a row of q or k, of v and of the output (measured on
+    NumPy, float32, one group: 2.3 to 3.3 F + D + Dv per row, the positive, hyperbolic
+    and trigonometric maps at S = 64 and 256)."""
+    return group_rows(length=max(inputs.num_queries, inputs.num_keys),
+                      batch_size=math.prod(inputs.batch_shape),
+                      row_numbers=4 * num_features + inputs.q.shape[-1]
+                      + inputs.v.shape[-1] + 2, itemsize=itemsize,
+                      working_memory=working_memory, chunk_size=chunk_size)
+
+
+def lara_group_rows(inputs: Any, num_samples: int, working_memory: int,
+                    chunk_size: int | None) -> int:
+    """Rows per group of non-causal LARA with C = ``num_samples`` proposals
+    (:data:`LARA_ROW_NUMBERS`)."""
+    length = max(inputs.num_queries, inputs.num_keys)
+    sizes = dict(length=length, batch_size=math.prod(inputs.batch_shape),
+                 itemsize=inputs.xp.finfo(inputs.compute_dtype).bits // 8,
+                 working_memory=working_memory, chunk_size=chunk_size)
+    row_width = inputs.q.shape[-1] + 2 * inputs.v.shape[-1]
+    rows = group_rows(row_numbers=LARA_ROW_NUMBERS * num_samples + row_width, **sizes)
+    if rows < length:  # groups: the affinities are recomputed from 2C-wide logits
+        rows = group_rows(row_numbers=LARA_GROUPS_ROW_NUMBERS * num_samples + row_width,
+                          **sizes)
+    return rows
