@@ -36,10 +36,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import Array, qr
+import array_api_compat
+import numpy as np
+
+from xattn._array import Array, host_to_device, qr
 from xattn._options import check_bool, check_choice, check_positive_int
 from xattn._primitives import finite_shift, merge_maxima, nonzero_divisor
-from xattn.random import as_generator
+from xattn.random import HostGenerator, as_generator
 
 __all__ = [
     "FEATURE_MAPS",
@@ -293,7 +296,9 @@ def sample_omega(
     ----------
     rng : None, int, xattn.random.Generator or native generator
         Anything :func:`xattn.random.as_generator` accepts. An int seed draws on the host,
-        so it gives the same matrix on every backend (up to the rounding of the QR).
+        and takes the QR there in float64, so it gives the same matrix on every backend
+        (up to the rounding to ``dtype``), at the cost of one small host computation and
+        one transfer per call: pass the result as ``omega=`` to draw once.
     num_features : int
         Number of samples ``S`` (>= 1).
     dim : int
@@ -335,6 +340,13 @@ def sample_omega(
     generator = as_generator(rng)
     if not orthogonal:
         return generator.normal(xp, (num_features, dim), dtype=dtype, device=device)
+    host = array_api_compat.array_namespace(np.empty(0))
+    if isinstance(generator, HostGenerator) and not (xp is host and dtype == host.float64):
+        # a seed draws on the host: the QR there too, in float64 (one small LAPACK call,
+        # not a device's batched QR, about 1 ms on a GPU), then one transfer
+        return host_to_device(xp, sample_omega(generator, num_features, dim, xp=host,
+                                               dtype=host.float64, norm=norm),
+                              dtype=dtype, device=device)
 
     num_blocks = math.ceil(num_features / dim)
     gaussian = generator.normal(xp, (num_blocks, dim, dim), dtype=dtype, device=device)
