@@ -44,9 +44,11 @@ from typing import Any
 
 import numpy as np
 
-LINEAR = ("rfa", "rfa (causal)", "lara", "performer", "performer (causal)")
+LINEAR = ("rfa", "rfa (fixed omega)", "rfa (causal)", "lara", "performer",
+          "performer (causal)")
 METHODS = ("softmax (native)", "softmax (native, causal)", "softmax (xattn)",
-           "rfa", "rfa (causal)", "lara", "ra", "performer", "performer (causal)")
+           "rfa", "rfa (fixed omega)", "rfa (causal)", "lara", "ra", "performer",
+           "performer (causal)")
 BACKENDS = {"torch-cuda": ("torch", "cuda"), "cupy": ("cupy", "cuda"),
             "jax-gpu": ("jax", "cuda"), "torch": ("torch", "cpu"), "jax": ("jax", "cpu")}
 
@@ -77,6 +79,22 @@ def method_function(name: str, args: argparse.Namespace, library: str) -> Any:
                                                        implementation="native")
     if name == "softmax (xattn)":
         return lambda q, k, v: xattn.softmax_attention(q, k, v, implementation="xattn")
+    if name == "rfa (fixed omega)":  # drawn once, on the device of the first call
+        import array_api_compat
+        import numpy as np
+
+        from xattn.features import sample_omega
+
+        drawn: dict[str, Any] = {}
+
+        def fixed(q: Any, k: Any, v: Any) -> Any:
+            if "omega" not in drawn:
+                xp = array_api_compat.array_namespace(q)
+                drawn["omega"] = sample_omega(
+                    np.random.default_rng(0), args.features, q.shape[-1], xp=xp,
+                    dtype=xp.float32, device=array_api_compat.device(q))
+            return xattn.rfa(q, k, v, omega=drawn["omega"])
+        return fixed
     if name.startswith("rfa"):
         causal = "causal" in name
         return lambda q, k, v: xattn.rfa(q, k, v, num_features=args.features,
@@ -315,8 +333,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         return
     figure, axes = new_figure(ncols=len(runs), width=4.2, height=4.2)
     axes = axes if len(runs) > 1 else [axes]
-    styles = dict(zip(METHODS, ("k-", "k--", "k:", "C0-", "C0--", "C1-", "C2-", "C3-",
-                                "C3--"), strict=True))
+    styles = dict(zip(METHODS, ("k-", "k--", "k:", "C0-", "C0:", "C0--", "C1-", "C2-",
+                                "C3-", "C3--"), strict=True))
     for panel, run in zip(axes, runs, strict=True):
         for method in METHODS:
             points = sorted((row["length"], row["time_s"]) for row in run["rows"]
