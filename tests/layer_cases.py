@@ -24,7 +24,7 @@ BAD_OPTION_VALUES = {
             "block_size": [0, 2.5], "chunk_size": [0, 2.5], "window": [-1, 1.5, "a"],
             "sinks": [-1, 2.5, "a"], "working_memory": [0, 2.5, "1 GiB"]},
     "ra": {"num_samples": [0, 2.5, 512.0], "noise_scale": [-1.0, "x", math.nan],
-           "scale": ["x"], "chunk_size": [0, 1.5]},
+           "scale": ["x"], "chunk_size": [0, 1.5], "working_memory": [0, 2.5, "1 GiB"]},
     "lara": {"num_samples": [0, 2.5, 2.0, -1, (2, 2)], "grid": [(0, 4), "8x8", (2.5, 4)],
              "proposal": ["uniform"],
              "weighting": ["uniform"], "beta": ["2", math.nan],

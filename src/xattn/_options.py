@@ -16,9 +16,8 @@ is made:
 Each check takes the value and the argument's name (for the message), returns the value
 as a Python type, and raises as above; each message names the argument and says what it
 accepts. The module also holds the
-defaults that several modules share (:data:`DEFAULT_CHUNK_SIZE`,
-:data:`DEFAULT_RA_CHUNK_SIZE`, RFA's :func:`default_num_features`, the layers'
-:data:`DEFAULT_LARA_SAMPLES`). It imports
+defaults that several modules share (:data:`DEFAULT_CHUNK_SIZE`, RFA's
+:func:`default_num_features`, the layers' :data:`DEFAULT_LARA_SAMPLES`). It imports
 nothing from xattn, so that every module can use it.
 """
 
@@ -34,7 +33,6 @@ import numpy as np
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_LARA_SAMPLES",
-    "DEFAULT_RA_CHUNK_SIZE",
     "ESTIMATORS",
     "ESTIMATOR_OPTIONS",
     "IMPLEMENTATIONS",
@@ -63,13 +61,6 @@ DEFAULT_CHUNK_SIZE = 1024
 :func:`xattn.lara`: the queries and keys they take per piece. Their pieces hold
 ``(chunk_size, chunk_size)`` scores (softmax) or ``(chunk_size, S)`` / ``(chunk_size, C)``
 feature logits (RFA, LARA), whatever the sequence lengths."""
-
-DEFAULT_RA_CHUNK_SIZE = 128
-"""Default ``chunk_size`` of :func:`xattn.ra`: the (query, sample) pairs of one step.
-Smaller than :data:`DEFAULT_CHUNK_SIZE` because a step of RA holds
-``(chunk_size, M)`` arrays (each of its rows is a softmax over all M keys), which grow
-with the number of keys where the other estimators' pieces do not."""
-
 
 def default_num_features(head_dim: int) -> int:
     """Performer's default number of samples, ``max(D, int(D ln D))``.
@@ -300,7 +291,7 @@ ESTIMATOR_OPTIONS = {
     "softmax": ("scale", "chunk_size", "implementation"),
     "rfa": ("num_features", "feature_map", "orthogonal", "sample_norm", "scale",
             "block_size", "chunk_size", "window", "sinks", "working_memory"),
-    "ra": ("num_samples", "noise_scale", "scale", "chunk_size"),
+    "ra": ("num_samples", "noise_scale", "scale", "chunk_size", "working_memory"),
     "lara": ("num_samples", "grid", "proposal", "weighting", "beta", "noise_scale", "scale",
              "chunk_size", "defensive", "working_memory"),
 }
