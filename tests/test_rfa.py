@@ -401,8 +401,8 @@ def test_nonfinite_key_or_value_reaches_exactly_the_rows_that_attend_it(backend,
 
 @pytest.mark.parametrize("feature_map", MAPS)
 def test_chunk_size_does_not_change_result(backend, rng, feature_map):
-    """Keys streamed chunk_size at a time (running per-sample maximum, rescaled) and
-    queries read out chunk by chunk: the explicit formula for every chunk size."""
+    """Keys in groups of at most chunk_size (running per-sample maximum, rescaled) and
+    queries read out group by group: the explicit formula for every chunk size."""
     xp = backend.ns
     q, k, v = make_qkv(rng, num_queries=10, num_keys=13, spread=spread_for(feature_map))
     omega = omega_for(rng)
@@ -419,11 +419,13 @@ def test_chunk_size_does_not_change_result(backend, rng, feature_map):
 @pytest.mark.parametrize("causal", [False, True])
 def test_working_memory_is_bounded(causal):
     """N = 131072, S = 256, D = Dv = 64, float32 on NumPy: the call allocates at most
-    96 MiB (tracemalloc; inputs excluded). The output is 32 MiB, held once (its chunks are
+    96 MiB (tracemalloc; inputs excluded). The output is 32 MiB, held once (its groups are
     written into it on NumPy); the M x S key logits alone would be 128 MiB. Measured
-    44.6 MiB (causal 81.1 MiB: blocks as long as the CPU's 64 MiB of working memory
-    allow, 38.5 MiB with the blocks of 128 positions before the chunkwise scan), first
-    call of the process included; 75.1 (64.4) MiB when the chunks were concatenated."""
+    81.6 MiB (groups of 11,898 keys or queries, as many as the CPU's 64 MiB of working
+    memory allow; 44.6 MiB with the chunks of 1,024 before) and causal 81.1 MiB (blocks
+    as long as that budget allows, 38.5 MiB with the blocks of 128 positions before the
+    chunkwise scan), first call of the process included; 75.1 (64.4) MiB when the
+    chunks were concatenated."""
     draw = np.random.default_rng(0)
     q, k, v = (draw.normal(size=(1, 131072, 64)).astype(np.float32) for _ in range(3))
     tracemalloc.start()

@@ -161,12 +161,13 @@ LARA_ROW_NUMBERS, LARA_GROUPS_ROW_NUMBERS = 5, 9
 def rfa_group_rows(inputs: Any, num_features: int, itemsize: int, working_memory: int,
                    chunk_size: int | None) -> int:
     """Rows per group of non-causal RFA with F = ``num_features`` features: F-wide logits,
-    weights and their temporaries, a row of q or k, of v and of the output (measured on
-    NumPy, float32, one group: 2.3 to 3.3 F + D + Dv per row, the positive, hyperbolic
-    and trigonometric maps at S = 64 and 256)."""
+    weights and their temporaries, a row of q or k, of v and of the output. Measured on
+    NumPy, float32, D = Dv = 64: 2.3 to 3.3 F + D + Dv per row with one group (the
+    positive, hyperbolic and trigonometric maps at S = 64 and 256), 4.1 F + D + Dv with
+    groups and their merges (S = 256)."""
     return group_rows(length=max(inputs.num_queries, inputs.num_keys),
                       batch_size=math.prod(inputs.batch_shape),
-                      row_numbers=4 * num_features + inputs.q.shape[-1]
+                      row_numbers=5 * num_features + inputs.q.shape[-1]
                       + inputs.v.shape[-1] + 2, itemsize=itemsize,
                       working_memory=working_memory, chunk_size=chunk_size)
 

@@ -155,7 +155,7 @@ def rfa(
 
     **Groups.** Without ``causal`` (and without ``window`` and ``sinks``), the keys and
     then the queries go in groups of ``G`` rows, ``G`` as many as ``working_memory``
-    bytes hold (about ``4F + D + Dv`` numbers per row and batch-head, F = S features,
+    bytes hold (about ``5F + D + Dv`` numbers per row and batch-head, F = S features,
     2S for the hyperbolic and trigonometric maps), at most ``chunk_size`` if given. Below
     the budget (N = M = 16,384 at S = 64, D = Dv = 64 and two batch-heads on a CPU's 64
     MiB) a call is one group: one product for the keys, one for the queries, a fixed
