@@ -104,9 +104,10 @@ def render_page() -> str:
         "**no** means that the estimator does not offer the feature and raises an error",
         "naming the keyword (also tested: a `TypeError`); **yes (GPU)** is the same test",
         "case on a GPU backend: CI has no",
-        "GPU, so these ran on an NVIDIA H200 (CuPy 14.2, torch 2.11 with CUDA 13.0, JAX",
-        "0.11.2; `XATTN_BACKENDS=cupy,torch-cuda,jax-gpu python -m pytest`, 2026-11-24;",
-        "see {ref}`on-a-gpu`), not on every commit; **untested** could work but no test",
+        "GPU, so these ran on lent GPUs (CuPy 14.2, torch 2.11 with CUDA 13.0, JAX 0.11.2;",
+        "`benchmarks/run_gpu.sh`), last on 2026-11-27: CuPy and torch CUDA on an NVIDIA",
+        "H200, JAX GPU on an H100, every case passed; see {ref}`on-a-gpu`), not on every",
+        "commit; **untested** could work but no test",
         "exercises it; **—** means that the library has no such mechanism.",
         "",
     ]
