@@ -31,7 +31,7 @@ __all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "AttentionInputs", "array
            "library_name", "nan_to_num", "native_attention", "nonfinite_probe", "nonfinite_rows",
            "one_chunk_along", "prepare_attention", "qr",
            "register_pytree", "sequence_positions", "split_rows", "stop_gradient",
-           "stream_bounds", "take", "written_in_place"]
+           "stream_bounds", "take", "take_rows", "written_in_place"]
 
 Array = Any
 
