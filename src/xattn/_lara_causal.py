@@ -35,7 +35,7 @@ import array_api_compat
 
 from xattn._array import Array, AttentionInputs
 from xattn._decode import continue_rfa
-from xattn._importance import balance_heuristic, importance_weights
+from xattn._importance import importance_weights, own_proposal_weights
 from xattn._rf_scan import PAIR_BLOCK, PositiveMap, block_positions
 from xattn._rfa import causal_scan
 from xattn._state import (
@@ -91,17 +91,14 @@ class ImportanceMap(PositiveMap):
     :math:`p_{nc} = \omega_c \cdot \hat q_n + \log \alpha_{nc} + \log N(\omega_c; 0, I) -
     \log q_c(\omega_c)` (the key side is RFA's, :math:`a_{mc}`)."""
 
-    def __init__(self, inputs: AttentionInputs, omega: Array, proposal_means: Array,
-                 own_weight: Array, *, weighting: str, beta: float,
-                 pair_block: int = PAIR_BLOCK) -> None:
+    def __init__(self, inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
+                 weighting: str, beta: float, pair_block: int = PAIR_BLOCK) -> None:
         xp = inputs.xp
         super().__init__(xp, omega, pair_block)
         self.num_samples = omega.shape[-2]  # omega is (..., C, D)
-        offset = omega - proposal_means
-        # log N(omega_c; 0, I) - log q_c(omega_c), (..., 1, C)
-        self.log_ratio = (0.5 * (xp.sum(offset * offset, axis=-1)
-                                 - xp.sum(omega * omega, axis=-1)))[..., None, :]
-        self.proposal_means, self.own_weight = proposal_means, own_weight
+        # log N(omega_c; 0, I) - log q_c(omega_c) and w_c (eq. 36), each (..., 1, C)
+        self.log_ratio, own_weight = own_proposal_weights(xp, omega, proposal_means)
+        self.proposal_means, self.own_weight = proposal_means, own_weight[..., 0, :]
         self.weighting, self.beta = weighting, beta
 
     def queries(self, q_hat: Array) -> Array:
@@ -134,8 +131,7 @@ def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
         length=inputs.num_queries, batch_size=math.prod(inputs.batch_shape),
         num_features=omega.shape[-2], width=inputs.v.shape[-1] + 1,
         itemsize=xp.finfo(inputs.compute_dtype).bits // 8, working_memory=working_memory)
-    own_weight = xp.linalg.diagonal(balance_heuristic(omega, proposal_means))  # w_c
-    mapping = ImportanceMap(inputs, omega, proposal_means, own_weight, weighting=weighting,
+    mapping = ImportanceMap(inputs, omega, proposal_means, weighting=weighting,
                             beta=beta, pair_block=min(PAIR_BLOCK, block_size,
                                                       max(inputs.num_queries, 1)))
     if stateful:
