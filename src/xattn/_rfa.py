@@ -263,7 +263,12 @@ def rfa(
         If True, query ``n`` attends keys ``m <= n`` only (top-left aligned).
     rng : None, int, xattn.random.Generator or native generator
         Source of the samples. An int seed gives the same samples, hence the same output,
-        on every backend; a JAX key works under :func:`jax.jit`.
+        on every backend; a JAX key works under :func:`jax.jit`. The samples are drawn
+        in every call: a Gaussian draw, the QR of ``ceil(S / D)`` (D, D) blocks and, for
+        an int seed, one transfer from the host (about 0.25 ms at S = D = 64 on a CPU,
+        1.5 ms at S = 256 on an H200). For many calls with the same features, draw them
+        once with :func:`xattn.features.sample_omega` and pass ``omega=`` (the layers
+        keep theirs).
     block_size : int, optional
         Positions per block in causal mode and with ``window`` or ``sinks``; None (the
         default): as many as ``working_memory`` allows, the whole sequence when it fits
