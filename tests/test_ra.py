@@ -210,11 +210,19 @@ def test_float32_and_chunking(backend, rng):
         backend.check(out, expected, dtype=xp.float32, rtol=1e-4)
 
 
+# the steps of (query, sample) rows: chunk_size rows, or as many as working_memory holds
+STEP_OPTIONS = {"chunk_size": (1, 2, 11, 1000), "working_memory": (1, 1_300, 4_500, 12_000, None)}
+
+
+@pytest.mark.parametrize("option", list(STEP_OPTIONS))
 @pytest.mark.parametrize("biased", [False, True])
-def test_result_does_not_depend_on_chunk_size(backend, rng, biased):
-    """Steps of chunk_size (query, sample) rows: several queries with all their samples
-    (chunk_size >= S), or the samples of one query split into groups (chunk_size < S: 5
-    samples in groups of 2, 2, 1). Every split equals the reference with the same draws."""
+def test_result_does_not_depend_on_the_steps(backend, rng, biased, option):
+    """Steps of (query, sample) rows: several queries with all their samples, or the
+    samples of one query split into groups (5 samples in groups of 2, 2, 1). By
+    ``chunk_size`` (1, 2, 11, 1000 rows) or by ``working_memory``: one row (1 byte), two,
+    a query and a half, four queries, all of them (the default); a row holds 6 float64
+    numbers and 2 booleans per key, times the batch of 2 and M = 6 keys: 600 bytes. Every
+    split equals the reference with the same draws."""
     xp = backend.ns
     q, k, v = make_qkv(rng, **BACKEND_CASE)
     key_mask = np.array([[True, False, True, True, True, True],
@@ -223,30 +231,9 @@ def test_result_does_not_depend_on_chunk_size(backend, rng, biased):
     expected = reference.randomized_attention(q, k, v, uniforms, noise, biased=biased,
                                               key_mask=key_mask, causal=True)
     arrays = tuple(map(backend.asarray, (q, k, v)))
-    for chunk_size in (1, 2, 11, 1000):
+    for value in STEP_OPTIONS[option]:
         out = xattn.ra(*arrays, num_samples=5, biased=biased, key_mask=backend.asarray(key_mask),
-                       causal=True, chunk_size=chunk_size, rng=SEED)
-        backend.check(out, expected, dtype=xp.float64)
-
-
-@pytest.mark.parametrize("biased", [False, True])
-def test_result_does_not_depend_on_working_memory(backend, rng, biased):
-    """Steps as long as ``working_memory`` allows: one (query, sample) row (1 byte), two
-    (samples of one query split 2, 2, 1), a query and a half (whole queries), four queries,
-    all of them (the default). A row holds 6 float64 numbers and 2 booleans per key, times
-    the batch of 2 and M = 6 keys: 600 bytes. Every grouping equals the reference with the
-    same draws."""
-    xp = backend.ns
-    q, k, v = make_qkv(rng, **BACKEND_CASE)
-    key_mask = np.array([[True, False, True, True, True, True],
-                         [True, True, True, False, False, True]])
-    uniforms, noise = host_draws(SEED, (2,), 7, 5, 4, biased=biased)
-    expected = reference.randomized_attention(q, k, v, uniforms, noise, biased=biased,
-                                              key_mask=key_mask, causal=True)
-    arrays = tuple(map(backend.asarray, (q, k, v)))
-    for working_memory in (1, 1_300, 4_500, 12_000, None):
-        out = xattn.ra(*arrays, num_samples=5, biased=biased, key_mask=backend.asarray(key_mask),
-                       causal=True, working_memory=working_memory, rng=SEED)
+                       causal=True, rng=SEED, **{option: value})
         backend.check(out, expected, dtype=xp.float64)
 
 
