@@ -27,9 +27,9 @@ from xattn._options import check_bool, check_scale
 __all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "AttentionInputs", "array_namespace",
            "check_device", "check_proposal_means", "check_samples", "chunked_like",
            "compute_dtype", "concrete_count", "cumulative_max", "default_working_memory",
-           "has_native_attention", "host_to_device", "index_sizes", "is_real_floating",
-           "library_name", "nan_to_num", "native_attention", "nonfinite_probe", "nonfinite_rows",
-           "one_chunk_along", "prepare_attention", "qr",
+           "has_native_attention", "host_namespace", "host_to_device", "index_sizes",
+           "is_real_floating", "library_name", "nan_to_num", "native_attention",
+           "nonfinite_probe", "nonfinite_rows", "one_chunk_along", "prepare_attention", "qr",
            "register_pytree", "sequence_positions", "split_rows", "stop_gradient",
            "stream_bounds", "take", "take_rows", "written_in_place"]
 
@@ -680,6 +680,11 @@ def has_native_attention(inputs: AttentionInputs, *, automatic: bool = False) ->
         import jax
         return jax.default_backend() != "cpu"
     return True
+
+
+def host_namespace() -> Any:
+    """The Array API namespace of the host's arrays (array-api-compat's NumPy)."""
+    return array_api_compat.array_namespace(np.empty(0))
 
 
 def nonfinite_probe(x: Array) -> Array:

@@ -42,8 +42,6 @@ import math
 from collections.abc import Generator
 from typing import Any, TypeVar
 
-import numpy as np
-
 from xattn._array import Array, AttentionInputs, nonfinite_probe, stop_gradient
 from xattn._primitives import (
     RowPieces,
@@ -200,13 +198,6 @@ def _to_batch(xp: Any, x: Array, batch: tuple[int, ...]) -> Array:
     return x if tuple(x.shape[:-2]) == batch else xp.broadcast_to(x, (*batch, *x.shape[-2:]))
 
 
-def _same_lead(xp: Any, *arrays: Array) -> list[Array]:
-    """``arrays`` broadcast to their common leading dims (no operation where they agree)."""
-    lead = np.broadcast_shapes(*(tuple(x.shape[:-1]) for x in arrays))
-    return [x if tuple(x.shape[:-1]) == lead else xp.broadcast_to(x, (*lead, x.shape[-1]))
-            for x in arrays]
-
-
 def _nonfinite_probe(xp: Any, *rows: Array) -> Array:
     """(..., 1, 1): 0 where every entry of the rows (..., 1, ·) is finite, NaN where one is
     not (:func:`~xattn._array.nonfinite_probe` of the rows side by side)."""
@@ -230,7 +221,7 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
     root_scale = math.sqrt(inputs.scale)
     q, k, v = inputs.q, inputs.k, inputs.v  # (..., 1, D), (..., 1, D), (..., 1, Dv)
     # (..., 1, 1): NaN when the new token is not finite
-    key_probe = _nonfinite_probe(xp, *_same_lead(xp, k, v))
+    key_probe = _nonfinite_probe(xp, *(_to_batch(xp, x, tuple(inputs.batch_shape)) for x in (k, v)))
     valid = None
     if inputs.key_mask is not None:  # a masked token never enters the state
         valid = inputs.key_mask  # (..., 1)
@@ -332,7 +323,7 @@ def append_token(inputs: AttentionInputs, cache: Cache) -> tuple[AttentionInputs
     batch = tuple(cache.keys.shape[:-2])
     k, v = inputs.k, inputs.v
     # (..., 1, 1): NaN for a non-finite token
-    probe = _nonfinite_probe(xp, *_same_lead(xp, k, v))
+    probe = _nonfinite_probe(xp, *(_to_batch(xp, x, tuple(inputs.batch_shape)) for x in (k, v)))
     if inputs.key_mask is None:
         valid = xp.ones((*batch, 1), dtype=xp.bool, device=inputs.device)
     else:

@@ -36,10 +36,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import array_api_compat
-import numpy as np
-
-from xattn._array import Array, host_to_device, qr
+from xattn._array import Array, host_namespace, host_to_device, qr
 from xattn._options import check_bool, check_choice, check_positive_int
 from xattn._primitives import finite_shift, merge_maxima, nonzero_divisor
 from xattn.random import HostGenerator, as_generator
@@ -340,7 +337,7 @@ def sample_omega(
     generator = as_generator(rng)
     if not orthogonal:
         return generator.normal(xp, (num_features, dim), dtype=dtype, device=device)
-    host = array_api_compat.array_namespace(np.empty(0))
+    host = host_namespace()
     if isinstance(generator, HostGenerator) and not (xp is host and dtype == host.float64):
         # a seed draws on the host: the QR there too, in float64 (one small LAPACK call,
         # not a device's batched QR, about 1 ms on a GPU), then one transfer
