@@ -38,15 +38,21 @@ each call draws afresh (RFA new features at every call, RA and LARA new samples)
 ``generator`` (a :class:`torch.Generator`) or, without one, from torch's default
 generator, as :class:`torch.nn.Dropout` does.
 
-**Generation.** Decoder models work for training, prefill and ``model.generate``: with
-a cache the new queries are the last positions of the keys that transformers' cache
-holds, and the hook runs the causal estimator over all of those keys with the earlier
-query positions left empty, then keeps the new rows. This is exact (the same tokens as
-a forward pass over the whole prefix, to rounding), but it recomputes the prefix: a
-step costs O(T S d) per layer and head for RFA after T tokens (S features), where
-:meth:`xattn.torch.MultiheadAttention.step` and :class:`xattn.RFAState` cost O(S d) per
-token; the cache itself is transformers' key-value cache, which grows with T as for
-softmax attention. LARA has no causal form here (its proposals would look ahead):
+**Generation.** Decoder models work for training, prefill and ``model.generate``, in
+two ways. With transformers' own caches (the default) the new queries are the last
+positions of the keys that the cache holds, and the hook runs the causal estimator over
+all of those keys with the earlier query positions left empty, then keeps the new rows.
+This is exact (the same tokens as a forward pass over the whole prefix, to rounding), but
+it recomputes the prefix: a step costs O(T S d) per layer and head for RFA after T tokens
+(S features), and the key-value cache grows with T as for softmax attention. With an
+:class:`XattnCache` (``model.generate(..., cache=xattn.transformers.XattnCache())``, in
+evaluation mode) each layer holds the estimator's state instead (:class:`xattn.RFAState`
+for RFA: of fixed size, O(S d) per token), the prefill and each new token run the
+estimator with ``state=`` and ``return_state=True`` over the new tokens only, and the
+logits are again those of a forward pass over the whole sequence, to rounding; beam
+search, ``num_return_sequences`` and left-padded batches work with it (see
+:class:`XattnCache` for what it refuses). ``generate`` makes an :class:`XattnCache` only
+when given one. LARA has no causal form here (its proposals would look ahead):
 causal attention with ``estimator="lara"`` raises ``ValueError``. A static cache
 (``model.generate(..., cache_implementation="static")``, the cache of compiled generation)
 works too, with every estimator: its key slots after the tokens so far are empty, and
@@ -75,6 +81,8 @@ This module needs PyTorch and transformers (the ``xattn[transformers]`` extra), 
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -84,6 +92,7 @@ import array_api_compat
 import numpy as np
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import (
     AttentionMaskInterface,
     bidirectional_mask_function,
@@ -94,6 +103,7 @@ from transformers.masking_utils import (
 from xattn._array import compute_dtype
 from xattn._layers import LayerCore, attend, draw_features
 from xattn._options import ESTIMATORS, check_nonnegative_int
+from xattn._state import LARAState, RFAState, _KeyValueCache
 from xattn._torch_layer import DefaultTorchGenerator
 from xattn.random import Generator, TorchGenerator
 
@@ -103,7 +113,8 @@ try:  # the per-forward record of the outputs a model collects through hooks (tr
 except ImportError:  # pragma: no cover - an older or later layout: the keyword is checked
     _active_collector = None
 
-__all__ = ["ESTIMATORS", "AttentionMask", "XattnAttention", "attention_mask", "register"]
+__all__ = ["ESTIMATORS", "AttentionMask", "StateLayer", "XattnAttention", "XattnCache",
+           "attention_mask", "register"]
 
 # keyword arguments of an attention call that ask for something the hook cannot compute
 _UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "position_bias")
@@ -369,13 +380,11 @@ class XattnAttention:
         (B, Hk, S, dv)``, Hk dividing H; returns ``(output (B, L, H, dv), None)``."""
         training = bool(getattr(module, "training", False))
         self._check_call(kwargs, dropout, training)
-        heads, kv_heads = query.shape[1], key.shape[1]
-        if heads != kv_heads:  # grouped-query attention: transformers' repeat_kv
-            if kv_heads == 0 or heads % kv_heads:
-                raise ValueError(f"the query heads ({heads}) must be a multiple of the key and "
-                                 f"value heads ({kv_heads})")
-            key = key.repeat_interleave(heads // kv_heads, dim=1)
-            value = value.repeat_interleave(heads // kv_heads, dim=1)
+        layer = _take_pending(key)  # an XattnCache's layer returned these keys: continue it
+        key, value = _repeat_kv(query, key, value)
+        if layer is not None:
+            return self._continue(layer, module, query, key, value, attention_mask, kwargs,
+                                  scaling, training)
         mask = self._mask(module, attention_mask, kwargs, query.shape[-2], key.shape[-2])
         key_mask = None if mask.key_mask is None else mask.key_mask[:, None, :]
         if mask.causal and self.estimator == "lara":
@@ -393,6 +402,17 @@ class XattnAttention:
             if start:  # earlier positions: empty queries whose rows are dropped
                 query = torch.cat([query.new_zeros((*query.shape[:2], start, query.shape[-1])),
                                    query], dim=-2)
+        options, omega = self._call_options(module, query, scaling, training)
+        out = attend(self.estimator, query, key, value, options=options, key_mask=key_mask,
+                     causal=mask.causal, training=training, omega=omega,
+                     rng=self._random() if training else None)
+        out = out[..., start:, :] if mask.causal else out
+        return out.transpose(1, 2).contiguous(), None
+
+    def _call_options(self, module: Any, query: torch.Tensor, scaling: float | None,
+                      training: bool) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """The estimator options of a call (the model's ``scaling`` as ``scale``) and RFA's
+        features (drawn afresh in training mode, the module's fixed ones in evaluation)."""
         options = dict(self.options)
         if scaling is not None:
             options["scale"] = float(scaling)
@@ -409,10 +429,58 @@ class XattnAttention:
                 omega = self.features(module, query.shape[-1], dtype=dtype, device=query.device)
         else:
             self._core(query.shape[-1])  # the options hold for this head size
-        out = attend(self.estimator, query, key, value, options=options, key_mask=key_mask,
-                     causal=mask.causal, training=training, omega=omega,
-                     rng=self._random() if training else None)
-        out = out[..., start:, :] if mask.causal else out
+        return options, omega
+
+    def _continue(self, layer: StateLayer, module: Any, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: Any, kwargs: dict[str, Any],
+                  scaling: float | None, training: bool) -> tuple[torch.Tensor, None]:
+        """Attention of the new tokens through the state of an :class:`XattnCache` layer:
+        the estimator continues the layer's state over them and the layer keeps the state
+        it returns."""
+        length, seen = query.shape[-2], layer.position
+        if training:
+            raise ValueError(f"xattn.transformers.XattnCache runs in evaluation mode only "
+                             f"(model.eval()): in training mode {self.name!r} draws afresh at "
+                             "every call, which a state cannot continue")
+        if layer.owner is not None and layer.owner is not self:
+            raise ValueError(f"this XattnCache layer holds the state of another attention "
+                             f"({layer.owner.name!r}), not of {self.name!r}; start a new cache")
+        if self.estimator == "lara":
+            raise ValueError("estimator='lara' runs in bidirectional (encoder) attention only: "
+                             "its segment proposals look ahead, and a cache is causal; use "
+                             "'rfa', 'ra' or 'softmax' with xattn.transformers.XattnCache")
+        if key.shape[-2] != length:
+            raise ValueError(f"{length} queries with {key.shape[-2]} new keys: an XattnCache "
+                             "takes the queries of the new tokens with their keys")
+        mask: AttentionMask | None
+        if isinstance(attention_mask, torch.Tensor):
+            mask = _mask_from_tensor(attention_mask, length, seen + length)
+        elif isinstance(attention_mask, AttentionMask) or attention_mask is None:
+            mask = attention_mask
+        else:
+            raise ValueError(f"xattn attention ({self.name!r}) takes padding and causal masks "
+                             f"only, got a {type(attention_mask).__name__}")
+        if mask is None:
+            is_causal = kwargs.get("is_causal")
+            causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        else:
+            causal = mask.causal
+        if not causal:
+            raise ValueError("xattn.transformers.XattnCache continues causal attention only; "
+                             "this attention is bidirectional")
+        key_mask = None
+        if mask is not None:
+            if mask.kv_length != seen + length or mask.query_start != seen:
+                raise ValueError(f"the attention mask was made for {mask.kv_length} keys from "
+                                 f"query position {mask.query_start}; the cache has seen {seen} "
+                                 f"tokens and {length} come")
+            if mask.key_mask is not None:
+                key_mask = mask.key_mask[:, None, seen:seen + length]
+        options, omega = self._call_options(module, query, scaling, training)
+        out, state = attend(self.estimator, query, key, value, options=options,
+                            key_mask=key_mask, causal=True, training=False, omega=omega,
+                            state=layer.state, stateful=True)
+        layer.store(state, length, self)
         return out.transpose(1, 2).contiguous(), None
 
     def _check_call(self, kwargs: dict[str, Any], dropout: float, training: bool) -> None:
@@ -449,6 +517,20 @@ class XattnAttention:
         causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
         return AttentionMask(None, causal, kv_length - q_length if causal else 0, kv_length,
                              q_length)
+
+
+def _repeat_kv(query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query key and value heads repeated to the query heads (transformers'
+    ``repeat_kv``)."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads == kv_heads:
+        return key, value
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"the query heads ({heads}) must be a multiple of the key and "
+                         f"value heads ({kv_heads})")
+    return (key.repeat_interleave(heads // kv_heads, dim=1),
+            value.repeat_interleave(heads // kv_heads, dim=1))
 
 
 def register(name: str, estimator: str = "rfa", *, seed: int = 0,
@@ -545,3 +627,251 @@ def register(name: str, estimator: str = "rfa", *, seed: int = 0,
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, attention_mask)
     return function
+
+
+_pending = threading.local()  # the layer whose update() returned the keys last, and the keys
+
+
+def _take_pending(key: Any) -> StateLayer | None:
+    """The layer whose ``update`` returned ``key`` (the very tensor), if it has not been
+    taken yet; None otherwise (no xattn cache in this call)."""
+    record = getattr(_pending, "record", None)
+    if record is None or record[1] is not key:
+        return None
+    _pending.record = None
+    layer = record[0]
+    layer.pending = False
+    return layer
+
+
+def _map_batch(state: Any, function: Any) -> Any:
+    """``state`` with ``function`` applied to each array of its batch dimension (dim 0)."""
+    if isinstance(state, LARAState):
+        return dataclasses.replace(state, features=_map_batch(state.features, function),
+                                   proposal_means=function(state.proposal_means)
+                                   if state.proposal_means.ndim > 2 else state.proposal_means)
+    if isinstance(state, _KeyValueCache):
+        return dataclasses.replace(state, keys=function(state.keys),
+                                   values=function(state.values), valid=function(state.valid))
+    assert isinstance(state, RFAState)
+    changes = {name: function(getattr(state, name)) for name in (
+        "feature_max", "feature_sums", "window_keys", "window_values", "window_valid",
+        "sink_keys", "sink_values", "sink_valid")}
+    if state.feature_weight is not None:
+        changes["feature_weight"] = function(state.feature_weight)
+    if state.omega.ndim > 2:  # LARA's samples, one set per batch-head
+        changes["omega"] = function(state.omega)
+    return dataclasses.replace(state, **changes)
+
+
+def _state_nbytes(state: Any) -> int:
+    """The bytes of the arrays of a state (0 for None)."""
+    if state is None:
+        return 0
+    total = 0
+    for field in dataclasses.fields(state):
+        value = getattr(state, field.name)
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif dataclasses.is_dataclass(value):
+            total += _state_nbytes(value)
+    return total
+
+
+class StateLayer(CacheLayerMixin):
+    """One layer of an :class:`XattnCache`: the estimator state of one attention module
+    and the number of tokens it has seen.
+
+    Made by the cache on the first call of its attention module (transformers'
+    ``CacheLayerMixin``). Its ``update`` returns the new keys and values as they are and
+    marks them for the xattn attention function, which continues ``state`` over them.
+
+    Attributes
+    ----------
+    state : xattn.RFAState, xattn.SoftmaxState, xattn.RAState or None
+        The estimator's state after ``position`` tokens (None before the first).
+    position : int
+        The number of tokens the state has seen.
+
+    Examples
+    --------
+    >>> from xattn.transformers import StateLayer
+    >>> layer = StateLayer()  # before the first call: no state, no tokens
+    >>> layer.state is None, layer.get_seq_length(), layer.get_mask_sizes(3)
+    (True, 0, (3, 0))
+    """
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.state: Any = None
+        self.position = 0
+        self.pending = False
+        self.owner: Any = None  # the XattnAttention that made the state
+
+    def __repr__(self) -> str:
+        kind = type(self.state).__name__ if self.state is not None else "empty"
+        return f"StateLayer({kind}, position={self.position})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mark the new keys and values as pending for the xattn attention function and
+        return them as they are (the state, not the keys seen, carries the past)."""
+        self._check_consumed()
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.pending = True
+        _pending.record = (self, key_states)
+        return key_states, value_states
+
+    def _check_consumed(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise ValueError(
+                "xattn.transformers.XattnCache holds estimator states, not keys and values: "
+                "it works only with an attention implementation registered by "
+                "xattn.transformers.register (this model's attention did not use the "
+                "state it was given; set model.set_attn_implementation(<xattn name>) or use "
+                "transformers' DynamicCache)")
+
+    def store(self, state: Any, new_tokens: int, owner: Any) -> None:
+        """Keep the state returned by the estimator after ``new_tokens`` more tokens."""
+        self.state = state
+        self.position += new_tokens
+        self.owner = owner
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the masks: the tokens seen and the new ones, so
+        that the padding mask covers the new keys at their positions."""
+        return self.position + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """The number of tokens the state has seen."""
+        self._check_consumed()
+        return self.position
+
+    def get_max_length(self) -> int:
+        """-1: no maximum length."""
+        return -1
+
+    def offload(self) -> None:  # a state is small: it stays where it is
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        """Forget the state (no tokens seen)."""
+        self.state = None
+        self.position = 0
+        self.pending = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Refused: a state cannot forget tokens (assisted and speculative decoding)."""
+        if tokens_to_remove:
+            raise ValueError("xattn.transformers.XattnCache cannot remove tokens (crop): an "
+                             "estimator state sums the keys it has seen; assisted or "
+                             "speculative decoding, which roll tokens back, are not supported")
+
+    def _select(self, function: Any) -> None:
+        if self.state is not None:
+            self.state = _map_batch(self.state, function)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch of the state (beam search)."""
+        self._select(lambda array: array.index_select(0, beam_idx.to(array.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each sequence of the batch ``repeats`` times."""
+        self._select(lambda array: array.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` of the batch."""
+        self._select(lambda array: array[indices, ...])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the state's arrays."""
+        return _state_nbytes(self.state)
+
+
+class XattnCache(Cache):
+    """A transformers cache holding xattn estimator states, for ``model.generate`` at a
+    fixed cost per token.
+
+    Each attention layer (by its ``layer_idx``) holds the state that the causal estimator
+    returns with ``return_state=True``: an :class:`xattn.RFAState` for ``"rfa"`` (fixed
+    size whatever the number of tokens: the feature sums, and with ``window`` / ``sinks``
+    those keys and values), an :class:`xattn.SoftmaxState` or :class:`xattn.RAState`
+    (key-value caches) for ``"softmax"`` and ``"ra"``. The prefill and each new token run
+    the estimator over the new tokens only, continuing the state (``state=``); in
+    evaluation mode the outputs are those of a forward pass over the whole sequence, up
+    to rounding. Pass one to ``generate`` (or to the model's forward) as ``cache=``
+    (transformers' earlier name ``past_key_values=`` works too) on a model whose
+    attention implementation was registered by :func:`xattn.transformers.register`;
+    ``generate`` does not make one by itself.
+
+    Padding of the batch (left-padded prompts) reaches the states as the key mask:
+    masked keys never enter a state. Beam search, ``num_return_sequences`` and
+    contrastive search reorder, repeat or select the states along the batch.
+    Not supported (``ValueError``): training mode, cropping (assisted and speculative
+    decoding), LARA (whose attention is refused in causal models), the cache with an
+    attention that is not xattn's, and bidirectional attention.
+
+    Parameters
+    ----------
+    config : optional
+        Unused; accepted so that the cache can be made as transformers makes its own
+        (``XattnCache(config=model.config)``).
+
+    Attributes
+    ----------
+    layers : list of StateLayer
+        One per attention layer that has run, in ``layer_idx`` order.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import xattn.transformers
+    >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> _ = xattn.transformers.register("xattn_rfa_cache_doc", num_features=16)
+    >>> config = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+    ...                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    >>> _ = torch.manual_seed(0)
+    >>> model = GPT2LMHeadModel(config).eval()
+    >>> model.set_attn_implementation("xattn_rfa_cache_doc")
+    >>> cache = xattn.transformers.XattnCache()
+    >>> prompt = torch.randint(50, (1, 10))
+    >>> out = model.generate(prompt, cache=cache, max_new_tokens=5, do_sample=False)
+    >>> out.shape, cache.get_seq_length()
+    (torch.Size([1, 15]), 14)
+    >>> type(cache.layers[0].state).__name__
+    'RFAState'
+    """
+
+    def __init__(self, config: Any = None, **kwargs: Any) -> None:
+        super().__init__(layer_class_to_replicate=StateLayer)
+
+    def _state_layers(self) -> list[StateLayer]:
+        return [layer for layer in self.layers if isinstance(layer, StateLayer)]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of all the layers' states."""
+        return sum(layer.nbytes for layer in self._state_layers())
+
+    @property
+    def batch_size(self) -> int:
+        """The batch size of the states (-1 before the first forward pass)."""
+        for layer in self._state_layers():
+            if layer.state is not None:
+                state = layer.state.features if isinstance(layer.state, LARAState) else layer.state
+                array = state.keys if isinstance(state, _KeyValueCache) else state.feature_sums
+                return int(array.shape[0])
+        return -1
