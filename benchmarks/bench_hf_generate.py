@@ -1,0 +1,169 @@
+"""Generation in a Hugging Face model: tokens/s and cache bytes per attention (issue 41).
+
+A tiny randomly initialized GPT-2 (``--width`` 64, ``--layers`` 2, ``--heads`` 4) in
+evaluation mode takes a prompt of each ``--lengths`` (one sequence), then generates
+``--new-tokens`` tokens greedily, one forward pass per token, with:
+
+* ``sdpa``: transformers' own attention and key-value cache (``DynamicCache``);
+* ``xattn_softmax``: xattn's softmax through :class:`xattn.transformers.XattnCache` (its
+  state is a key-value cache, :class:`xattn.SoftmaxState`);
+* ``rfa_S64``: RFA with 64 features through the XattnCache (:class:`xattn.RFAState`,
+  fixed size);
+* ``rfa_S64_window64_sink1``: the same with ``window=64, sinks=1``;
+* ``rfa_S64_recompute`` (``--recompute``): RFA with transformers' ``DynamicCache``, the
+  hook recomputing the prefix at every step (the path without an XattnCache).
+
+For each, the JSON gives the prefill time, the decoding rate (new tokens over the wall
+time of the steps after the prefill, best of ``--repeats``) and the cache's bytes after
+the prefill and after the last token. One torch thread by default (``--threads``). The
+default sizes run in under a minute on two cores; the issue's lengths::
+
+    python benchmarks/bench_hf_generate.py --recompute --repeats 3   # hf_generate_results.json
+    python benchmarks/bench_hf_generate.py --lengths 256,2048,8192 --output \
+        benchmarks/hf_generate_long.json
+    python benchmarks/bench_hf_generate.py --lengths 32768 --repeats 1 \
+        --attentions sdpa,rfa_S64,rfa_S64_window64_sink1 --output benchmarks/hf_generate_32k.json
+
+(xattn's softmax is left out at 32k: its causal prefill forms the L x L scores.) The
+decoding rates of a tiny model are mostly Python overhead per step and move by up to 2x
+from run to run on a loaded machine; the cache bytes are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("hf_generate_results.json")
+ATTENTIONS = ("sdpa", "xattn_softmax", "rfa_S64", "rfa_S64_window64_sink1")
+
+
+def register_attentions():
+    """The xattn attention names, registered once."""
+    import xattn.transformers as xt
+
+    return {
+        "xattn_softmax": xt.register("bench_xattn_softmax", estimator="softmax").name,
+        "rfa_S64": xt.register("bench_xattn_rfa64", estimator="rfa", num_features=64).name,
+        "rfa_S64_window64_sink1": xt.register("bench_xattn_rfa64_w64_s1", estimator="rfa",
+                                              num_features=64, window=64, sinks=1).name,
+    }
+
+
+def cache_bytes(cache):
+    """Bytes of a transformers DynamicCache (keys and values) or of an XattnCache."""
+    import xattn.transformers as xt
+
+    if isinstance(cache, xt.XattnCache):
+        return cache.nbytes
+    return sum(layer.keys.numel() * layer.keys.element_size()
+               + layer.values.numel() * layer.values.element_size()
+               for layer in cache.layers if layer.keys is not None)
+
+
+def generate_once(model, prompt, new_tokens, make_cache):
+    """Prefill, then ``new_tokens`` greedy steps; returns the times and cache bytes."""
+    import torch
+
+    cache = make_cache()
+    with torch.no_grad():
+        start = time.perf_counter()
+        logits = model(prompt, cache=cache).logits[:, -1]
+        prefill = time.perf_counter() - start
+        prefill_bytes = cache_bytes(cache)
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            token = logits.argmax(-1, keepdim=True)
+            logits = model(token, cache=cache).logits[:, -1]
+        steps = time.perf_counter() - start
+    return prefill, steps, prefill_bytes, cache_bytes(cache)
+
+
+def measure(model, attention, implementation, length, new_tokens, repeats, vocab):
+    import torch
+    from transformers import DynamicCache
+
+    import xattn.transformers as xt
+
+    model.set_attn_implementation(implementation)
+    xattn_cache = attention not in ("sdpa", "rfa_S64_recompute")
+    make_cache = xt.XattnCache if xattn_cache else (lambda: DynamicCache(config=model.config))
+    prompt = torch.randint(vocab, (1, length), generator=torch.Generator().manual_seed(0))
+    generate_once(model, prompt[:, :8], 2, make_cache)  # warm-up
+    best = None
+    for _ in range(repeats):
+        result = generate_once(model, prompt, new_tokens, make_cache)
+        if best is None or result[1] < best[1]:
+            best = result
+    prefill, steps, prefill_bytes, final_bytes = best
+    return {"attention": attention, "prompt_length": length, "new_tokens": new_tokens,
+            "cache": "XattnCache" if xattn_cache else "DynamicCache",
+            "prefill_s": prefill, "decode_s": steps, "tokens_per_s": new_tokens / steps,
+            "cache_bytes_after_prefill": prefill_bytes, "cache_bytes_at_end": final_bytes}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="64,256", help="prompt lengths, comma-separated")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2, help="best of this many runs")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--attentions", default=",".join(ATTENTIONS),
+                        help=f"comma-separated, of {', '.join(ATTENTIONS)}, rfa_S64_recompute")
+    parser.add_argument("--recompute", action="store_true",
+                        help="add rfa_S64_recompute (RFA with transformers' DynamicCache)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: steps of a tiny model gain nothing "
+                             "from more, and a shared machine's load moves them less)")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+
+    lengths = [int(length) for length in args.lengths.split(",")]
+    attentions = args.attentions.split(",") + (["rfa_S64_recompute"] if args.recompute else [])
+    names = register_attentions()
+    names["sdpa"] = "sdpa"
+    names["rfa_S64_recompute"] = names["rfa_S64"]
+    unknown = [attention for attention in attentions if attention not in names]
+    if unknown:
+        parser.error(f"unknown attentions {unknown}; choose among {sorted(names)}")
+    vocab = 100
+    config = transformers.GPT2Config(vocab_size=vocab, n_embd=args.width, n_layer=args.layers,
+                                     n_head=args.heads,
+                                     n_positions=max(lengths) + args.new_tokens + 1,
+                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                     pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    rows = []
+    for length in lengths:
+        for attention in attentions:
+            row = measure(model, attention, names[attention], length, args.new_tokens,
+                          args.repeats, vocab)
+            rows.append(row)
+            print(f"{attention:>24} prompt {length:>6}: {row['tokens_per_s']:8.1f} tokens/s, "
+                  f"prefill {row['prefill_s']:.3f} s, cache {row['cache_bytes_after_prefill']}"
+                  f" -> {row['cache_bytes_at_end']} bytes", flush=True)
+    report = {"benchmark": "bench_hf_generate", "model": {
+                  "type": "GPT2LMHeadModel", "n_embd": args.width, "n_layer": args.layers,
+                  "n_head": args.heads, "dtype": "float32"},
+              "device": "cpu", "torch_threads": torch.get_num_threads(),
+              "cpu_count": os.cpu_count(), "platform": platform.platform(),
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "repeats": args.repeats, "rows": rows}
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
