@@ -281,8 +281,9 @@ def _rows_per_step(inputs: AttentionInputs, num_keys: int, working_memory: int) 
 
 def _part(x: Array | None, axis: int, start: int, stop: int) -> Array | None:
     """``x[start:stop]`` along the (negative) ``axis``; ``x`` itself if that is all of it."""
-    whole = x is None or (start == 0 and stop == x.shape[axis])
-    return x if whole else x[(..., slice(start, stop), *(slice(None),) * (-1 - axis))]
+    if x is None or (start == 0 and stop == x.shape[axis]):
+        return x
+    return x[(..., slice(start, stop), *(slice(None),) * (-1 - axis))]
 
 
 def ra(
