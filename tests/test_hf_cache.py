@@ -189,23 +189,25 @@ def test_training_mode_raises(names):
         model(tokens(1, 5), cache=xt.XattnCache())
 
 
-def test_a_state_of_another_attention_raises(names):
+def prefilled_rfa(names):
+    """A GPT-2 with the rfa attention and its XattnCache after a 5-token prompt."""
     model = gpt2()
     model.set_attn_implementation(names["rfa"])
     cache = xt.XattnCache()
     with torch.no_grad():
         model(tokens(1, 5), cache=cache)
+    return model, cache
+
+
+def test_a_state_of_another_attention_raises(names):
+    model, cache = prefilled_rfa(names)
     model.set_attn_implementation(names["softmax"])
     with pytest.raises(ValueError, match="state of another attention"):
         model(tokens(1, 1), cache=cache)
 
 
 def test_crop_raises_and_reset_empties(names):
-    model = gpt2()
-    model.set_attn_implementation(names["rfa"])
-    cache = xt.XattnCache()
-    with torch.no_grad():
-        model(tokens(1, 5), cache=cache)
+    _, cache = prefilled_rfa(names)
     with pytest.raises(ValueError, match="cannot remove tokens"):
         cache.crop(-1)
     cache.reset()
