@@ -2,8 +2,9 @@
 
 Modules (and the modules of subpackages such as ``xattn.cli``) are discovered with
 :func:`pkgutil.walk_packages`, so modules added later are picked up automatically. The
-framework and command-line modules (``torch``, ``flax``, ``transformers``, ``cli``, and the
-layers' helpers ``_torch_layer`` and ``_flax_layer``) are skipped only when an optional
+framework and command-line modules (``torch``, ``flax``, ``transformers``, ``cli``, the
+layers' helpers ``_torch_layer`` and ``_flax_layer``, and the transformers hook's
+``_hf_cache`` and ``_hf_masks``) are skipped only when an optional
 dependency they need is not installed. The Keras modules (``keras``,
 ``_keras_layer``) are left out: Keras picks its backend when first imported, so their
 examples run in a subprocess per backend (``check_doctests`` of ``tests/keras_checks.py``,
@@ -28,7 +29,7 @@ import xattn
 
 # may need extras that are not installed (the layers' framework helpers too)
 OPTIONAL_MODULES = {"cli", "torch", "flax", "transformers", "_torch_layer", "_flax_layer",
-                    "_flax_attention_fn"}
+                    "_flax_attention_fn", "_hf_cache", "_hf_masks"}
 OPTION_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # tested in subprocesses, one per Keras backend (tests/test_keras_layer.py)
 SUBPROCESS_MODULES = {"xattn.keras", "xattn._keras_layer"}

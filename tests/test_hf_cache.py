@@ -3,9 +3,11 @@
 Tiny randomly initialized decoders built from configs (GPT-2 with n_embd 64, 2 layers, 4
 heads; Llama with 4 query heads and 2 key-value heads, hidden 64): greedy generation
 through the cache gives, at every step, the logits of a forward pass over the whole
-sequence (evaluation mode, fixed features) for RFA, RFA with a window and a sink, softmax
-and RA, left-padded batches included; the states of RFA have the same size after prompts
-of 64 and 400 tokens; beam search and ``num_return_sequences`` reorder and repeat the
+sequence (evaluation mode, fixed features) for RFA, RFA with a window and a sink, softmax,
+RA and causal LARA (``proposal="learned"``: fixed means per module), left-padded batches
+included; the states of RFA and LARA have the same size after prompts of 64 and 400
+tokens; with grouped-query attention the states are held per key-value head (half the
+bytes of 4 key-value heads with 2); beam search and ``num_return_sequences`` reorder and repeat the
 states (the tokens of transformers' own cache); what the cache cannot do raises an error
 that names it.
 """
@@ -18,6 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import xattn.transformers as xt  # noqa: E402
+from xattn._hf_cache import map_batch  # noqa: E402
 
 VOCAB = 100
 RELATIVE_TOLERANCE = 1e-4  # float32
@@ -32,10 +35,10 @@ def gpt2():
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def llama():
+def llama(kv_heads=2):
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=512,
+                                      num_key_value_heads=kv_heads, max_position_embeddings=512,
                                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
@@ -48,6 +51,7 @@ ATTENTIONS = {
     "rfa_window_sinks": {"estimator": "rfa", "num_features": 16, "window": 3, "sinks": 1},
     "softmax": {"estimator": "softmax"},
     "ra": {"estimator": "ra", "num_samples": 4},
+    "lara": {"estimator": "lara", "num_samples": 8, "proposal": "learned"},
 }
 
 
@@ -97,12 +101,13 @@ def test_greedy_steps_give_the_logits_of_the_full_forward_pass(names, decoder, a
                                return_dict_in_generate=True)
     assert cache.get_seq_length() == 9 + NEW_TOKENS - 1
     assert len(cache.layers) == 2 and cache.batch_size == 2
-    state_class = {"softmax": "SoftmaxState", "ra": "RAState"}.get(attention, "RFAState")
+    state_class = {"softmax": "SoftmaxState", "ra": "RAState", "lara": "LARAState"}.get(
+        attention, "RFAState")
     assert type(cache.layers[0].state).__name__ == state_class
     check_steps_against_full_forward(model, generated, 9)
 
 
-@pytest.mark.parametrize("attention", ["rfa", "rfa_window_sinks"])
+@pytest.mark.parametrize("attention", ["rfa", "rfa_window_sinks", "lara"])
 @pytest.mark.parametrize("decoder", sorted(DECODERS))
 def test_left_padded_batch_gives_the_logits_of_the_full_forward_pass(names, decoder,
                                                                      attention):
@@ -118,8 +123,8 @@ def test_left_padded_batch_gives_the_logits_of_the_full_forward_pass(names, deco
     check_steps_against_full_forward(model, generated, 8, padding)
 
 
-@pytest.mark.parametrize("attention", ["rfa", "rfa_window_sinks"])
-def test_rfa_state_bytes_do_not_grow_with_the_prompt(names, attention):
+@pytest.mark.parametrize("attention", ["rfa", "rfa_window_sinks", "lara"])
+def test_rfa_and_lara_state_bytes_do_not_grow_with_the_prompt(names, attention):
     model = gpt2()
     model.set_attn_implementation(names[attention])
     sizes = []
@@ -130,6 +135,38 @@ def test_rfa_state_bytes_do_not_grow_with_the_prompt(names, attention):
         assert cache.get_seq_length() == length
         sizes.append(cache.nbytes)
     assert sizes[0] == sizes[1] > 0
+
+
+def per_head_bytes(cache):
+    """The bytes of the state arrays that have the batch and head dimensions (not the
+    features or means shared by the heads), and the head counts of those arrays."""
+    total, heads = 0, set()
+
+    def count(array):
+        nonlocal total
+        total += array.numel() * array.element_size()
+        heads.add(tuple(array.shape[1:3]))
+        return array
+
+    for layer in cache.layers:
+        map_batch(layer.state, count)
+    return total, heads
+
+
+@pytest.mark.parametrize("attention", ["rfa_window_sinks", "softmax", "lara"])
+def test_grouped_query_states_are_stored_per_key_value_head(names, attention):
+    """Llama with 4 query heads: 2 key-value heads hold half the per-head bytes of 4 (one
+    state per key-value head, not repeated to the query heads)."""
+    sizes = {}
+    for kv_heads in (2, 4):
+        model = llama(kv_heads)
+        model.set_attn_implementation(names[attention])
+        cache = xt.XattnCache()
+        with torch.no_grad():
+            model(tokens(2, 20), cache=cache)
+        sizes[kv_heads] = per_head_bytes(cache)
+        assert sizes[kv_heads][1] == {(kv_heads, 1)}  # (key-value heads, one per group)
+    assert sizes[2][0] * 2 == sizes[4][0] > 0
 
 
 def test_softmax_state_grows_with_the_prompt(names):
@@ -212,3 +249,12 @@ def test_crop_raises_and_reset_empties(names):
         cache.crop(-1)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes == 0
+
+
+def test_lara_with_look_ahead_options_raises_through_the_cache():
+    model = gpt2()
+    model.set_attn_implementation(xt.register("test_hf_cache_lara_segment", estimator="lara",
+                                              num_samples=4).name)
+    with pytest.raises(ValueError, match="no causal form"):
+        model(tokens(1, 5), cache=xt.XattnCache())
+

@@ -333,11 +333,51 @@ def test_packed_sequences_and_sliding_windows_raise(names):
         mistral(ids)
 
 
-def test_lara_in_causal_attention_raises(names):
+def test_lara_with_look_ahead_options_in_causal_attention_raises(names):
+    """The default LARA (segment proposals, decoupled weighting) has no causal form."""
     model = DECODERS["gpt2"]()
     model.set_attn_implementation(names["lara"])
-    with pytest.raises(ValueError, match="estimator='lara' runs in bidirectional"):
+    with pytest.raises(ValueError, match=r"no causal form: .*proposal='segment' looks ahead"):
         model(tokens())
+    lara = xt.register("test_xattn_lara_standard", estimator="lara", num_samples=4,
+                       proposal="standard")  # with the default weighting, "decoupled"
+    model.set_attn_implementation(lara.name)
+    with pytest.raises(ValueError, match="weighting='decoupled' looks ahead"):
+        model(tokens())
+
+
+def test_causal_lara_equals_the_causal_function_with_the_modules_means():
+    """proposal='learned' in a decoder: causal LARA with one fixed (C, d) set of means per
+    module (deterministic: the means are the samples), queries after a cached prefix
+    included."""
+    lara = xt.register("test_xattn_lara_learned", estimator="lara", num_samples=5,
+                       proposal="learned")
+    module, (q, k, v) = FakeModule().eval(), attention_inputs()
+    means = lara.proposal_means(module, q.shape[-1])
+    assert means.shape == (5, q.shape[-1])
+    assert torch.equal(lara.proposal_means(FakeModule(), q.shape[-1]), means)  # same index
+    expected = xattn.lara(q, k, v, num_samples=5, proposal_means=means,
+                          weighting="query_proposal", deterministic=True, causal=True,
+                          scale=0.5)
+    out, _ = lara(module, q, k, v, xt.attention_mask(2, 6, 6), scaling=0.5)
+    torch.testing.assert_close(out, expected.transpose(1, 2), atol=TOLERANCE, rtol=TOLERANCE)
+    last, _ = lara(module, q[..., 4:, :], k, v, xt.attention_mask(2, 2, 6, q_offset=4),
+                   scaling=0.5)
+    torch.testing.assert_close(last, expected[..., 4:, :].transpose(1, 2), atol=TOLERANCE,
+                               rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("decoder", sorted(DECODERS))
+def test_causal_lara_generates_the_tokens_of_the_full_forward_pass(decoder):
+    model = DECODERS[decoder]()
+    model.set_attn_implementation(xt.register("test_xattn_lara_learned", estimator="lara",
+                                              num_samples=5, proposal="learned").name)
+    prompt = tokens(2, 6)
+    generated = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                               max_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        logits = model(generated).logits
+    assert torch.equal(logits[:, 5:-1].argmax(-1), generated[:, 6:])
 
 
 MODELS = {"bert": bert, **DECODERS}
@@ -394,7 +434,6 @@ def test_dropout_and_output_attentions_raise(names):
     ({"window": -1}, ValueError, "window must be >= 0"),
     ({"num_samples": 4}, TypeError, r"does not take the option\(s\) \['num_samples'\]"),
     ({"scale": 0.5}, ValueError, "scale is not an option"),
-    ({"estimator": "lara", "proposal": "learned"}, ValueError, "proposal='learned'"),
     ({"estimator": "lara", "weighting": "fancy"}, ValueError, "weighting"),
     ({"seed": -1}, ValueError, "seed must be >= 0"),
     ({"seed": 1.5}, TypeError, "seed must be an int"),
