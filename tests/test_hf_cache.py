@@ -258,3 +258,29 @@ def test_lara_with_look_ahead_options_raises_through_the_cache():
     with pytest.raises(ValueError, match="no causal form"):
         model(tokens(1, 5), cache=xt.XattnCache())
 
+
+
+def test_generation_benchmark_runs_and_writes_its_rows(tmp_path):
+    """benchmarks/bench_hf_generate.py with the flags of its GPU run, on the CPU at tiny
+    sizes: every row is written, RFA's cache bytes do not grow, xattn's softmax is left
+    out after --max-softmax-length."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hf_generate.py"
+    spec = importlib.util.spec_from_file_location("bench_hf_generate", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    output = tmp_path / "rows.json"
+    bench.main(["--device", "cpu", "--model", "llama", "--kv-heads", "2", "--lengths", "8,24",
+                "--new-tokens", "3", "--repeats", "1", "--max-softmax-length", "8",
+                "--time-budget", "600", "--output", str(output)])
+    report = json.loads(output.read_text())
+    assert report["complete"] and report["model"]["kv_heads"] == 2
+    rows = {(row["attention"], row["prompt_length"]): row for row in report["rows"]}
+    assert len(rows) == 7 and ("xattn_softmax", 24) not in rows
+    assert report["skipped"] == [{"attention": "xattn_softmax", "prompt_length": 24,
+                                  "reason": "--max-softmax-length"}]
+    assert rows["rfa_S64", 8]["cache_bytes_at_end"] == rows["rfa_S64", 24]["cache_bytes_at_end"]
+    assert rows["sdpa", 8]["cache_bytes_at_end"] < rows["sdpa", 24]["cache_bytes_at_end"]
