@@ -23,7 +23,8 @@ from xattn._hf_masks import AttentionMask, mask_from_tensor
 from xattn._layers import attend
 from xattn._state import LARAState, RFAState, _KeyValueCache
 
-__all__ = ["StateLayer", "XattnCache", "continue_state", "state_nbytes", "take_pending"]
+__all__ = ["StateLayer", "XattnCache", "continue_state", "map_batch", "state_nbytes",
+           "take_pending"]
 
 _pending = threading.local()  # the layer whose update() returned the keys last, and the keys
 
