@@ -87,20 +87,30 @@ def clock(device):
     return time.perf_counter()
 
 
+def cache_keyword(model):
+    """The forward pass's name for the cache: ``cache`` (transformers >= 5.2x) or the
+    earlier ``past_key_values``, which later versions still accept."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else (
+        "past_key_values")
+
+
 def generate_once(model, prompt, new_tokens, make_cache):
     """Prefill, then ``new_tokens`` greedy steps; returns the times and cache bytes."""
     import torch
 
     cache = make_cache()
+    keyword = cache_keyword(model)
     with torch.no_grad():
         start = clock(prompt.device)
-        logits = model(prompt, cache=cache).logits[:, -1]
+        logits = model(prompt, **{keyword: cache}).logits[:, -1]
         prefill = clock(prompt.device) - start
         prefill_bytes = cache_bytes(cache)
         start = clock(prompt.device)
         for _ in range(new_tokens):
             token = logits.argmax(-1, keepdim=True)
-            logits = model(token, cache=cache).logits[:, -1]
+            logits = model(token, **{keyword: cache}).logits[:, -1]
         steps = clock(prompt.device) - start
     return prefill, steps, prefill_bytes, cache_bytes(cache)
 

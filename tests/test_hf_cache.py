@@ -14,6 +14,8 @@ that names it.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,6 +25,10 @@ import xattn.transformers as xt  # noqa: E402
 from xattn._hf_cache import map_batch  # noqa: E402
 
 VOCAB = 100
+# transformers' name for the cache argument: ``cache`` (5.2x and later; ``past_key_values``
+# still accepted there), ``past_key_values`` before (5.17 for one)
+CACHE = ("cache" if "cache" in inspect.signature(transformers.GPT2LMHeadModel.forward).parameters
+         else "past_key_values")
 RELATIVE_TOLERANCE = 1e-4  # float32
 NEW_TOKENS = 6
 
@@ -96,7 +102,7 @@ def test_greedy_steps_give_the_logits_of_the_full_forward_pass(names, decoder, a
     model.set_attn_implementation(names[attention])
     prompt = tokens(2, 9)
     cache = xt.XattnCache()
-    generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache,
+    generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), **{CACHE: cache},
                                max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                                return_dict_in_generate=True)
     assert cache.get_seq_length() == 9 + NEW_TOKENS - 1
@@ -117,7 +123,7 @@ def test_left_padded_batch_gives_the_logits_of_the_full_forward_pass(names, deco
     padding = torch.ones_like(prompt)
     padding[1, :3] = 0  # the second prompt has 5 tokens, left-padded
     prompt[1, :3] = 0
-    generated = model.generate(prompt, attention_mask=padding, cache=xt.XattnCache(),
+    generated = model.generate(prompt, attention_mask=padding, **{CACHE: xt.XattnCache()},
                                max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                                return_dict_in_generate=True)
     check_steps_against_full_forward(model, generated, 8, padding)
@@ -131,7 +137,7 @@ def test_rfa_and_lara_state_bytes_do_not_grow_with_the_prompt(names, attention):
     for length in (64, 400):
         cache = xt.XattnCache()
         with torch.no_grad():
-            model(tokens(1, length), cache=cache)
+            model(tokens(1, length), **{CACHE: cache})
         assert cache.get_seq_length() == length
         sizes.append(cache.nbytes)
     assert sizes[0] == sizes[1] > 0
@@ -163,7 +169,7 @@ def test_grouped_query_states_are_stored_per_key_value_head(names, attention):
         model.set_attn_implementation(names[attention])
         cache = xt.XattnCache()
         with torch.no_grad():
-            model(tokens(2, 20), cache=cache)
+            model(tokens(2, 20), **{CACHE: cache})
         sizes[kv_heads] = per_head_bytes(cache)
         assert sizes[kv_heads][1] == {(kv_heads, 1)}  # (key-value heads, one per group)
     assert sizes[2][0] * 2 == sizes[4][0] > 0
@@ -176,7 +182,7 @@ def test_softmax_state_grows_with_the_prompt(names):
     for length in (16, 32):
         cache = xt.XattnCache()
         with torch.no_grad():
-            model(tokens(1, length), cache=cache)
+            model(tokens(1, length), **{CACHE: cache})
         sizes.append(cache.nbytes)
     assert sizes[1] == 2 * sizes[0]
 
@@ -192,7 +198,7 @@ def test_beam_search_and_return_sequences_give_the_tokens_of_the_dynamic_cache(n
     options = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
                    do_sample=False, num_beams=3, num_return_sequences=2)
     expected = model.generate(prompt, **options)
-    actual = model.generate(prompt, cache=xt.XattnCache(), **options)
+    actual = model.generate(prompt, **{CACHE: xt.XattnCache()}, **options)
     assert torch.equal(actual, expected)
 
 
@@ -205,7 +211,7 @@ def test_sampling_with_return_sequences_gives_the_tokens_of_the_dynamic_cache(na
     torch.manual_seed(5)
     expected = model.generate(prompt, **options)
     torch.manual_seed(5)
-    actual = model.generate(prompt, cache=xt.XattnCache(), **options)
+    actual = model.generate(prompt, **{CACHE: xt.XattnCache()}, **options)
     assert actual.shape == (6, 7 + NEW_TOKENS)
     assert torch.equal(actual, expected)
 
@@ -215,7 +221,7 @@ def test_the_cache_with_another_attention_raises(names):
     model.set_attn_implementation("sdpa")
     prompt = tokens(1, 5)
     with pytest.raises(ValueError, match=r"registered by xattn\.transformers\.register"):
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=xt.XattnCache(),
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), **{CACHE: xt.XattnCache()},
                        max_new_tokens=3, do_sample=False)
 
 
@@ -223,7 +229,7 @@ def test_training_mode_raises(names):
     model = gpt2().train()
     model.set_attn_implementation(names["rfa"])
     with pytest.raises(ValueError, match="evaluation mode only"):
-        model(tokens(1, 5), cache=xt.XattnCache())
+        model(tokens(1, 5), **{CACHE: xt.XattnCache()})
 
 
 def prefilled_rfa(names):
@@ -232,7 +238,7 @@ def prefilled_rfa(names):
     model.set_attn_implementation(names["rfa"])
     cache = xt.XattnCache()
     with torch.no_grad():
-        model(tokens(1, 5), cache=cache)
+        model(tokens(1, 5), **{CACHE: cache})
     return model, cache
 
 
@@ -240,7 +246,7 @@ def test_a_state_of_another_attention_raises(names):
     model, cache = prefilled_rfa(names)
     model.set_attn_implementation(names["softmax"])
     with pytest.raises(ValueError, match="state of another attention"):
-        model(tokens(1, 1), cache=cache)
+        model(tokens(1, 1), **{CACHE: cache})
 
 
 def test_crop_raises_and_reset_empties(names):
@@ -256,7 +262,7 @@ def test_lara_with_look_ahead_options_raises_through_the_cache():
     model.set_attn_implementation(xt.register("test_hf_cache_lara_segment", estimator="lara",
                                               num_samples=4).name)
     with pytest.raises(ValueError, match="no causal form"):
-        model(tokens(1, 5), cache=xt.XattnCache())
+        model(tokens(1, 5), **{CACHE: xt.XattnCache()})
 
 
 

@@ -24,7 +24,8 @@ import numpy as np
 
 from xattn._options import check_bool, check_scale
 
-__all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "AttentionInputs", "array_namespace",
+__all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "AttentionInputs", "append_ones_column",
+           "array_namespace",
            "check_device", "check_proposal_means", "check_samples", "chunked_like",
            "compute_dtype", "concrete_count", "cumulative_max", "default_working_memory",
            "has_native_attention", "host_namespace", "host_to_device", "index_sizes",
@@ -526,13 +527,27 @@ def written_in_place(x: Array) -> bool:
     return array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x)
 
 
+def append_ones_column(x: Array) -> Array:
+    """``x`` (..., F) with a column of ones appended, (..., F + 1): torch's own ``pad`` on
+    torch (one operation, which ``torch.compile`` traces without a warning),
+    :func:`array_api_extra.pad` elsewhere."""
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        return torch.nn.functional.pad(x, (0, 1), value=1.0)
+    return xpx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 1)], constant_values=1.0)
+
+
 def stop_gradient(x: Array) -> Array:
-    """``x`` held constant by autograd (torch, JAX): a stabilizing shift, which cancels."""
+    """``x`` held constant by autograd (torch, JAX): a stabilizing shift, which cancels.
+    A torch tensor that autograd does not track is returned as it is (no operation)."""
     if array_api_compat.is_jax_array(x):
         import jax
 
         return jax.lax.stop_gradient(x)
-    return x.detach() if array_api_compat.is_torch_array(x) else x
+    if array_api_compat.is_torch_array(x) and x.requires_grad:
+        return x.detach()
+    return x
 
 
 CPU_WORKING_MEMORY = 64 * 2**20
@@ -608,18 +623,26 @@ def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     return xp.where(x == xp.inf, posinf, xp.where(x == -xp.inf, neginf, x))
 
 
-def nonfinite_rows(x: Array) -> Array:
-    """Boolean (..., L): whether row ``x[..., i, :]`` holds a NaN or an infinity.
+def nonfinite_rows(*arrays: Array) -> Array:
+    """Boolean (..., L): whether row ``i`` of any of ``arrays`` (each (..., L, ·), their
+    leading dims broadcasting) holds a NaN or an infinity.
 
-    On torch and JAX: ``not max(|x|) < inf`` along the row (four operations; NaN
-    propagates through the maximum). Elsewhere ``not all(isfinite(x))``, whose only
-    temporary is one boolean per entry (NumPy would make ``|x|`` a float copy of the
-    input).
+    On torch and JAX: ``isnan`` of the sum over the arrays of ``sum(x * 0)`` along each
+    row (:func:`nonfinite_probe`: two operations per array, then one more per array and
+    one ``isnan``). Elsewhere ``not all(isfinite(x))``, whose only temporary is one
+    boolean per entry (NumPy would make ``x * 0`` a float copy of the input).
     """
-    xp = array_api_compat.array_namespace(x)
-    if array_api_compat.is_torch_array(x) or array_api_compat.is_jax_array(x):
-        return ~(xp.max(xp.abs(x), axis=-1) < xp.inf)
-    return ~xp.all(xp.isfinite(x), axis=-1)
+    xp = array_api_compat.array_namespace(*arrays)
+    if all(array_api_compat.is_torch_array(x) or array_api_compat.is_jax_array(x)
+           for x in arrays):
+        probe = nonfinite_probe(arrays[0])
+        for x in arrays[1:]:
+            probe = probe + nonfinite_probe(x)
+        return xp.isnan(probe[..., 0])
+    bad = ~xp.all(xp.isfinite(arrays[0]), axis=-1)
+    for x in arrays[1:]:
+        bad = bad | ~xp.all(xp.isfinite(x), axis=-1)
+    return bad
 
 
 def cumulative_max(x: Array, axis: int) -> Array:

@@ -228,8 +228,9 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
         key_probe = xp.where(valid[..., None], key_probe, 0.0)
         k, v = xp.where(valid[..., None], k, 0.0), xp.where(valid[..., None], v, 0.0)
     row_probe = key_probe + _nonfinite_probe(xp, q)
-    # the state keeps finite entries (a non-finite token is in its maximum, as NaN)
-    q, k, v = finite_entries(xp, q), finite_entries(xp, k), finite_entries(xp, v)
+    # the state keeps finite entries (a non-finite token is in its maximum, as NaN); the
+    # query is read as it is: a non-finite one makes only its own row NaN, as its probe
+    k, v = finite_entries(xp, k), finite_entries(xp, v)
     position = state.position
     features = state.feature_state
 
@@ -237,8 +238,7 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
         """The sums after one key (..., 1, ·) joins them (``key_valid`` False: it does not);
         for the positive maps the online-softmax merge of one logit per feature."""
         logits = mapping.keys(root_scale * key, key_valid)
-        value = xp.concat([value, xp.ones((*value.shape[:-1], 1), dtype=value.dtype,
-                                          device=inputs.device)], axis=-1)  # [v, 1]
+        value = value_columns(xp, value)  # [v, 1]
         if not isinstance(mapping, PositiveMap):
             return mapping.merge_states(features, mapping.key_state(logits, value))
         key_max, sums = features
@@ -250,7 +250,7 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
 
     sink_keys, sink_values, sink_valid = state.sink_keys, state.sink_values, state.sink_valid
     if sinks:  # slot s takes the token at position s
-        lands = xp.astype(xp.arange(sinks, device=inputs.device), position.dtype) == position
+        lands = xp.arange(sinks, dtype=position.dtype, device=inputs.device) == position
         sink_keys = xp.where(lands[:, None], k, sink_keys)
         sink_values = xp.where(lands[:, None], v, sink_values)
         sink_valid = xp.where(lands, True if valid is None else valid, sink_valid)
@@ -273,6 +273,10 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
                           xp.broadcast_to(new_valid, (*k.shape[:-2], 1)))
         read = features  # keys <= n
     if not (window or sinks):
+        if isinstance(mapping, PositiveMap):
+            return _finished(xp, _positive_row(xp, queries + read[0][..., None, :],
+                                               read[1]), state, features, key_probe,
+                             row_probe, position)
         partial = mapping.readout(queries, read)
     else:  # exact terms e^{q.k} over the band and the sinks
         keys = xp.concat([band_keys, sink_keys], axis=-2) if window and sinks else (
@@ -281,16 +285,16 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
             band_values if window else sink_values)
         allowed = xp.concat([band_valid, sink_valid], axis=-1) if window and sinks else (
             band_valid if window else sink_valid)
-        scores = xp.where(allowed[..., None, :],
-                          (inputs.scale * q) @ xp.matrix_transpose(keys),
-                          -xp.inf)  # (..., 1, w + 1 + K)
+        # one query: its scores as an elementwise product and a sum (no batched product)
+        scores = xp.where(allowed, xp.sum((inputs.scale * q) * keys, axis=-1),
+                          -xp.inf)[..., None, :]  # (..., 1, w + 1 + K)
         constant = mapping.query_constant(root_scale * q)
         if isinstance(mapping, PositiveMap):  # features and exact keys in one readout
             logits = xp.concat([queries + read[0][..., None, :] + constant, scores], axis=-1)
-            shift = stop_gradient(xp.max(logits, axis=-1, keepdims=True))
-            sums = xp.exp(logits - finite_shift(xp, shift)) @ xp.concat(
-                [read[1], value_columns(xp, values)], axis=-2)
-            partial = (shift, sums, sums[..., -1:])
+            return _finished(xp, _positive_row(xp, logits, xp.concat(
+                [read[1], value_columns(xp, values)], axis=-2)), state, features, key_probe,
+                row_probe, position, band=(band_keys, band_values, band_valid)
+                if window else None, sinks=(sink_keys, sink_values, sink_valid))
         else:
             random_part = mapping.readout(queries, read)
             shift = stop_gradient(xp.max(scores, axis=-1, keepdims=True))
@@ -298,16 +302,43 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
             partial = combine_partials(xp, [(random_part[0] + constant, *random_part[1:]),
                                             (shift, exact_sums, exact_sums[..., -1:])])
     out, invalid = finish_partial(xp, partial, guard=guard)
+    return _finished(xp, out, state, features, key_probe, row_probe, position,
+                     band=(band_keys, band_values, band_valid) if window else None,
+                     sinks=(sink_keys, sink_values, sink_valid), invalid=invalid)
+
+
+def _positive_row(xp: Any, logits: Array, sums: Array) -> Array:
+    r"""One query's row from its logits (..., 1, F) over the columns of ``sums`` (..., F,
+    Dv + 1), the last one the denominator: :math:`\sum_f e^{c_f - c^*} A_f / \sum_f
+    e^{c_f - c^*} b_f` with :math:`c^* = \max_f c_f`, the products as one elementwise
+    product and one sum (a single row: a matrix product would add the views of a batched
+    product); 0 for a row without keys."""
+    shift = stop_gradient(xp.max(logits, axis=-1, keepdims=True))
+    weights = xp.exp(logits - finite_shift(xp, shift))
+    row = xp.sum(xp.matrix_transpose(weights) * sums, axis=-2, keepdims=True)
+    return finish_partial(xp, (None, row, None), guard=False)[0]
+
+
+def _finished(xp: Any, out: Array, state: RFAState, features: State, key_probe: Array,
+              row_probe: Array, position: Array, *,
+              band: tuple[Array, Array, Array] | None = None,
+              sinks: tuple[Array, Array, Array] | None = None,
+              invalid: Array | None = None) -> tuple[Array, Array | None, RFAState]:
+    """What :func:`step_rfa` returns: the row with its probe, the clamped flags and the
+    state after the token (the new buffers ``band`` without its oldest key, ``sinks``)."""
     # the state's maximum (..., F) or (..., 1, 1) carries the taint
     tainted_max = features[0] + (key_probe if features[0].ndim == key_probe.ndim
                                  else key_probe[..., 0])
+    buffers: dict[str, Array] = {}
+    if band is not None:
+        buffers.update(window_keys=band[0][..., 1:, :], window_values=band[1][..., 1:, :],
+                       window_valid=band[2][..., 1:])
+    if sinks is not None:
+        buffers.update(sink_keys=sinks[0], sink_values=sinks[1], sink_valid=sinks[2])
     new_state = dataclasses.replace(
         state, feature_max=tainted_max, feature_sums=features[1],
         feature_weight=features[2] if len(features) == 3 else None, position=position + 1,
-        window_keys=band_keys[..., 1:, :] if window else state.window_keys,
-        window_values=band_values[..., 1:, :] if window else state.window_values,
-        window_valid=band_valid[..., 1:] if window else state.window_valid,
-        sink_keys=sink_keys, sink_values=sink_values, sink_valid=sink_valid)
+        **buffers)
     return out + row_probe, invalid, new_state
 
 

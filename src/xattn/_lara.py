@@ -150,7 +150,7 @@ def _query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means:
     num_samples = omega.shape[-2]
     # what multiplies q or k carries sqrt(s): q . (sqrt(s) omega_c) = q^ . omega_c
     projection_t = xp.matrix_transpose(root_scale * omega)
-    key_max, numerator, denominator = positive_key_sums(xp, inputs, projection_t, rows)
+    key_max, sums = positive_key_sums(xp, inputs, projection_t, rows)
     # w_c: the balance heuristic of proposal c at its own sample omega_c (eq. 36)
     log_density_ratio, own_weight = own_proposal_weights(xp, omega, proposal_means)
     logit_offset = key_max + log_density_ratio  # (..., 1, C)
@@ -182,7 +182,7 @@ def _query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means:
         weights = importance_weights(xp, own_weight, affinity,
                                      "decoupled" if weighting == "query_proposal" else weighting,
                                      beta, as_row=True)  # alpha_nc
-        rows_out = positive_readout(xp, logits + logit_offset, numerator, denominator,
+        rows_out = positive_readout(xp, logits + logit_offset, sums,
                                     coefficients=weights)
         if query_mask is not None:
             rows_out = xp.where(query_mask[..., start:stop, None], rows_out, 0.0)

@@ -19,6 +19,7 @@ import array_api_extra as xpx
 from xattn._array import (
     Array,
     AttentionInputs,
+    append_ones_column,
     chunked_like,
     nan_to_num,
     nonfinite_rows,
@@ -261,9 +262,9 @@ def finite_entries(xp: Any, x: Array) -> Array:
 
 
 def value_columns(xp: Any, v: Array) -> Array:
-    """Values with a column of ones appended (the denominator), non-finite entries 0."""
-    ones = xp.ones((*v.shape[:-1], 1), dtype=v.dtype, device=array_api_compat.device(v))
-    return xp.concat([finite_entries(xp, v), ones], axis=-1)
+    """Values with a column of ones appended (the denominator), non-finite entries 0
+    (:func:`~xattn._array.append_ones_column`: one operation where the library pads)."""
+    return append_ones_column(finite_entries(xp, v))
 
 
 def running_max(xp: Any, x: Array) -> Array:
@@ -299,7 +300,7 @@ def quarantine(inputs: AttentionInputs, *, causal: bool, offset: int = 0,
     xp = inputs.xp
 
     bad_queries = nonfinite_rows(inputs.q)
-    bad_keys = nonfinite_rows(inputs.k) | nonfinite_rows(inputs.v)  # (..., M)
+    bad_keys = nonfinite_rows(inputs.k, inputs.v)  # (..., M)
     if inputs.key_mask is not None:
         bad_keys = bad_keys & inputs.key_mask
     if inputs.query_mask is not None:

@@ -40,18 +40,12 @@ from xattn._primitives import (
     finite_shift,
     group_rows,
     merge_maxima,
+    value_columns,
 )
 from xattn._rf_scan import FeatureMap, finish_partial, state_over_keys
 
-__all__ = ["EMPTY_KEYS", "lara_group_rows", "positive_key_sums", "positive_readout",
+__all__ = ["affine_logits", "lara_group_rows", "positive_key_sums", "positive_readout",
            "positive_rfa", "rfa_group_rows", "rows_of", "trigonometric_rfa"]
-
-#: Added to the key sums b'_s where ``key_mask`` may leave a sample without keys: the
-#: read-out of a query without allowed keys is then 0 / (a positive number) = 0. Where a
-#: key is allowed b'_s >= 1 (its largest term is e^0), which the addition leaves unchanged
-#: in float32 and float64; a denominator holds at least b'_s times LARA's weight floor.
-EMPTY_KEYS = 1e-20
-
 
 def rows_of(x: Array, start: int, stop: int) -> Array:
     """Rows ``start:stop`` (axis -2) of ``x``; ``x`` itself when they are all of them (no
@@ -59,74 +53,98 @@ def rows_of(x: Array, start: int, stop: int) -> Array:
     return x if (start, stop) == (0, x.shape[-2]) else x[..., start:stop, :]
 
 
-def positive_key_sums(xp: Any, inputs: Any, omega_t: Array,
-                      rows: int) -> tuple[Array, Array, Array]:
-    r"""RFA's stabilized key statistics of every key, :math:`K_s` and :math:`b'_s`
-    (..., 1, S) and :math:`A'_s` (..., S, Dv) (the module docstring), in groups of
-    ``rows`` keys merged by a running maximum per sample (one group when all fit).
+def affine_logits(xp: Any, x: Array, column: Array, projection_t: Array,
+                  row: Array) -> Array:
+    r""":math:`x P + c\,\mathbf 1^\top \cdot r` as one product: ``[x, column] @ [P; row]``.
+
+    ``x`` (..., B, D), ``column`` (..., B, 1), ``projection_t`` :math:`P` (..., D, S) or
+    (D, S), ``row`` (..., 1, S) or (1, S): entry :math:`(n, s)` is :math:`x_n \cdot P_s +
+    c_n r_s`. The key logits :math:`a_{ms}` take :math:`c_m = -\tfrac{s}{2}\lVert k_m
+    \rVert^2`, :math:`r_s = 1`; the query logits :math:`c_{ns}` take :math:`c_n = 1`,
+    :math:`r_s = K_s`. Folding the term into the product saves a pass over the (B, S)
+    logits (the operation that adds it), for a pass over B (D + 1) numbers to build
+    ``[x, column]``.
+    """
+    lead = tuple(projection_t.shape[:-2]) if projection_t.ndim >= row.ndim else tuple(
+        row.shape[:-2])
+    projection = xp.concat([_with_lead(xp, projection_t, lead), _with_lead(xp, row, lead)],
+                           axis=-2)
+    return xp.concat([x, column], axis=-1) @ projection
+
+
+def _with_lead(xp: Any, x: Array, lead: tuple[int, ...]) -> Array:
+    """``x`` broadcast to the leading dims ``lead`` (``x`` itself when it has them)."""
+    return x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
+
+
+def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Array, Array]:
+    r"""RFA's stabilized key statistics of every key, :math:`K_s` (..., 1, S) and
+    :math:`[A'_s, b'_s]` (..., S, Dv + 1) (the module docstring; :math:`b'_s` is the last
+    column, the sum of the weights times a column of ones appended to the values), in
+    groups of ``rows`` keys merged by a running maximum per sample (one group when all
+    fit).
 
     ``omega_t`` is :math:`(\sqrt{s}\,\omega)^\top`, (D, S) or (..., D, S), so that
     :math:`a_{ms} = k_m \cdot \sqrt{s}\,\omega_s - \tfrac{s}{2}\lVert k_m \rVert^2 =
     \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2` without forming
-    :math:`\hat k`. With ``key_mask`` a sample without allowed keys has :math:`K_s = 0`
-    and sums 0, and :math:`b'_s` gets :data:`EMPTY_KEYS` added (the ratio of
-    :func:`positive_readout` is then 0, not 0/0); without it :math:`b'_s \ge 1` (its
-    largest term is :math:`e^0`).
+    :math:`\hat k` (one product, :func:`affine_logits`). With ``key_mask`` a sample
+    without allowed keys, which happens only when every key is masked, has :math:`K_s =
+    0` and sums 0; otherwise :math:`b'_s \ge 1` (its largest term is :math:`e^0`).
     """
     k, v, key_mask, half_scale = inputs.k, inputs.v, inputs.key_mask, 0.5 * inputs.scale
+    ones_row = xp.ones((1, omega_t.shape[-1]), dtype=omega_t.dtype,
+                       device=inputs.device)
     sums = None
     for start, stop in stream_bounds(k, -2, rows):
         keys = finite_entries(xp, rows_of(k, start, stop))  # non-finite rows: marked NaN
-        logits = keys @ omega_t - half_scale * xp.sum(keys * keys, axis=-1, keepdims=True)
+        minus_half_sq_norm = -half_scale * xp.sum(keys * keys, axis=-1, keepdims=True)
+        logits = affine_logits(xp, keys, minus_half_sq_norm, omega_t, ones_row)  # a_ms
         if key_mask is not None:
             logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
             key_max = finite_shift(xp, xp.max(logits, axis=-2, keepdims=True))
         else:  # K_s = max_m a_ms is finite: at least one key
             key_max = xp.max(logits, axis=-2, keepdims=True)
         weights = xp.exp(logits - key_max)  # e^{a_ms - K_s}, masked keys 0
-        part = (key_max,
-                xp.matrix_transpose(weights) @ finite_entries(xp, rows_of(v, start, stop)),
-                xp.sum(weights, axis=-2, keepdims=True))
+        part = (key_max, xp.matrix_transpose(weights) @ value_columns(
+            xp, rows_of(v, start, stop)))
         sums = part if sums is None else _merge_key_sums(xp, sums, part)
     assert sums is not None  # M >= 1: at least one group
-    key_max, numerator, denominator = sums
-    return key_max, numerator, (denominator if key_mask is None
-                                else denominator + EMPTY_KEYS)
+    return sums
 
 
-def _merge_key_sums(xp: Any, first: tuple[Array, Array, Array],
-                    second: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+def _merge_key_sums(xp: Any, first: tuple[Array, Array],
+                    second: tuple[Array, Array]) -> tuple[Array, Array]:
     """The key statistics of two disjoint groups of keys (as
     :func:`xattn.features.merge_key_statistics`; sums of an empty group are 0)."""
-    maxima = (xp.where(part[2] == 0, -xp.inf, part[0]) for part in (first, second))
+    maxima = (xp.where(xp.matrix_transpose(part[1][..., -1:]) == 0, -xp.inf, part[0])
+              for part in (first, second))
     _, key_max, (first_factor, second_factor) = merge_maxima(xp, *maxima)
-    numerator = (xp.matrix_transpose(first_factor) * first[1]
-                 + xp.matrix_transpose(second_factor) * second[1])
-    return key_max, numerator, first_factor * first[2] + second_factor * second[2]
+    return key_max, (xp.matrix_transpose(first_factor) * first[1]
+                     + xp.matrix_transpose(second_factor) * second[1])
 
 
-def positive_readout(xp: Any, logits: Array, numerator: Array, denominator: Array,
+def positive_readout(xp: Any, logits: Array, sums: Array,
                      coefficients: Array | None = None) -> Array:
     r""":math:`y_n = \sum_s u_{ns} A'_s / \sum_s u_{ns} b'_s`, :math:`u_{ns} = \alpha_{ns}
     e^{c_{ns} - Q_n}`, :math:`Q_n = \max_s c_{ns}` (the shift cancels), for the logits
-    :math:`c_{ns}` (..., B, S) of a group of queries and the sums of
-    :func:`positive_key_sums`; :math:`\alpha_{ns}` = ``coefficients`` (LARA's positive
-    weights), 1 if None."""
+    :math:`c_{ns}` (..., B, S) of a group of queries and the sums :math:`[A'_s, b'_s]` of
+    :func:`positive_key_sums` (one product gives numerator and denominator);
+    :math:`\alpha_{ns}` = ``coefficients`` (LARA's positive weights), 1 if None. A query
+    without allowed keys (every sum 0) reads 0."""
     weights = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
     if coefficients is not None:
         weights = coefficients * weights
-    return (weights @ numerator) / xp.sum(weights * denominator, axis=-1, keepdims=True)
+    return finish_partial(xp, (None, weights @ sums, None), guard=False)[0]
 
 
 def positive_rfa(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
     """Non-causal positive-map RFA, keys and queries in groups of ``rows``."""
     omega_t = xp.matrix_transpose(math.sqrt(inputs.scale) * omega)  # q . sqrt(s) w = q^ . w
-    key_max, numerator, denominator = positive_key_sums(xp, inputs, omega_t, rows)
+    key_max, sums = positive_key_sums(xp, inputs, omega_t, rows)
     out = RowPieces(inputs.num_queries)
     for start, stop in stream_bounds(inputs.q, -2, rows):
         queries = finite_entries(xp, rows_of(inputs.q, start, stop))
-        out.put(start, positive_readout(xp, queries @ omega_t + key_max,  # c_ns
-                                        numerator, denominator))
+        out.put(start, positive_readout(xp, queries @ omega_t + key_max, sums))  # c_ns
     return out.result()
 
 
