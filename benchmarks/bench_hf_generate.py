@@ -31,8 +31,11 @@ lengths::
     python benchmarks/bench_hf_generate.py --lengths 32768 --repeats 1 \
         --attentions sdpa,rfa_S64,rfa_S64_window64_sink1 --output benchmarks/hf_generate_32k.json
 
-On a GPU, a 4-layer, 512-wide GPT-2 (head size 64); ``--time-budget`` stops starting rows
-after 150 s, so that the run stays near two minutes (not measured yet)::
+Each run also draws its figure beside the JSON (``.png``: tokens/s and cache bytes against
+the prompt length; ``--plot JSON`` draws it again from a JSON). On a GPU, a 4-layer,
+512-wide GPT-2 (head size 64); ``--time-budget`` stops starting rows after 150 s, so that
+the run stays near two minutes (``benchmarks/gpu_2026-11-27b/hf_generate_h100.json``: 32 s
+on an H100)::
 
     python benchmarks/bench_hf_generate.py --device cuda --width 512 --layers 4 \
         --heads 8 --lengths 256,2048,8192,32768 --new-tokens 256 --repeats 1 \
@@ -85,6 +88,29 @@ def clock(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def plot(report, path):
+    """Tokens/s and cache bytes at the end against the prompt length, one line per
+    attention (``path``: a PNG)."""
+    from xattn.cli.figures import loglog_axes, new_figure
+
+    figure, (rate_axis, bytes_axis) = new_figure(ncols=2, width=5.5, height=4.2)
+    for attention in dict.fromkeys(row["attention"] for row in report["rows"]):
+        rows = sorted((row for row in report["rows"] if row["attention"] == attention),
+                      key=lambda row: row["prompt_length"])
+        lengths = [row["prompt_length"] for row in rows]
+        rate_axis.plot(lengths, [row["tokens_per_s"] for row in rows], marker="o",
+                       label=attention)
+        bytes_axis.plot(lengths, [max(row["cache_bytes_at_end"], 1) / 2**20 for row in rows],
+                        marker="o", label=attention)
+    loglog_axes(rate_axis, "prompt length (tokens)", "greedy generation (tokens/s)")
+    loglog_axes(bytes_axis, "prompt length (tokens)", "cache after the last token (MiB)")
+    rate_axis.legend(fontsize=8)
+    model = report["model"]
+    figure.suptitle(f"{model['type']} ({model['layers']} layers, width {model['width']}, "
+                    f"{model['dtype']}) on {report['device_name']}", fontsize=10)
+    figure.savefig(path, dpi=110)
 
 
 def cache_keyword(model):
@@ -195,7 +221,12 @@ def main(argv=None):
                         help="torch threads (default 1: steps of a tiny model gain nothing "
                              "from more, and a shared machine's load moves them less)")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--plot", type=Path, default=None, metavar="JSON",
+                        help="only draw the figure of a JSON this script wrote (beside it)")
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        return
     if args.kv_heads is not None and args.model != "llama":
         parser.error("--kv-heads needs --model llama")
 
@@ -250,7 +281,8 @@ def main(argv=None):
     report["complete"] = all(skip["reason"] != "--time-budget" for skip in report["skipped"])
     report["wall_s"] = time.perf_counter() - started
     args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output} ({report['wall_s']:.0f} s)")
+    plot(report, args.output.with_suffix(".png"))
+    print(f"wrote {args.output} and its .png ({report['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":
