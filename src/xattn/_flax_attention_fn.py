@@ -21,6 +21,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from xattn._array import compute_dtype
+from xattn._flax_layer import FeatureState
 from xattn._layers import LayerCore, attend, draw_features
 from xattn._options import check_bool, check_choice, default_num_features
 
@@ -180,8 +181,6 @@ class AttentionFunction(nnx.Module):
     def __init__(self, estimator: str, *, rngs: nnx.Rngs | None = None,
                  rng_collection: str = "attention", deterministic: bool = False,
                  mask_structure: str = "auto", **options: Any) -> None:
-        from xattn.flax import FeatureState  # xattn.flax imports this module
-
         probe = LayerCore()  # checks the estimator and the option values on a tiny input
         probe._setup_estimator(head_dim=_PROBE_HEAD_DIM, estimator=estimator,
                                redraw_interval=None, options=options)

@@ -27,7 +27,8 @@ from flax import nnx
 from xattn._layers import FIXED_SIZE_STATES, LayerCore
 from xattn._options import check_bool
 
-__all__ = ["Decoding", "constructor_signature", "key_mask", "variable_signature"]
+__all__ = ["Decoding", "FeatureState", "constructor_signature", "key_mask",
+           "variable_signature"]
 
 
 def key_mask(mask: Any, kv_length: int, num_heads: int) -> Any:
@@ -198,6 +199,24 @@ def variable_signature() -> inspect.Signature:
     parameters = list(inspect.signature(nnx.Variable.__init__).parameters.values())[1:]
     return inspect.Signature([parameter.replace(annotation=inspect.Parameter.empty)
                               for parameter in parameters])
+
+
+class FeatureState(nnx.Variable):
+    """Non-trainable state of :class:`xattn.flax.MultiHeadAttention`: the RFA samples and
+    the count of training steps since they were drawn (not a :class:`flax.nnx.Param`, so
+    optimizers leave it alone; it is saved and restored with the rest of the state).
+
+    Constructed as any :class:`flax.nnx.Variable`: ``FeatureState(value, **metadata)``.
+    Public as ``xattn.flax.FeatureState``; defined here so that the attention function
+    (:mod:`xattn._flax_attention_fn`) uses it without importing :mod:`xattn.flax`.
+    """
+
+
+# nnx.Variable's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature
+# and Sphinx would show as the class signature: expose the constructor's instead.
+# (inspect reads __signature__ off any object; typeshed does not declare it on classes)
+FeatureState.__signature__ = variable_signature()  # type: ignore[attr-defined]
+FeatureState.__module__ = "xattn.flax"  # where users import it (and Sphinx documents it)
 
 
 class _SourceName:

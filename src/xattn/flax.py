@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xattn._flax_attention_fn import AttentionFunction, attention_fn
-from xattn._flax_layer import Decoding, constructor_signature, variable_signature
+from xattn._flax_layer import Decoding, FeatureState, constructor_signature
 from xattn._flax_layer import key_mask as flax_key_mask
 from xattn._layers import (
     DEFAULT_LARA_SAMPLES,
@@ -53,21 +53,6 @@ __doc__ = module_docstring(__doc__, features_home="the variable ``features`` (a 
 
 default_kernel_init = nnx.initializers.lecun_normal()  # Flax's default for projections
 default_bias_init = nnx.initializers.zeros_init()
-
-
-class FeatureState(nnx.Variable):
-    """Non-trainable state of :class:`MultiHeadAttention`: the RFA samples and the count
-    of training steps since they were drawn (not a :class:`flax.nnx.Param`, so optimizers
-    leave it alone; it is saved and restored with the rest of the state).
-
-    Constructed as any :class:`flax.nnx.Variable`: ``FeatureState(value, **metadata)``.
-    """
-
-
-# nnx.Variable's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature
-# and Sphinx would show as the class signature: expose the constructor's instead.
-# (inspect reads __signature__ off any object; typeshed does not declare it on classes)
-FeatureState.__signature__ = variable_signature()  # type: ignore[attr-defined]
 
 
 @fill_docstring
