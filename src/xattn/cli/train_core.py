@@ -65,12 +65,16 @@ WARMUP_STEPS = 5
 class ModelConfig:
     """The Long Range Arena model (Tay et al., 2021; the LARA paper's Table 9): a 2-layer
     pre-norm Transformer encoder, embedding 64, feed-forward 128 (GELU), 2 heads, learned
-    position embeddings (initialized N(0, 1) like the token embeddings; with the common
-    0.02 scale the digits model reached 53 % instead of 91 % test accuracy after 600
-    steps), mean pooling over the real tokens, and a 2-layer classifier (64 -> 128 ->
+    position embeddings (initialized N(0, 1), like PyTorch's token embeddings; with the
+    common 0.02 scale the digits model reached 53 % instead of 91 % test accuracy after
+    600 steps), mean pooling over the real tokens, and a 2-layer classifier (64 -> 128 ->
     classes, ReLU) as in Xiong et al.'s LRA code. Per-position tasks (``mqar``) apply the
     classifier at every position instead of pooling; tasks whose order carries no
-    information (``mqar``) have no position embeddings.
+    information (``mqar``) have no position embeddings. Every other weight starts as its
+    framework's layer starts it: token embeddings N(0, 1) in PyTorch (``nn.Embedding``) and
+    N(0, 1/dim) in Flax (``nnx.Embed``), projections and linear layers with PyTorch's or
+    Flax's initializers; on ``mqar`` this difference decides whether RFA learns (see
+    ``benchmarks/bench_train_parity.py`` and :mod:`xattn.cli.train_parity`).
 
     ``equal_query_key_init``: the key projection starts as a copy of the query projection
     (both are then trained independently), so that at initialization tokens that share an

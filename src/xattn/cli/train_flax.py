@@ -79,8 +79,8 @@ class Encoder(nnx.Module):
         self.per_token = task.per_token
         self.embeddings = nnx.List([nnx.Embed(size, config.dim, rngs=rngs)
                                     for size in task.vocabulary_sizes])
-        # learned positions, initialized like the token embeddings (N(0, 1)); none where
-        # the order carries no information (mqar)
+        # learned positions, initialized N(0, 1) as in the PyTorch model (nnx.Embed draws
+        # the token embeddings N(0, 1/dim)); none where the order carries no information (mqar)
         self.position = nnx.Param(jax.random.normal(rngs.params(), (task.length, config.dim))
                                   ) if task.positional else nnx.data(None)
         self.blocks = nnx.List([_Block(config, estimator, options, rngs)
