@@ -411,8 +411,9 @@ def host_to_device(xp: Any, host: np.ndarray, *, dtype: Any, device: Any) -> Arr
     if array_api_compat.is_torch_namespace(xp):
         import torch
 
-        # torch cannot read float64 NumPy into bfloat16 on every device in one step
-        return torch.as_tensor(host, device=device).to(dtype)
+        # torch cannot read float64 NumPy into bfloat16 on every device in one step; a
+        # read-only array (a broadcast view) is copied first, as torch warns on one
+        return torch.as_tensor(np.require(host, requirements="W"), device=device).to(dtype)
     if array_api_compat.is_jax_namespace(xp):
         import jax
 

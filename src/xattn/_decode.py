@@ -42,14 +42,19 @@ import math
 from collections.abc import Generator
 from typing import Any, TypeVar
 
-from xattn._array import Array, AttentionInputs, nonfinite_probe, stop_gradient
+from xattn._array import (
+    Array,
+    AttentionInputs,
+    append_ones_column,
+    nonfinite_probe,
+    stop_gradient,
+)
 from xattn._primitives import (
     RowPieces,
     finite_entries,
     finite_shift,
     mark_tainted,
     quarantine,
-    value_columns,
 )
 from xattn._rf_scan import (
     FeatureMap,
@@ -238,7 +243,7 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
         """The sums after one key (..., 1, ·) joins them (``key_valid`` False: it does not);
         for the positive maps the online-softmax merge of one logit per feature."""
         logits = mapping.keys(root_scale * key, key_valid)
-        value = value_columns(xp, value)  # [v, 1]
+        value = append_ones_column(value)  # [v, 1] (v is finite here)
         if not isinstance(mapping, PositiveMap):
             return mapping.merge_states(features, mapping.key_state(logits, value))
         key_max, sums = features
@@ -292,13 +297,13 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
         if isinstance(mapping, PositiveMap):  # features and exact keys in one readout
             logits = xp.concat([queries + read[0][..., None, :] + constant, scores], axis=-1)
             return _finished(xp, _positive_row(xp, logits, xp.concat(
-                [read[1], value_columns(xp, values)], axis=-2)), state, features, key_probe,
+                [read[1], append_ones_column(values)], axis=-2)), state, features, key_probe,
                 row_probe, position, band=(band_keys, band_values, band_valid)
                 if window else None, sinks=(sink_keys, sink_values, sink_valid))
         else:
             random_part = mapping.readout(queries, read)
             shift = stop_gradient(xp.max(scores, axis=-1, keepdims=True))
-            exact_sums = xp.exp(scores - finite_shift(xp, shift)) @ value_columns(xp, values)
+            exact_sums = xp.exp(scores - finite_shift(xp, shift)) @ append_ones_column(values)
             partial = combine_partials(xp, [(random_part[0] + constant, *random_part[1:]),
                                             (shift, exact_sums, exact_sums[..., -1:])])
     out, invalid = finish_partial(xp, partial, guard=guard)
