@@ -277,12 +277,12 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
         features = joined(k, v, None if new_valid is None else
                           xp.broadcast_to(new_valid, (*k.shape[:-2], 1)))
         read = features  # keys <= n
+    invalid = None  # the clamped rows (trigonometric map)
     if not (window or sinks):
         if isinstance(mapping, PositiveMap):
-            return _finished(xp, _positive_row(xp, queries + read[0][..., None, :],
-                                               read[1]), state, features, key_probe,
-                             row_probe, position)
-        partial = mapping.readout(queries, read)
+            out = _positive_row(xp, queries + read[0][..., None, :], read[1])
+        else:
+            out, invalid = finish_partial(xp, mapping.readout(queries, read), guard=guard)
     else:  # exact terms e^{q.k} over the band and the sinks
         keys = xp.concat([band_keys, sink_keys], axis=-2) if window and sinks else (
             band_keys if window else sink_keys)
@@ -296,20 +296,26 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
         constant = mapping.query_constant(root_scale * q)
         if isinstance(mapping, PositiveMap):  # features and exact keys in one readout
             logits = xp.concat([queries + read[0][..., None, :] + constant, scores], axis=-1)
-            return _finished(xp, _positive_row(xp, logits, xp.concat(
-                [read[1], append_ones_column(values)], axis=-2)), state, features, key_probe,
-                row_probe, position, band=(band_keys, band_values, band_valid)
-                if window else None, sinks=(sink_keys, sink_values, sink_valid))
+            out = _positive_row(xp, logits, xp.concat([read[1], append_ones_column(values)],
+                                                      axis=-2))
         else:
             random_part = mapping.readout(queries, read)
             shift = stop_gradient(xp.max(scores, axis=-1, keepdims=True))
             exact_sums = xp.exp(scores - finite_shift(xp, shift)) @ append_ones_column(values)
-            partial = combine_partials(xp, [(random_part[0] + constant, *random_part[1:]),
-                                            (shift, exact_sums, exact_sums[..., -1:])])
-    out, invalid = finish_partial(xp, partial, guard=guard)
-    return _finished(xp, out, state, features, key_probe, row_probe, position,
-                     band=(band_keys, band_values, band_valid) if window else None,
-                     sinks=(sink_keys, sink_values, sink_valid), invalid=invalid)
+            out, invalid = finish_partial(xp, combine_partials(
+                xp, [(random_part[0] + constant, *random_part[1:]),
+                     (shift, exact_sums, exact_sums[..., -1:])]), guard=guard)
+    # the state's maximum (..., F) or (..., 1, 1) carries the taint
+    tainted_max = features[0] + (key_probe if features[0].ndim == key_probe.ndim
+                                 else key_probe[..., 0])
+    new_state = dataclasses.replace(
+        state, feature_max=tainted_max, feature_sums=features[1],
+        feature_weight=features[2] if len(features) == 3 else None, position=position + 1,
+        window_keys=band_keys[..., 1:, :] if window else state.window_keys,
+        window_values=band_values[..., 1:, :] if window else state.window_values,
+        window_valid=band_valid[..., 1:] if window else state.window_valid,
+        sink_keys=sink_keys, sink_values=sink_values, sink_valid=sink_valid)
+    return out + row_probe, invalid, new_state
 
 
 def _positive_row(xp: Any, logits: Array, sums: Array) -> Array:
@@ -322,29 +328,6 @@ def _positive_row(xp: Any, logits: Array, sums: Array) -> Array:
     weights = xp.exp(logits - finite_shift(xp, shift))
     row = xp.sum(xp.matrix_transpose(weights) * sums, axis=-2, keepdims=True)
     return finish_partial(xp, (None, row, None), guard=False)[0]
-
-
-def _finished(xp: Any, out: Array, state: RFAState, features: State, key_probe: Array,
-              row_probe: Array, position: Array, *,
-              band: tuple[Array, Array, Array] | None = None,
-              sinks: tuple[Array, Array, Array] | None = None,
-              invalid: Array | None = None) -> tuple[Array, Array | None, RFAState]:
-    """What :func:`step_rfa` returns: the row with its probe, the clamped flags and the
-    state after the token (the new buffers ``band`` without its oldest key, ``sinks``)."""
-    # the state's maximum (..., F) or (..., 1, 1) carries the taint
-    tainted_max = features[0] + (key_probe if features[0].ndim == key_probe.ndim
-                                 else key_probe[..., 0])
-    buffers: dict[str, Array] = {}
-    if band is not None:
-        buffers.update(window_keys=band[0][..., 1:, :], window_values=band[1][..., 1:, :],
-                       window_valid=band[2][..., 1:])
-    if sinks is not None:
-        buffers.update(sink_keys=sinks[0], sink_values=sinks[1], sink_valid=sinks[2])
-    new_state = dataclasses.replace(
-        state, feature_max=tainted_max, feature_sums=features[1],
-        feature_weight=features[2] if len(features) == 3 else None, position=position + 1,
-        **buffers)
-    return out + row_probe, invalid, new_state
 
 
 def append_token(inputs: AttentionInputs, cache: Cache) -> tuple[AttentionInputs, Cache]:

@@ -207,9 +207,9 @@ class FeatureState(nnx.Variable):
     optimizers leave it alone; it is saved and restored with the rest of the state).
 
     Constructed as any :class:`flax.nnx.Variable`: ``FeatureState(value, **metadata)``.
-    Public as ``xattn.flax.FeatureState``; defined here so that the attention function
-    (:mod:`xattn._flax_attention_fn`) uses it without importing :mod:`xattn.flax`.
     """
+    # public as xattn.flax.FeatureState; defined here so that the attention function
+    # (xattn._flax_attention_fn) uses it without importing xattn.flax (no import circle)
 
 
 # nnx.Variable's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature
