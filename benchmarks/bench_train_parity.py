@@ -14,8 +14,9 @@ batch, schedule, data, seeds):
   some :data:`~xattn.cli.train_parity.PARAMETER_GROUPS`). A variant is written
   ``framework:estimator[:source[:group+group...]]``, e.g. ``torch:rfa`` (the command's
   run), ``torch:rfa:flax`` (PyTorch from Flax's initial weights),
-  ``torch:rfa:flax:embeddings`` (only Flax's embeddings). Each is one run per seed,
-  one at a time, one thread.
+  ``torch:rfa:flax:embeddings`` (only Flax's embeddings); the estimator may also be a
+  name of :data:`ATTENTIONS` (``flax:rfa-s64``). Each is one run per seed, one at a
+  time, one thread.
 
     python benchmarks/bench_train_parity.py --check-steps 30 --variants '' \\
         --out benchmarks/train_parity_check.json
@@ -52,14 +53,29 @@ from xattn.cli.train_parity import (
 FLAX_LAYER_NORM_EPSILON = 1e-6  # nnx.LayerNorm's default; torch.nn.LayerNorm's is 1e-5
 
 
-def make_spec(task_name: str, estimator: str, seed: int, samples: int, **options: Any) -> RunSpec:
-    """The :class:`RunSpec` of ``xattn train`` for one run, with extra layer options."""
+#: Attentions beyond the command's rows: name -> (estimator, options over the command's).
+#: On ``mqar`` the 16 key-value pairs are the first 16 positions, so ``rfa-sinks16``
+#: attends to every pair exactly (a linear cost, but one fitted to the task's layout).
+ATTENTIONS = {
+    "rfa-s64": ("rfa", {"num_features": 64}),
+    "rfa-s128": ("rfa", {"num_features": 128}),
+    "rfa-s256": ("rfa", {"num_features": 256}),
+    "rfa-orthogonal": ("rfa", {"orthogonal": True}),
+    "rfa-window-sinks": ("rfa", {"window": 16, "sinks": 4}),
+    "rfa-sinks16": ("rfa", {"sinks": 16}),
+}
+
+
+def make_spec(task_name: str, attention: str, seed: int, samples: int, **options: Any) -> RunSpec:
+    """The :class:`RunSpec` of ``xattn train`` for one run of ``attention`` (an
+    estimator or a name of :data:`ATTENTIONS`), with extra layer options."""
     settings = command.SETTINGS[task_name]
+    estimator, extra = ATTENTIONS.get(attention, (attention, {}))
     return RunSpec(
         get_task(task_name),
+        attention,
         estimator,
-        estimator,
-        {**attention_options(estimator, samples), **options},
+        {**attention_options(estimator, samples), **extra, **options},
         seed,
         settings.steps,
         settings.batch_size,
