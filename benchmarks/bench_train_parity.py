@@ -19,9 +19,12 @@ batch, schedule, data, seeds):
   time, one thread.
 
     python benchmarks/bench_train_parity.py --check-steps 30 --variants '' \\
-        --out benchmarks/train_parity_check.json
-    python benchmarks/bench_train_parity.py --seeds 0 \\
+        --out benchmarks/train_parity_mqar.json
+    python benchmarks/bench_train_parity.py --seeds 0,1,2 \\
         --variants torch:rfa:flax,flax:rfa:torch --out benchmarks/train_parity_mqar.json
+
+(every command of ``benchmarks/train_parity_mqar.json`` is in its ``commands``; the
+results are in ``docs/guide/09_training.md``, "PyTorch against Flax on mqar")
 
 With ``--out`` of an existing file, its runs are kept and the new ones added (a run of
 the same variant and seed is replaced).
@@ -112,6 +115,7 @@ def set_trainer_parameters(
 
 
 def set_torch_layer_norm_epsilon(trainer: Any, epsilon: float) -> None:
+    """Give every LayerNorm of a PyTorch trainer's model the epsilon ``epsilon``."""
     import torch
 
     for module in trainer.model.modules():
