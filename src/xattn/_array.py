@@ -530,13 +530,15 @@ def written_in_place(x: Array) -> bool:
 
 def append_ones_column(x: Array) -> Array:
     """``x`` (..., F) with a column of ones appended, (..., F + 1): torch's own ``pad`` on
-    torch (one operation, which ``torch.compile`` traces without a warning),
-    :func:`array_api_extra.pad` elsewhere."""
+    torch (one operation, which ``torch.compile`` traces without a warning), elsewhere a
+    concatenation with ``ones_like`` of a column of ``x`` (on Dask chunked like ``x``;
+    :func:`array_api_extra.pad` builds one block there)."""
     if array_api_compat.is_torch_array(x):
         import torch
 
         return torch.nn.functional.pad(x, (0, 1), value=1.0)
-    return xpx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 1)], constant_values=1.0)
+    xp = array_api_compat.array_namespace(x)
+    return xp.concat([x, xp.ones_like(x[..., :1])], axis=-1)
 
 
 def stop_gradient(x: Array) -> Array:

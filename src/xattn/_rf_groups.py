@@ -134,7 +134,11 @@ def positive_readout(xp: Any, logits: Array, sums: Array,
     weights = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
     if coefficients is not None:
         weights = coefficients * weights
-    return finish_partial(xp, (None, weights @ sums, None), guard=False)[0]
+    row = weights @ sums
+    # a denominator with keys is >= the weight floor, which the smallest normal number
+    # leaves unchanged; without keys 0 / tiny = 0 (a sum, not a clip: on Dask a clip
+    # broadcasts its bound to one block of every row)
+    return row[..., :-1] / (row[..., -1:] + xp.finfo(row.dtype).smallest_normal)
 
 
 def positive_rfa(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
