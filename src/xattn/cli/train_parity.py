@@ -209,18 +209,11 @@ def load_torch_parameters(
     copied = []
     with torch.no_grad():
         for name, tensor, rows, _, from_flax in _torch_slots(model):
-            if group_of(name) not in chosen:
-                continue
-            if name not in parameters:
-                raise ValueError(f"parameters has no entry {name!r}")
             if rows is not None:
                 tensor = tensor[rows]  # a view: copy_ writes into the packed parameter
-            value = np.ascontiguousarray(from_flax(np.asarray(parameters[name])))
-            if tuple(value.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"{name}: shape {tuple(value.shape)} in parameters, "
-                    f"{tuple(tensor.shape)} in the model"
-                )
+            value = _entry(parameters, name, chosen, tuple(tensor.shape), from_flax)
+            if value is None:
+                continue
             tensor.copy_(torch.tensor(value, dtype=tensor.dtype, device=tensor.device))
             copied.append(name)
     return copied
@@ -298,19 +291,27 @@ def load_flax_parameters(
     chosen = _chosen_groups(groups)
     copied = []
     for name, variable in _flax_variables(model).items():
-        if group_of(name) not in chosen:
+        value = _entry(parameters, name, chosen, tuple(variable[...].shape), _same)
+        if value is None:
             continue
-        if name not in parameters:
-            raise ValueError(f"parameters has no entry {name!r}")
-        value = np.asarray(parameters[name])
-        if tuple(value.shape) != tuple(variable[...].shape):
-            raise ValueError(
-                f"{name}: shape {tuple(value.shape)} in parameters, "
-                f"{tuple(variable[...].shape)} in the model"
-            )
         variable[...] = jnp.array(value, dtype=variable[...].dtype, copy=True)
         copied.append(name)
     return copied
+
+
+def _entry(parameters: dict[str, np.ndarray], name: str, chosen: set[str],
+           shape: tuple[int, ...], convert: Any) -> np.ndarray | None:
+    """``convert(parameters[name])`` for a model entry of ``shape`` (None: its group is not
+    ``chosen``); a missing entry or another shape raises a ``ValueError``."""
+    if group_of(name) not in chosen:
+        return None
+    if name not in parameters:
+        raise ValueError(f"parameters has no entry {name!r}")
+    value = np.ascontiguousarray(convert(np.asarray(parameters[name])))
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name}: shape {tuple(value.shape)} in parameters, {shape} in the "
+                         "model")
+    return value
 
 
 def _chosen_groups(groups: Iterable[str] | None) -> set[str]:
