@@ -171,3 +171,33 @@ def test_parameters_round_trip_and_groups():
         load_flax_parameters(flax_model, after, ["projections"])
     with pytest.raises(ValueError, match="no entry"):
         load_flax_parameters(flax_model, {})
+
+
+@pytest.mark.parametrize("token_init", ["scaled", "unit"])
+def test_both_frameworks_draw_the_token_embeddings_alike(token_init):
+    # the default ("scaled") is Flax's N(0, 1/dim) in both; "unit" is N(0, 1) in both. With
+    # n = vocabulary x dim draws the sample standard deviation has relative standard error
+    # 1/sqrt(2n): 8 of them bound it (dim 64, mqar's vocabulary; n ~ 10^4, bound ~ 6 %)
+    config = ModelConfig(dim=64, ffn=32, heads=2, layers=1, token_init=token_init)
+    task = get_task("mqar", 64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        torch_model = train_torch.Encoder(task, "softmax", {}, config=config,
+                                          generator=torch.Generator().manual_seed(0))
+    flax_model = train_flax.Encoder(task, "softmax", {}, config=config,
+                                    rngs=nnx.Rngs(params=1, attention=2))
+    expected = 64 ** -0.5 if token_init == "scaled" else 1.0
+    assert config.token_std == expected
+    embeddings = [parameters[name] for parameters in (torch_parameters(torch_model),
+                                                      flax_parameters(flax_model))
+                  for name in parameters if name.startswith("embeddings.")]
+    assert len(embeddings) == 2 * len(task.vocabulary_sizes)
+    for weights in embeddings:
+        weights = np.asarray(weights, dtype=np.float64)
+        assert abs(weights.mean()) < 8 / np.sqrt(weights.size) * expected
+        assert abs(weights.std() / expected - 1) < 8 / np.sqrt(2 * weights.size)
+
+
+def test_an_unknown_token_init_is_refused():
+    with pytest.raises(ValueError, match="token_init must be one of scaled, unit"):
+        ModelConfig(token_init="xavier")

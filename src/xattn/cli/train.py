@@ -50,6 +50,8 @@ from xattn.cli.train_core import (
     LARA_VARIANTS,
     NATIVE,
     NATIVE_LAYERS,
+    TOKEN_INITS,
+    ModelConfig,
     RunResult,
     RunSpec,
     attention_options,
@@ -158,6 +160,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"fair comparison (default: {DEFAULT_SAMPLES}); RA draws 1 sample")
     parser.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
                         help="batch size (default: 32; shakespeare 12)")
+    parser.add_argument("--token-init", default="scaled", choices=TOKEN_INITS,
+                        help="initial token embeddings of the classification tasks, in "
+                        "both frameworks: scaled N(0, 1/width) (default; Flax's nnx.Embed) "
+                        "or unit N(0, 1) (PyTorch's nn.Embedding; the PyTorch default of "
+                        "xattn 0.1)")
     parser.add_argument("--quick", action="store_true",
                         help="one seed and fewer steps and examples (a few minutes)")
     parser.add_argument("--device", default="cpu", choices=DEVICES,
@@ -382,7 +389,7 @@ def run_jobs(jobs: list[Job], args: argparse.Namespace,
 #: Configuration entries that must match for ``--resume`` to take runs over, with the
 #: option that sets each (None: not an option, fixed by the version or the framework).
 RESUME_KEYS = {"framework": "--framework", "device": "--device", "samples": "--samples",
-               "quick": "--quick", "batch_size": "--batch-size", "model": None,
+               "quick": "--quick", "batch_size": "--batch-size", "model": "--token-init",
                "lara_2d_segments": None}
 
 
@@ -573,7 +580,9 @@ def plan_jobs(tasks: list[Task], seeds: list[int], args: argparse.Namespace,
                     args.framework):
                 plan.append((RunSpec(task, name, estimator, options, seed, steps,
                                      batch_size, settings.peak_lr,
-                                     warmup_fraction=settings.warmup_fraction), settings))
+                                     warmup_fraction=settings.warmup_fraction,
+                                     model=ModelConfig(token_init=args.token_init)),
+                             settings))
     return [Job(index, f"[{index}/{len(plan)}] {spec.task.name} {spec.name} seed {spec.seed}",
                 spec, *dataset_sizes(settings, spec, args.quick))
             for index, (spec, settings) in enumerate(plan, 1)]

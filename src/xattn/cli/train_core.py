@@ -61,20 +61,27 @@ ATTENTIONS = (*ESTIMATORS, *LARA_VARIANTS, NATIVE)
 WARMUP_STEPS = 5
 
 
+#: Token-embedding initializations of :class:`ModelConfig` (see ``token_init`` there).
+TOKEN_INITS = ("scaled", "unit")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The Long Range Arena model (Tay et al., 2021; the LARA paper's Table 9): a 2-layer
     pre-norm Transformer encoder, embedding 64, feed-forward 128 (GELU), 2 heads, learned
-    position embeddings (initialized N(0, 1), like PyTorch's token embeddings; with the
-    common 0.02 scale the digits model reached 53 % instead of 91 % test accuracy after
-    600 steps), mean pooling over the real tokens, and a 2-layer classifier (64 -> 128 ->
-    classes, ReLU) as in Xiong et al.'s LRA code. Per-position tasks (``mqar``) apply the
-    classifier at every position instead of pooling; tasks whose order carries no
-    information (``mqar``) have no position embeddings. Every other weight starts as its
-    framework's layer starts it: token embeddings N(0, 1) in PyTorch (``nn.Embedding``) and
-    N(0, 1/dim) in Flax (``nnx.Embed``), projections and linear layers with PyTorch's or
-    Flax's initializers; on ``mqar`` this difference decides whether RFA learns (see
-    ``benchmarks/bench_train_parity.py`` and :mod:`xattn.cli.train_parity`).
+    position embeddings (initialized N(0, 1); with the common 0.02 scale the digits model
+    reached 53 % instead of 91 % test accuracy after 600 steps), mean pooling over the real
+    tokens, and a 2-layer classifier (64 -> 128 -> classes, ReLU) as in Xiong et al.'s LRA
+    code. Per-position tasks (``mqar``) apply the classifier at every position instead of
+    pooling; tasks whose order carries no information (``mqar``) have no position
+    embeddings.
+
+    ``token_init``: the token embeddings' initialization, the same in both frameworks:
+    ``"scaled"`` draws N(0, 1/dim) (Flax's ``nnx.Embed`` default), ``"unit"`` N(0, 1)
+    (PyTorch's ``nn.Embedding`` default, which the PyTorch model used before 0.2). On
+    ``mqar`` it decides whether RFA learns (see ``benchmarks/bench_train_parity.py`` and
+    :mod:`xattn.cli.train_parity`). Every other weight starts as its framework's layer
+    starts it: projections and linear layers with PyTorch's or Flax's initializers.
 
     ``equal_query_key_init``: the key projection starts as a copy of the query projection
     (both are then trained independently), so that at initialization tokens that share an
@@ -87,6 +94,17 @@ class ModelConfig:
     heads: int = 2
     layers: int = 2
     equal_query_key_init: bool = True
+    token_init: str = "scaled"
+
+    def __post_init__(self) -> None:
+        if self.token_init not in TOKEN_INITS:
+            raise ValueError(f"token_init must be one of {', '.join(TOKEN_INITS)}, "
+                             f"got {self.token_init!r}")
+
+    @property
+    def token_std(self) -> float:
+        """The standard deviation of the initial token embeddings (``token_init``)."""
+        return self.dim ** -0.5 if self.token_init == "scaled" else 1.0
 
 
 @dataclass(frozen=True)

@@ -77,10 +77,13 @@ class Encoder(nnx.Module):
     def __init__(self, task: Task, estimator: str, options: dict[str, Any], *,
                  config: ModelConfig, rngs: nnx.Rngs) -> None:
         self.per_token = task.per_token
-        self.embeddings = nnx.List([nnx.Embed(size, config.dim, rngs=rngs)
+        # ModelConfig.token_init: "scaled" is nnx.Embed's own N(0, 1/dim)
+        embedding_init = ({} if config.token_init == "scaled"
+                          else {"embedding_init": nnx.initializers.normal(config.token_std)})
+        self.embeddings = nnx.List([nnx.Embed(size, config.dim, rngs=rngs, **embedding_init)
                                     for size in task.vocabulary_sizes])
-        # learned positions, initialized N(0, 1) as in the PyTorch model (nnx.Embed draws
-        # the token embeddings N(0, 1/dim)); none where the order carries no information (mqar)
+        # learned positions, initialized N(0, 1) as in the PyTorch model; none where the
+        # order carries no information (mqar)
         self.position = nnx.Param(jax.random.normal(rngs.params(), (task.length, config.dim))
                                   ) if task.positional else nnx.data(None)
         self.blocks = nnx.List([_Block(config, estimator, options, rngs)

@@ -72,6 +72,9 @@ class Encoder(nn.Module):
         self.per_token = task.per_token
         self.embeddings = nn.ModuleList(nn.Embedding(size, config.dim, device=device)
                                         for size in task.vocabulary_sizes)
+        with torch.no_grad():  # ModelConfig.token_init, drawn from the global generator
+            for embedding in self.embeddings:  # as nn.Embedding's own N(0, 1) is
+                embedding.weight.normal_(0.0, config.token_std)
         # learned positions, initialized like the token embeddings (N(0, 1)); none where
         # the order carries no information (mqar)
         self.position = nn.Parameter(torch.randn(task.length, config.dim, generator=generator)
