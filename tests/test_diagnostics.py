@@ -7,6 +7,7 @@ import pytest
 
 import xattn
 from xattn.diagnostics import (
+    check_attention_inputs,
     draw_seeds,
     estimator_error,
     kernel_mse_positive,
@@ -287,6 +288,20 @@ def test_uniform_attention(backend, rng):
     backend.check(out, expected, dtype=xp.float64)
     backend.check(uniform_attention(*map(backend.asarray, (q, k, v))),
              np.broadcast_to(v.mean(axis=-2, keepdims=True), (2, 12, 5)), dtype=xp.float64)
+
+
+def test_check_attention_inputs_refuses_what_the_estimators_refuse(backend, rng):
+    q, k, v = map(backend.asarray, make_qkv(rng))
+    assert check_attention_inputs(q, k, v, key_mask=backend.asarray(np.ones((2, 10), bool))) \
+        is None
+    for name, kwargs in [("key_mask", {"key_mask": backend.asarray(np.ones((2, 3), bool))}),
+                         ("query_mask", {"query_mask": backend.asarray(np.ones((2, 5), bool))})]:
+        with pytest.raises(ValueError, match=name):
+            check_attention_inputs(q, k, v, **kwargs)
+        with pytest.raises(ValueError, match=name):
+            xattn.lara(q, k, v, num_samples=2, rng=0, **kwargs)
+    with pytest.raises(ValueError, match="same last dim"):
+        check_attention_inputs(q, k[..., :3], v)
 
 
 def test_kernel_mse_formula(backend, rng):

@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 
-# the estimators' own array checks (a documented internal name: see the contributing guide)
-from xattn._array import prepare_attention
 from xattn.cli import memory
 from xattn.cli.common import CommandError
 from xattn.cli.memory import format_size
+from xattn.diagnostics import check_attention_inputs
 
 __all__ = ["largest_safe_value", "load_inputs", "validate_inputs"]
 
@@ -143,7 +142,7 @@ def validate_inputs(q: Any, k: Any, v: Any, dtype: str,
     with np.errstate(over="ignore"):
         cast = {name: array.astype(dtype, copy=False) for name, array in arrays.items()}
     try:
-        prepare_attention(cast["q"], cast["k"], cast["v"])
+        check_attention_inputs(cast["q"], cast["k"], cast["v"])
     except (ValueError, TypeError) as error:
         raise CommandError(f"{source}: {error}") from None
     for name, array in arrays.items():
