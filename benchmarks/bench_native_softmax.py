@@ -113,7 +113,7 @@ GEMM_SIZE = 2048
 
 
 def numpy_rows(repeats, chunk_sizes, length=4096, head_dim=64):
-    from xattn._options import DEFAULT_CHUNK_SIZE
+    from xattn._core.options import DEFAULT_CHUNK_SIZE
     draw = np.random.default_rng(0)
     q, k, v = (draw.standard_normal((1, length, head_dim), dtype=np.float32)
                for _ in range(3))

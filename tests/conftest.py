@@ -35,7 +35,7 @@ import pytest
 from array_api_extra.testing import lazy_xp_function, patch_lazy_xp_functions
 
 import xattn
-from xattn._array import host_to_device
+from xattn._core.array import host_to_device
 
 CPU_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "dask")
 GPU_BACKENDS = ("cupy", "torch-cuda", "jax-gpu")

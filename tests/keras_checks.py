@@ -25,7 +25,7 @@ import numpy as np
 
 import xattn
 import xattn.keras
-from xattn._keras_layer import check_backend
+from xattn._integrations.keras_layer import check_backend
 
 BACKEND = keras.backend.backend()
 RNG = np.random.default_rng(0)

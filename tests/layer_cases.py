@@ -104,7 +104,7 @@ def bool_options(function):
 def constructor_bool_cases(layer_init):
     """(estimator, option) of every bool a layer constructor takes: its own (with the rfa
     estimator) and each estimator's bool options that the layer passes on."""
-    from xattn import _layers
+    from xattn._integrations import layers as _layers
 
     return [*(("rfa", name) for name in bool_options(layer_init)),
             *((estimator, name) for estimator, options in _layers.ESTIMATOR_OPTIONS.items()

@@ -1,4 +1,4 @@
-"""The chunkwise-parallel causal scan (``xattn._chunks``, ``xattn._rf_scan``).
+"""The chunkwise-parallel causal scan (``xattn._estimators.chunks``, ``xattn._estimators.rf_scan``).
 
 Each piece against a float64 NumPy reference written here the slow, obvious way: the
 exclusive prefix of (maximum, sums) pairs by a sequential loop, the exact pairs of a
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import xattn
-from xattn import _chunks
+from xattn._estimators import chunks as _chunks
 
 
 def sequential_prefix(carried, part_max, part_sums):

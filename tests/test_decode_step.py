@@ -1,8 +1,8 @@
 """The decoding step: one new token from a state, a short fixed sequence of operations.
 
-A call with ``state=`` and one token takes the step of :func:`xattn._decode.step_rfa`
+A call with ``state=`` and one token takes the step of :func:`xattn._estimators.decode.step_rfa`
 (RFA, every feature map, ``window`` and ``sinks``; causal LARA through it) or
-:func:`xattn._decode.append_token` (softmax's key-value cache with a fused kernel). Token
+:func:`xattn._estimators.decode.append_token` (softmax's key-value cache with a fused kernel). Token
 by token from the first, the outputs equal one causal call on the whole sequence; a
 non-finite token makes its row and every later one NaN and no earlier one; a masked one
 reaches no row. On torch a step dispatches the same operations at every position, and

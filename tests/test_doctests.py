@@ -32,7 +32,7 @@ OPTIONAL_MODULES = {"cli", "torch", "flax", "transformers", "_torch_layer", "_fl
                     "_flax_attention_fn", "_hf_cache", "_hf_masks"}
 OPTION_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # tested in subprocesses, one per Keras backend (tests/test_keras_layer.py)
-SUBPROCESS_MODULES = {"xattn.keras", "xattn._keras_layer"}
+SUBPROCESS_MODULES = {"xattn.keras", "xattn._integrations.keras_layer"}
 
 
 def _module_names() -> list[str]:
@@ -70,7 +70,8 @@ def _doctest_cases() -> list:
 
 def test_every_module_is_discovered():
     found = _module_names()
-    for expected in ("xattn._softmax", "xattn._lara", "xattn.random", "xattn.features"):
+    for expected in ("xattn._estimators.softmax", "xattn._estimators.lara", "xattn.random",
+                     "xattn.features"):
         assert expected in found
 
 

@@ -19,7 +19,7 @@ from layer_cases import (
     direct_error,
     estimator_call,
 )
-from xattn import _layers
+from xattn._integrations import layers as _layers
 
 jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")

@@ -28,7 +28,7 @@ def run_everything(q, k, v, embeddings, everything=True):
     xattn.rfa(q, k, v, num_features=4, rng=None)
     xattn.ra(q, k, v, rng=None)
     xattn.lara(q, k, v, num_samples=2, rng=0)
-    xattn.random.default_rng(None, like=q).normal(xattn._array.array_namespace(q), (2,),
+    xattn.random.default_rng(None, like=q).normal(xattn._core.array.array_namespace(q), (2,),
                                                    dtype=q.dtype)
     if not everything:  # the estimators only (eager JAX compiles every operation)
         return

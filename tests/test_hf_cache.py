@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import xattn.transformers as xt  # noqa: E402
-from xattn._hf_cache import map_batch  # noqa: E402
+from xattn._integrations.hf_cache import map_batch  # noqa: E402
 
 VOCAB = 100
 # transformers' name for the cache argument: ``cache`` (5.2x and later; ``past_key_values``

@@ -532,8 +532,8 @@ def test_bad_input(rng):
 @pytest.mark.parametrize("pools", [(7, 7), (3, 4)])
 def test_grid_segment_means_equal_adaptive_avg_pool2d(backend, rng, grid, pools):
     torch = pytest.importorskip("torch")
-    from xattn._array import array_namespace
-    from xattn._segments import segment_means
+    from xattn._core.array import array_namespace
+    from xattn._estimators.segments import segment_means
 
     xp = backend.ns
     (height, width), (pool_h, pool_w) = grid, pools

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xattn._layers import learned_proposal_means
+from xattn._integrations.layers import learned_proposal_means
 
 
 def test_initial_means_are_standard_normal_draws():

@@ -1,5 +1,5 @@
 """rfa and lara without ``causal``: keys and queries in groups as long as ``working_memory``
-allows (``xattn._primitives.group_rows``).
+allows (``xattn._core.primitives.group_rows``).
 
 Below the budget a call is one group: the same number of array operations at any length
 (counted on torch, as ``benchmarks/bench_ops.py`` counts them). Above it the groups

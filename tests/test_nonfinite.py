@@ -6,7 +6,7 @@ key or value ``m`` makes NaN the output rows that attend key ``m`` (every row wi
 ``key_mask`` reaches no row; and the **gradients** of a loss on rows that do not attend
 key ``m`` are finite, with a zero gradient for the rows left out of the loss. The
 estimators compute on inputs whose non-finite rows are zeroed and write the NaN with
-``where`` at the end (``xattn._primitives.quarantine``).
+``where`` at the end (``xattn._core.primitives.quarantine``).
 """
 
 from __future__ import annotations

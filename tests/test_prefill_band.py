@@ -1,5 +1,5 @@
 """The exact band of a windowed prefill (``return_state=True``) and of the steps after it:
-the chunked band of :func:`xattn._window.exact_partial`, shared with the whole-sequence
+the chunked band of :func:`xattn._estimators.window.exact_partial`, shared with the whole-sequence
 path.
 
 A prefill of ``P`` tokens with ``window`` and ``sinks``, then three single-token steps,
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import xattn
-import xattn._decode
+import xattn._estimators.decode
 from op_counting import op_counter
 
 lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
@@ -105,7 +105,7 @@ def test_torch_band_operations_do_not_grow_with_the_prefill(monkeypatch, window,
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(11)
     counters: list = []
-    exact_partial = xattn._decode.exact_partial
+    exact_partial = xattn._estimators.decode.exact_partial
 
     def counted(*args, **kwargs):
         with op_counter() as counter:
@@ -113,7 +113,7 @@ def test_torch_band_operations_do_not_grow_with_the_prefill(monkeypatch, window,
         counters.append(counter)
         return result
 
-    monkeypatch.setattr(xattn._decode, "exact_partial", counted)
+    monkeypatch.setattr(xattn._estimators.decode, "exact_partial", counted)
     counts = {}
     for length in (512, 2048):
         arrays, key_mask, omega = make_sequence(rng, length, batch=(2,))

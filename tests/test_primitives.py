@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from xattn._primitives import join, merge_maxima, nonzero_divisor
+from xattn._core.primitives import join, merge_maxima, nonzero_divisor
 
 
 def parts_of(logits, values, cuts):

@@ -322,7 +322,7 @@ def check_nonfinite_reaches_its_rows(backend, rng, num_tokens, block_sizes, corr
 
 # 160 tokens: blocks of 16 (one chunk of 16, whose cross pairs of halves of 8 are
 # factorized) and of 160 (10 chunks: the exclusive prefix in two groups of 8, the second
-# padded; xattn._chunks)
+# padded; xattn._estimators.chunks)
 LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 160, (16, 160)
 
 

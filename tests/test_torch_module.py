@@ -20,7 +20,7 @@ from layer_cases import (
     direct_error,
     estimator_call,
 )
-from xattn import _layers
+from xattn._integrations import layers as _layers
 
 torch = pytest.importorskip("torch")
 xtorch = pytest.importorskip("xattn.torch")

@@ -1,4 +1,4 @@
-"""The exact part of windowed RFA (:func:`xattn._window._exact_partial`): the band and
+"""The exact part of windowed RFA (:func:`xattn._estimators.window._exact_partial`): the band and
 the sink keys of a block of queries, computed in chunks of queries carried on a batch
 axis.
 
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from op_counting import op_counter
-from xattn._array import prepare_attention
-from xattn._window import _band_chunks, _exact_partial
+from xattn._core.array import prepare_attention
+from xattn._estimators.window import _band_chunks, _exact_partial
 
 WINDOWS = (1, 5, 16, 40)
 SINKS = (0, 1, 3)

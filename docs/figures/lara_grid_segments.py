@@ -2,7 +2,7 @@
 
 Run from the repository root: ``python docs/figures/lara_grid_segments.py``. It draws the
 bins that ``xattn.lara`` uses as segments (those of 2-D adaptive average pooling, from
-``xattn._segments.adaptive_bins``) and checks them against PyTorch's
+``xattn._estimators.segments.adaptive_bins``) and checks them against PyTorch's
 ``adaptive_avg_pool2d`` when torch is installed. Runs in about a second.
 """
 
@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from xattn._segments import adaptive_bins, segment_means
+from xattn._estimators.segments import adaptive_bins, segment_means
 
 OUT = Path(__file__).with_suffix(".png")
 CASES = [((14, 14), (7, 7)), ((7, 9), (3, 4))]

@@ -30,14 +30,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from xattn._array import default_working_memory
-from xattn._importance import WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara_weights
-from xattn._lara import PROPOSALS, lara
-from xattn._options import ESTIMATORS
-from xattn._ra import ra
-from xattn._rfa import TrigonometricDenominatorWarning, default_num_features, rfa
-from xattn._softmax import softmax_attention
-from xattn._state import LARAState, RAState, RFAState, SoftmaxState
+from xattn._core.array import default_working_memory
+from xattn._core.options import ESTIMATORS
+from xattn._core.state import LARAState, RAState, RFAState, SoftmaxState
+from xattn._estimators.importance import WEIGHT_FLOOR, WEIGHTINGS, balance_heuristic, lara_weights
+from xattn._estimators.lara import PROPOSALS, lara
+from xattn._estimators.ra import ra
+from xattn._estimators.rfa import TrigonometricDenominatorWarning, default_num_features, rfa
+from xattn._estimators.softmax import softmax_attention
 
 __all__ = [
     "ESTIMATORS",

@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from xattn._array import Array, array_namespace, prepare_attention
-from xattn._options import check_positive_int
-from xattn._primitives import nonzero_divisor
-from xattn._softmax import softmax_attention
+from xattn._core.array import Array, array_namespace, prepare_attention
+from xattn._core.options import check_positive_int
+from xattn._core.primitives import nonzero_divisor
+from xattn._estimators.softmax import softmax_attention
 
 __all__ = [
     "EstimatorError",

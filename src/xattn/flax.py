@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xattn._flax_attention_fn import AttentionFunction, attention_fn
-from xattn._flax_layer import Decoding, FeatureState, constructor_signature
-from xattn._flax_layer import key_mask as flax_key_mask
-from xattn._layers import (
+from xattn._core.options import check_bool, check_sizes, lara_num_samples
+from xattn._integrations.flax_attention_fn import AttentionFunction, attention_fn
+from xattn._integrations.flax_layer import Decoding, FeatureState, constructor_signature
+from xattn._integrations.flax_layer import key_mask as flax_key_mask
+from xattn._integrations.layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATORS,
     draw_features,
@@ -42,7 +43,6 @@ from xattn._layers import (
     learned_proposal_means,
     module_docstring,
 )
-from xattn._options import check_bool, check_sizes, lara_num_samples
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "AttentionFunction", "FeatureState",
            "MultiHeadAttention", "attention_fn"]

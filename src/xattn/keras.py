@@ -42,7 +42,8 @@ except ModuleNotFoundError as error:  # the configured backend's library is miss
         "KERAS_BACKEND=torch before importing keras"
     ) from error
 
-from xattn._keras_layer import (
+from xattn._core.options import check_bool, check_nonnegative_int, check_sizes, lara_num_samples
+from xattn._integrations.keras_layer import (
     SUPPORTED_BACKENDS,
     KerasGenerator,
     backend_namespace,
@@ -51,7 +52,7 @@ from xattn._keras_layer import (
     masks_detached,
     projection_equations,
 )
-from xattn._layers import (
+from xattn._integrations.layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATOR_OPTIONS,
     ESTIMATORS,
@@ -60,7 +61,6 @@ from xattn._layers import (
     fill_docstring,
     module_docstring,
 )
-from xattn._options import check_bool, check_nonnegative_int, check_sizes, lara_num_samples
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "SUPPORTED_BACKENDS", "MultiHeadAttention"]
 

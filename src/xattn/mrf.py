@@ -41,14 +41,14 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._array import (
+from xattn._core.array import (
     Array,
     array_namespace,
     compute_dtype,
     is_real_floating,
 )
-from xattn._options import check_choice, check_positive_int
-from xattn._primitives import logsumexp, nonzero_divisor
+from xattn._core.options import check_choice, check_positive_int
+from xattn._core.primitives import logsumexp, nonzero_divisor
 from xattn.features import log_positive_features, sample_omega
 from xattn.random import as_generator
 

@@ -27,7 +27,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from xattn._array import Array, compute_dtype, host_to_device
+from xattn._core.array import Array, compute_dtype, host_to_device
 
 __all__ = [
     "CupyGenerator",

@@ -23,8 +23,9 @@ from typing import Any
 import array_api_compat
 import torch
 
-from xattn._array import compute_dtype
-from xattn._layers import (
+from xattn._core.array import compute_dtype
+from xattn._core.options import check_bool, check_sizes, lara_num_samples
+from xattn._integrations.layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATORS,
     LayerCore,
@@ -33,8 +34,7 @@ from xattn._layers import (
     learned_proposal_means,
     module_docstring,
 )
-from xattn._options import check_bool, check_sizes, lara_num_samples
-from xattn._torch_layer import DefaultTorchGenerator, Projections, is_causal_mask
+from xattn._integrations.torch_layer import DefaultTorchGenerator, Projections, is_causal_mask
 from xattn.random import Generator, TorchGenerator
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "MultiheadAttention"]

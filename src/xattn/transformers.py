@@ -99,13 +99,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from xattn._array import compute_dtype
-from xattn._hf_cache import StateLayer, XattnCache, continue_state, take_pending
-from xattn._hf_masks import AttentionMask, attention_mask, mask_from_tensor
-from xattn._lara_causal import check_lara_causal_options
-from xattn._layers import LayerCore, attend, draw_features, learned_proposal_means
-from xattn._options import ESTIMATORS, check_nonnegative_int, lara_num_samples
-from xattn._torch_layer import DefaultTorchGenerator
+from xattn._core.array import compute_dtype
+from xattn._core.options import ESTIMATORS, check_nonnegative_int, lara_num_samples
+from xattn._estimators.lara_causal import check_lara_causal_options
+from xattn._integrations.hf_cache import StateLayer, XattnCache, continue_state, take_pending
+from xattn._integrations.hf_masks import AttentionMask, attention_mask, mask_from_tensor
+from xattn._integrations.layers import LayerCore, attend, draw_features, learned_proposal_means
+from xattn._integrations.torch_layer import DefaultTorchGenerator
 from xattn.random import Generator, TorchGenerator
 
 _active_collector: Any

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from xattn._layers import FIXED_SIZE_STATES, LayerCore
-from xattn._options import check_bool
+from xattn._core.options import check_bool
+from xattn._integrations.layers import FIXED_SIZE_STATES, LayerCore
 
 __all__ = ["Decoding", "FeatureState", "constructor_signature", "key_mask",
            "variable_signature"]
@@ -209,7 +209,8 @@ class FeatureState(nnx.Variable):
     Constructed as any :class:`flax.nnx.Variable`: ``FeatureState(value, **metadata)``.
     """
     # public as xattn.flax.FeatureState; defined here so that the attention function
-    # (xattn._flax_attention_fn) uses it without importing xattn.flax (no import circle)
+    # (xattn._integrations.flax_attention_fn) uses it without importing xattn.flax (no
+    # import circle)
 
 
 # nnx.Variable's metaclass defines ``__call__(*args, **kwargs)``, which inspect.signature

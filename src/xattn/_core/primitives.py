@@ -3,7 +3,7 @@ masked softmax, causal masks, two small idioms (a divisor that keeps empty rows 
 joining pieces), the quarantine of non-finite rows and the assembly of a result by rows.
 
 This module sits below the estimators (softmax, rfa, ra, lara, mrf, features) and imports
-only :mod:`xattn._array`.
+only :mod:`xattn._core.array`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import array_api_compat
 import array_api_extra as xpx
 
-from xattn._array import (
+from xattn._core.array import (
     Array,
     AttentionInputs,
     append_ones_column,
@@ -88,7 +88,7 @@ def merge_maxima(xp: Any, *maxima: Array) -> MergedMaxima:
     Examples
     --------
     >>> import numpy as np
-    >>> from xattn._primitives import merge_maxima
+    >>> from xattn._core.primitives import merge_maxima
     >>> x = np.array([0.5, 3.0, -1.0, 2.0])
     >>> first, second = x[:2], x[2:]
     >>> merged = merge_maxima(np, first.max(), second.max(), -np.inf)
@@ -137,7 +137,7 @@ def causal_allowed(xp: Any, query_positions: Array, key_start: int, key_stop: in
                    device: Any) -> Array:
     """Boolean ``(N, key_stop - key_start)``: True where key ``m <= n`` (query ``n``).
 
-    ``query_positions`` holds ``0 .. N - 1`` (:func:`xattn._array.sequence_positions`).
+    ``query_positions`` holds ``0 .. N - 1`` (:func:`xattn._core.array.sequence_positions`).
     Causal attention in xattn is aligned top-left, as in PyTorch's
     ``scaled_dot_product_attention(is_causal=True)``: query ``n`` sees keys ``0..n``.
     """
@@ -207,7 +207,7 @@ class RowPieces:
 
 class RowBlocks:
     """Rows of ``x`` (..., L, F) read from pieces of ``size`` rows split once
-    (:func:`~xattn._array.split_rows`): a block loop that reads rows this way makes one
+    (:func:`~xattn._core.array.split_rows`): a block loop that reads rows this way makes one
     operation of the splitting for autograd instead of one full-size gradient per block."""
 
     def __init__(self, xp: Any, x: Array, size: int) -> None:
@@ -263,7 +263,7 @@ def finite_entries(xp: Any, x: Array) -> Array:
 
 def value_columns(xp: Any, v: Array) -> Array:
     """Values with a column of ones appended (the denominator), non-finite entries 0
-    (:func:`~xattn._array.append_ones_column`: one operation where the library pads)."""
+    (:func:`~xattn._core.array.append_ones_column`: one operation where the library pads)."""
     return append_ones_column(finite_entries(xp, v))
 
 

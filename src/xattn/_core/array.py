@@ -5,7 +5,7 @@ libraries. Everything here is thin: it resolves the Array API namespace of the i
 with :func:`array_api_compat.array_namespace`, checks shapes and dtypes with messages
 that name the argument, and picks the dtype in which an estimator computes. The checks
 of the scalar options (flags, counts, choices, the score scale) are in
-:mod:`xattn._options`.
+:mod:`xattn._core.options`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import array_api_compat
 import array_api_extra as xpx
 import numpy as np
 
-from xattn._options import check_bool, check_scale
+from xattn._core.options import check_bool, check_scale
 
 __all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "AttentionInputs", "append_ones_column",
            "array_namespace",
@@ -214,7 +214,7 @@ def prepare_attention(
     (the default) nothing is checked and NaN reaches exactly the output rows (and the
     gradients) of the queries that attend it: its own row for a query (LARA's segment
     means: every row), the rows that attend the key for a key or value, none for a masked
-    key (:func:`xattn._primitives.quarantine`).
+    key (:func:`xattn._core.primitives.quarantine`).
 
     Raises
     ------

@@ -3,7 +3,7 @@
 
 In the style of einops' layer mixins, :class:`LayerCore` holds everything that does not
 depend on the framework: the calls of the estimators (the layer options, their defaults and
-their checks are in :mod:`xattn._options`), the ``num_features`` default, the
+their checks are in :mod:`xattn._core.options`), the ``num_features`` default, the
 construction-time probe of the option values, the redraw guard and schedule of the RFA
 features, the dtype rule of ``omega`` and the train/eval switch of the estimators; and
 generation (:meth:`LayerCore._continue`, :meth:`LayerCore._decode`): a causal sequence
@@ -29,9 +29,8 @@ import array_api_compat
 import numpy as np
 
 import xattn
-from xattn._array import Array, compute_dtype, concrete_count
-from xattn._lara_causal import check_lara_causal_options
-from xattn._options import (
+from xattn._core.array import Array, compute_dtype, concrete_count
+from xattn._core.options import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATOR_OPTIONS,
     ESTIMATORS,
@@ -41,8 +40,9 @@ from xattn._options import (
     check_estimator,
     lara_num_samples,
 )
-from xattn._rfa import default_num_features
-from xattn._state import LARAState, RAState, RFAState, SoftmaxState, _KeyValueCache
+from xattn._core.state import LARAState, RAState, RFAState, SoftmaxState, _KeyValueCache
+from xattn._estimators.lara_causal import check_lara_causal_options
+from xattn._estimators.rfa import default_num_features
 from xattn.features import SAMPLE_NORMS, sample_omega
 
 __all__ = [

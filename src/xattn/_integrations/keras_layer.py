@@ -31,7 +31,7 @@ import keras
 # keras does not export: Keras's own MultiHeadAttention clears it with set_keras_mask.
 from keras.src.backend import get_keras_mask, set_keras_mask
 
-from xattn._array import Array, concrete_count
+from xattn._core.array import Array, concrete_count
 from xattn.random import Generator
 
 __all__ = ["SUPPORTED_BACKENDS", "KerasGenerator", "backend_namespace", "check_backend",
@@ -97,7 +97,7 @@ class KerasGenerator(Generator):
 
 def _values_readable(x: Array) -> bool:
     """False under ``torch.compile``, where reading a value would break the graph (a
-    traced JAX array is told by :func:`xattn._array.concrete_count` itself)."""
+    traced JAX array is told by :func:`xattn._core.array.concrete_count` itself)."""
     if array_api_compat.is_torch_array(x):
         import torch
 

@@ -39,8 +39,8 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._array import Array, one_chunk_along, stop_gradient, take
-from xattn._primitives import finite_shift
+from xattn._core.array import Array, one_chunk_along, stop_gradient, take
+from xattn._core.primitives import finite_shift
 
 __all__ = ["DIRECT_PAIRS", "PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix",
            "pair_kernel"]
@@ -65,7 +65,7 @@ def _merge_parts(xp: Any, part_max: Array, part_sums: Array, rows: int,
     """The statistics of the parts ``c <= j`` (``c < j`` if ``strict``) for ``j < rows``:
     parts along the last axis of ``part_max`` (..., P) and axis -2 of ``part_sums`` (...,
     P, E); returns (..., rows) and (..., rows, E), by
-    :func:`~xattn._primitives.merge_maxima`'s rule through a lower-triangular selection
+    :func:`~xattn._core.primitives.merge_maxima`'s rule through a lower-triangular selection
     (one matrix product per leading index). A row without parts has maximum ``-inf`` and
     sums 0."""
     device = array_api_compat.device(part_max)

@@ -25,28 +25,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import (
+from xattn._core.array import (
     Array,
     AttentionInputs,
     check_proposal_means,
     default_working_memory,
     prepare_attention,
 )
-from xattn._importance import (
-    WEIGHTINGS,
-    QuerySoftmax,
-    importance_weights,
-    own_proposal_weights,
-)
-from xattn._lara_causal import (
-    CAUSAL_WEIGHTINGS,
-    causal_lara,
-    check_lara_causal_options,
-    query_proposal_affinity,
-    state_options,
-    with_defensive,
-)
-from xattn._options import (
+from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
     check_bool,
     check_choice,
@@ -56,11 +42,36 @@ from xattn._options import (
     check_positive_int,
     check_segments,
 )
-from xattn._primitives import RowPieces, finite_entries, mark_tainted, masked_softmax, quarantine
-from xattn._rf_groups import lara_group_rows, positive_key_sums, positive_readout, rows_of
-from xattn._rf_scan import stream_bounds
-from xattn._segments import segment_means
-from xattn._state import LARAState, check_state_array, check_state_call
+from xattn._core.primitives import (
+    RowPieces,
+    finite_entries,
+    mark_tainted,
+    masked_softmax,
+    quarantine,
+)
+from xattn._core.state import LARAState, check_state_array, check_state_call
+from xattn._estimators.importance import (
+    WEIGHTINGS,
+    QuerySoftmax,
+    importance_weights,
+    own_proposal_weights,
+)
+from xattn._estimators.lara_causal import (
+    CAUSAL_WEIGHTINGS,
+    causal_lara,
+    check_lara_causal_options,
+    query_proposal_affinity,
+    state_options,
+    with_defensive,
+)
+from xattn._estimators.rf_groups import (
+    lara_group_rows,
+    positive_key_sums,
+    positive_readout,
+    rows_of,
+)
+from xattn._estimators.rf_scan import stream_bounds
+from xattn._estimators.segments import segment_means
 from xattn.random import as_generator
 
 __all__ = ["PROPOSALS", "lara"]
@@ -140,7 +151,7 @@ def _query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means:
     two terms are :math:`\log N(\omega_c; 0, I) - \log q_c(\omega_c)`), the weights
     :math:`\alpha_{nc}` and the ratio :math:`\sum_c u_{nc} A'_c / \sum_c u_{nc} b'_c`.
     The query affinities of the decoupled and coupled weightings need a softmax over all
-    queries, so a first pass (:class:`~xattn._importance.QuerySoftmax`) walks the
+    queries, so a first pass (:class:`~xattn._estimators.importance.QuerySoftmax`) walks the
     groups before this one. Its (N, C) exponentials are kept for the second pass when
     there is one group; with several they are recomputed, in one product of the queries
     with the stacked :math:`[\tilde q; \omega]`, so that working memory stays
@@ -488,7 +499,7 @@ def lara(
 
     tainted = None
     if not stateful:  # non-finite rows reach exactly the rows that attend them (outputs,
-        # gradients); the segment means mix every query (stateful: xattn._decode)
+        # gradients); the segment means mix every query (stateful: xattn._estimators.decode)
         tainted, _ = quarantine(inputs, causal=causal, shared_queries=not segmentless)
     root_scale = math.sqrt(inputs.scale)
     # q^ = sqrt(s) q is never formed: sqrt(s) is folded into the (C, D) matrices that

@@ -1,21 +1,21 @@
 r"""Continuing a causal sequence from a state: RFA's fixed-size step, the key-value caches.
 
-**RFA** (:func:`continue_rfa`). After :math:`P` tokens the state (:class:`~xattn._state.
+**RFA** (:func:`continue_rfa`). After :math:`P` tokens the state (:class:`~xattn._core.state.
 RFAState`) holds the random-feature sums of the keys :math:`R_P = \{K \le m \le P - 1 -
 w\}` (every key seen when ``window`` and ``sinks`` are 0), the last :math:`w` keys and
 the :math:`K` sink keys. The :math:`L` new tokens :math:`P + j` need, for query
-:math:`n = P + j` (the exact set and the rest of :mod:`xattn._window`, causal):
+:math:`n = P + j` (the exact set and the rest of :mod:`xattn._estimators.window`, causal):
 
 * **random features** over :math:`K \le m \le n - w - 1`: the state's sums, then the keys
   of the *extended* sequence ``E`` = [the window buffer, the new keys] (positions
   :math:`P - w + e`) with :math:`e \le j - 1` (:math:`e \le j` when :math:`w = 0`). That
-  is the blockwise prefix scan of :func:`xattn._rf_scan.scan_partials` over ``E`` with
+  is the blockwise prefix scan of :func:`xattn._estimators.rf_scan.scan_partials` over ``E`` with
   offset 1 (0), started from the state's sums (``initial``) and returning the new sums:
   a chunked prefill costs what one causal call costs, a single token
   :math:`O(S D_v)` besides its band, never a pass over the past;
 * **exact** terms :math:`e^{\hat q_n \cdot \hat k_m}` over the band :math:`e \in [j, j +
   w]` of ``E`` and the sink slots :math:`s \le n`, by the code that computes a whole
-  sequence's (:func:`xattn._window.exact_partial`: query :math:`j` at position :math:`j
+  sequence's (:func:`xattn._estimators.window.exact_partial`: query :math:`j` at position :math:`j
   + w` of ``E``, causal, in chunks of queries): memory :math:`O(B (C + w + K))` for a
   block of :math:`B` queries and a number of operations that does not depend on
   :math:`B`.
@@ -42,21 +42,22 @@ import math
 from collections.abc import Generator
 from typing import Any, TypeVar
 
-from xattn._array import (
+from xattn._core.array import (
     Array,
     AttentionInputs,
     append_ones_column,
     nonfinite_probe,
     stop_gradient,
 )
-from xattn._primitives import (
+from xattn._core.primitives import (
     RowPieces,
     finite_entries,
     finite_shift,
     mark_tainted,
     quarantine,
 )
-from xattn._rf_scan import (
+from xattn._core.state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
+from xattn._estimators.rf_scan import (
     FeatureMap,
     Partial,
     PositiveMap,
@@ -66,8 +67,7 @@ from xattn._rf_scan import (
     scan_partials,
     state_over_keys,
 )
-from xattn._state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
-from xattn._window import exact_partial
+from xattn._estimators.window import exact_partial
 
 __all__ = ["append_token", "continue_rfa", "extend_cache", "step_rfa"]
 
@@ -110,7 +110,7 @@ def _updated_sinks(xp: Any, state: RFAState, keys: Array, values: Array, valid: 
 
 
 def _returned(partials: Generator[Partial, None, State]) -> State:
-    """The state that a finished :func:`~xattn._rf_scan.scan_partials` returns."""
+    """The state that a finished :func:`~xattn._estimators.rf_scan.scan_partials` returns."""
     try:
         next(partials)
     except StopIteration as finished:
@@ -132,7 +132,7 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
     window, sinks = state.window, state.sinks
     batch = tuple(state.sink_keys.shape[:-2])
     # a non-finite key or value taints every later row: the state carries it as a NaN
-    # maximum, and the sums are computed without it (xattn._primitives.quarantine)
+    # maximum, and the sums are computed without it (xattn._core.primitives.quarantine)
     seen_before = xp.any(xp.isnan(xp.reshape(state.feature_max, (*batch, -1))), axis=-1)
     state = dataclasses.replace(state, feature_max=xp.where(
         xp.isnan(state.feature_max), -xp.inf, state.feature_max))
@@ -164,7 +164,7 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
             shift, sums, weight = partial
             queries = finite_entries(xp, inputs.q[..., start:stop, :])
             constant = mapping.query_constant(root_scale * queries)
-            # query j sits at e = j + w of E: its band e - w .. e, chunked (xattn._window);
+            # query j sits at e = j + w of E: its band e - w .. e, chunked (as in window);
             # the sinks only in their slots (E's validity leaves positions < K out)
             exact = exact_partial(
                 xp, inputs.scale * queries, start + window, window=window, causal=True,
@@ -205,7 +205,7 @@ def _to_batch(xp: Any, x: Array, batch: tuple[int, ...]) -> Array:
 
 def _nonfinite_probe(xp: Any, *rows: Array) -> Array:
     """(..., 1, 1): 0 where every entry of the rows (..., 1, ·) is finite, NaN where one is
-    not (:func:`~xattn._array.nonfinite_probe` of the rows side by side)."""
+    not (:func:`~xattn._core.array.nonfinite_probe` of the rows side by side)."""
     return nonfinite_probe(xp.concat(rows, axis=-1) if len(rows) > 1 else rows[0])
 
 

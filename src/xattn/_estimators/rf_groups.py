@@ -2,11 +2,11 @@ r"""Random-feature attention without ``causal`` in groups of keys and queries: n
 :func:`xattn.rfa` and the shared sums of non-causal :func:`xattn.lara`.
 
 The keys and then the queries go in groups of as many rows as ``working_memory`` bytes
-hold (:func:`xattn._primitives.group_rows`; :func:`rfa_group_rows` and
+hold (:func:`xattn._core.primitives.group_rows`; :func:`rfa_group_rows` and
 :func:`lara_group_rows` count the numbers a row holds). Below the budget the whole
 sequence is one group: one product for the keys and one for the queries, a fixed number
 of array operations at any length. Above it the key groups are merged by a running
-maximum per sample (the online-softmax merge, :func:`xattn._primitives.merge_maxima`) and
+maximum per sample (the online-softmax merge, :func:`xattn._core.primitives.merge_maxima`) and
 the queries are read out a group at a time, so the working memory does not grow with
 the sequence.
 
@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._array import Array, stream_bounds
-from xattn._primitives import (
+from xattn._core.array import Array, stream_bounds
+from xattn._core.primitives import (
     RowPieces,
     finite_entries,
     finite_shift,
@@ -42,7 +42,7 @@ from xattn._primitives import (
     merge_maxima,
     value_columns,
 )
-from xattn._rf_scan import FeatureMap, finish_partial, state_over_keys
+from xattn._estimators.rf_scan import FeatureMap, finish_partial, state_over_keys
 
 __all__ = ["affine_logits", "lara_group_rows", "positive_key_sums", "positive_readout",
            "positive_rfa", "rfa_group_rows", "rows_of", "trigonometric_rfa"]

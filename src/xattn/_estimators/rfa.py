@@ -10,18 +10,18 @@ mapping :math:`\xi` (Choromanski et al., ICLR 2021),
 
 which costs :math:`O((N + M) S D)` instead of softmax attention's :math:`O(N M D)`.
 The positive and hyperbolic maps are evaluated in the log domain with one stabilizer per
-side that cancels exactly (:func:`xattn._rf_groups.positive_key_sums` and
-:func:`xattn._rf_groups.positive_readout`); the trigonometric map, which can be negative, is
-evaluated with the key norms shifted by their maximum and a guarded denominator.
+side that cancels exactly (:func:`xattn._estimators.rf_groups.positive_key_sums` and
+:func:`xattn._estimators.rf_groups.positive_readout`); the trigonometric map, which can be
+negative, is evaluated with the key norms shifted by their maximum and a guarded denominator.
 
 Without ``causal``, keys and queries go in groups as long as ``working_memory`` allows
 (key statistics merged with a running per-sample maximum, read-out group by group): the
 whole sequence is one group below the budget (a fixed number of array operations at any
 length), and the working memory besides the output does not grow with the sequence
 lengths above it; the output's groups are written into it where arrays can be written
-(NumPy, CuPy) and concatenated once elsewhere (:class:`xattn._primitives.RowPieces`):
-:mod:`xattn._rf_groups`. Causal mode and the exact band and sinks of ``window=`` /
-``sinks=`` are computed by :mod:`xattn._rf_scan` and :mod:`xattn._window`.
+(NumPy, CuPy) and concatenated once elsewhere (:class:`xattn._core.primitives.RowPieces`):
+:mod:`xattn._estimators.rf_groups`. Causal mode and the exact band and sinks of ``window=`` /
+``sinks=`` are computed by :mod:`xattn._estimators.rf_scan` and :mod:`xattn._estimators.window`.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ import math
 import warnings
 from typing import Any
 
-from xattn._array import (
+from xattn._core.array import (
     Array,
     check_samples,
     concrete_count,
     default_working_memory,
     prepare_attention,
 )
-from xattn._decode import continue_rfa
-from xattn._options import (
+from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
     check_bool,
     check_choice,
@@ -46,9 +45,16 @@ from xattn._options import (
     check_window,
     default_num_features,
 )
-from xattn._primitives import RowPieces, mark_tainted, quarantine
-from xattn._rf_groups import positive_rfa, rfa_group_rows, trigonometric_rfa
-from xattn._rf_scan import (
+from xattn._core.primitives import RowPieces, mark_tainted, quarantine
+from xattn._core.state import (
+    RFAState,
+    check_state_call,
+    empty_rfa_state,
+    rfa_state_options,
+)
+from xattn._estimators.decode import continue_rfa
+from xattn._estimators.rf_groups import positive_rfa, rfa_group_rows, trigonometric_rfa
+from xattn._estimators.rf_scan import (
     PAIR_BLOCK,
     FeatureMap,
     PositiveMap,
@@ -57,13 +63,7 @@ from xattn._rf_scan import (
     finish_partial,
     scan_partials,
 )
-from xattn._state import (
-    RFAState,
-    check_state_call,
-    empty_rfa_state,
-    rfa_state_options,
-)
-from xattn._window import band_width, windowed_rfa
+from xattn._estimators.window import band_width, windowed_rfa
 from xattn.features import FEATURE_MAPS, SAMPLE_NORMS, sample_omega
 
 __all__ = ["TrigonometricDenominatorWarning", "causal_scan", "default_num_features", "rfa"]
@@ -413,7 +413,7 @@ def rfa(
             num_features = default_num_features(head_dim)
         omega = sample_omega(rng, num_features, head_dim, xp=xp, dtype=work, device=device,
                              orthogonal=orthogonal, norm=sample_norm)
-    elif state is None:  # a state's samples are checked with it (xattn._decode)
+    elif state is None:  # a state's samples are checked with it (xattn._estimators.decode)
         omega = check_samples(xp, q, omega, num_features, head_dim, work)
     if inputs.is_empty and not stateful:  # the block loops have no block for N = 0
         return inputs.empty_result()
@@ -438,7 +438,7 @@ def rfa(
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size  # causal chunks
 
     tainted = None
-    if stateful:  # a piece of a sequence (xattn._decode), the first one without state
+    if stateful:  # a piece of a sequence (xattn._estimators.decode), the first one without state
         out, invalid, state = continue_rfa(
             xp, inputs, mapping, state or empty_rfa_state(inputs, mapping, samples, feature_map,
                                                           window, sinks),
@@ -465,7 +465,7 @@ def rfa(
 def causal_scan(xp: Any, inputs: Any, mapping: FeatureMap, block_size: int, chunk_size: int,
                 guard: bool) -> tuple[Array, Array | None]:
     """Causal attention by ``mapping``'s features over blocks of positions
-    (:func:`xattn._rf_scan.scan_partials`): RFA's, and causal LARA's."""
+    (:func:`xattn._estimators.rf_scan.scan_partials`): RFA's, and causal LARA's."""
     num_queries = inputs.q.shape[-2]
     out = RowPieces(num_queries)
     clamped = RowPieces(num_queries) if guard else None

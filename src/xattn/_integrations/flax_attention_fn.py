@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from xattn._array import compute_dtype
-from xattn._flax_layer import FeatureState
-from xattn._layers import LayerCore, attend, draw_features
-from xattn._options import check_bool, check_choice, default_num_features
+from xattn._core.array import compute_dtype
+from xattn._core.options import check_bool, check_choice, default_num_features
+from xattn._integrations.flax_layer import FeatureState
+from xattn._integrations.layers import LayerCore, attend, draw_features
 
 __all__ = ["MASK_STRUCTURES", "AttentionFunction", "attention_fn"]
 

@@ -20,7 +20,7 @@ sinks of Xiao et al. (2023).
 
 Nothing is counted twice and nothing is subtracted: :math:`R_n` is the union of the keys
 :math:`m \le n - w - 1` and :math:`m \ge n + w + 1` (:math:`m \ge K`), whose random-feature
-sums are prefix and suffix sums computed directly (:func:`xattn._rf_scan.scan_partials`
+sums are prefix and suffix sums computed directly (:func:`xattn._estimators.rf_scan.scan_partials`
 with offset :math:`w + 1`), never totals minus band terms. The exact part of a block of
 :math:`B` queries is chunked (:func:`exact_partial`): the queries are cut into chunks of
 :math:`C` positions, :math:`C` the smallest power of two :math:`\ge \max(w, 16)` (the
@@ -30,7 +30,7 @@ shifted, reshaped views of the block's keys; every query also scores the :math:`
 Memory and work are :math:`O(B (C + 2w + K))`, never :math:`O(B^2)` or an ``N x M``
 mask, and the number of array operations does not depend on :math:`B`. The exact and
 the random-feature parts are combined with one shift per query, the largest log-term of
-either, without an epsilon. A state's prefill and steps (:mod:`xattn._decode`) compute
+either, without an epsilon. A state's prefill and steps (:mod:`xattn._estimators.decode`) compute
 their band and sink slots by the same :func:`exact_partial`.
 """
 
@@ -41,8 +41,8 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._array import Array, AttentionInputs, chunked_like
-from xattn._primitives import (
+from xattn._core.array import Array, AttentionInputs, chunked_like
+from xattn._core.primitives import (
     RowPieces,
     finite_entries,
     finite_shift,
@@ -50,7 +50,7 @@ from xattn._primitives import (
     pad_rows,
     value_columns,
 )
-from xattn._rf_scan import (
+from xattn._estimators.rf_scan import (
     FeatureMap,
     Partial,
     combine_partials,
@@ -354,16 +354,16 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
                  guard: bool) -> tuple[Array, Array | None]:
     """RFA with the band ``|n - m| <= window`` and the keys ``m < sinks`` exact.
 
-    ``mapping`` is a feature map of :mod:`xattn._rf_scan`. Returns the output (..., N, Dv)
-    and, with ``guard``, the rows whose denominators were clamped.
+    ``mapping`` is a feature map of :mod:`xattn._estimators.rf_scan`. Returns the output
+    (..., N, Dv) and, with ``guard``, the rows whose denominators were clamped.
 
     Without ``causal`` the keys after the band, ``m >= n + w + 1``, are summed by a pass
     from the last block back before the forward pass: the numerators of that pass wait in
-    the output's own rows (:class:`xattn._primitives.RowPieces`), its shifts, denominators
+    the output's own rows (:class:`xattn._core.primitives.RowPieces`), its shifts, denominators
     and weights in three columns beside them, and each block of the forward pass
     replaces its rows with the finished output. Memory is the output, those three numbers
     per query and a working set per block (the result of every block is joined as
-    :class:`~xattn._primitives.RowPieces` does).
+    :class:`~xattn._core.primitives.RowPieces` does).
     """
     q, k, v = inputs.q, inputs.k, inputs.v
     num_queries, num_keys = q.shape[-2], k.shape[-2]

@@ -15,7 +15,7 @@ sequence, up to rounding.
   concatenation (the quadratic baselines).
 
 Every state is an immutable dataclass of arrays, registered as a JAX pytree once JAX is
-imported (:func:`xattn._array.register_pytree`): a decode loop runs under
+imported (:func:`xattn._core.array.register_pytree`): a decode loop runs under
 :func:`jax.jit` and ``jax.lax.scan`` (an :class:`RFAState` keeps its shapes from step
 to step), and torch's autograd flows through the arrays of a state. The checks of a state
 against a call's options and inputs are here too (:func:`check_state_call`,
@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from xattn._array import Array, AttentionInputs, concrete_count, register_pytree
-from xattn._options import check_bool
+from xattn._core.array import Array, AttentionInputs, concrete_count, register_pytree
+from xattn._core.options import check_bool
 
 __all__ = ["IMPORTANCE_FEATURES", "LARAState", "RAState", "RFAState", "SoftmaxState",
            "check_state_array", "check_state_call", "check_state_inputs", "empty_cache",
@@ -418,7 +418,7 @@ def _namespace(x: Array) -> Any:
 def empty_rfa_state(inputs: AttentionInputs, mapping: Any, omega: Array, feature_map: str,
                     window: int, sinks: int) -> RFAState:
     """The state of no tokens, for the heads of ``inputs``, the samples ``omega`` and their
-    feature map (``mapping``, a :class:`xattn._rf_scan.FeatureMap`)."""
+    feature map (``mapping``, a :class:`xattn._estimators.rf_scan.FeatureMap`)."""
     xp, batch, dtype, device = inputs.xp, inputs.batch_shape, inputs.compute_dtype, inputs.device
     head_dim, value_dim = inputs.q.shape[-1], inputs.v.shape[-1]
     feature_state = mapping.empty_state(batch, value_dim + 1, dtype, device)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from xattn._array import (
+from xattn._core.array import (
     Array,
     AttentionInputs,
     default_working_memory,
@@ -40,9 +40,8 @@ from xattn._array import (
     sequence_positions,
     take_rows,
 )
-from xattn._decode import extend_cache
-from xattn._options import check_bool, check_noise_scale, check_positive_int
-from xattn._primitives import (
+from xattn._core.options import check_bool, check_noise_scale, check_positive_int
+from xattn._core.primitives import (
     finite_inputs,
     finite_shift,
     join,
@@ -50,7 +49,8 @@ from xattn._primitives import (
     nonzero_divisor,
     quarantine,
 )
-from xattn._state import RAState, check_state_call
+from xattn._core.state import RAState, check_state_call
+from xattn._estimators.decode import extend_cache
 from xattn.random import as_generator
 
 __all__ = ["ra"]
@@ -480,7 +480,7 @@ def ra(
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
                                check_finite=check_finite, continuing=stateful)
     offset = 0  # the position of the first query: keys before it are in the cache
-    if stateful:  # attend the cached keys and the new ones (xattn._decode)
+    if stateful:  # attend the cached keys and the new ones (xattn._estimators.decode)
         inputs, state, offset = extend_cache(inputs, state, RAState)
     # non-finite rows reach exactly the rows that attend them, outputs and gradients
     tainted, _ = quarantine(inputs, causal=causal, offset=offset)

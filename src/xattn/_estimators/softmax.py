@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xattn._array import (
+from xattn._core.array import (
     Array,
     AttentionInputs,
     has_native_attention,
@@ -13,15 +13,14 @@ from xattn._array import (
     sequence_positions,
     stream_bounds,
 )
-from xattn._decode import append_token, extend_cache
-from xattn._options import (
+from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
     IMPLEMENTATIONS,
     check_bool,
     check_choice,
     check_positive_int,
 )
-from xattn._primitives import (
+from xattn._core.primitives import (
     causal_allowed,
     finite_entries,
     finite_inputs,
@@ -31,7 +30,8 @@ from xattn._primitives import (
     nonzero_divisor,
     quarantine,
 )
-from xattn._state import SoftmaxState, check_state_call
+from xattn._core.state import SoftmaxState, check_state_call
+from xattn._estimators.decode import append_token, extend_cache
 
 __all__ = ["softmax_attention"]
 
@@ -166,7 +166,7 @@ def softmax_attention(
         out = inputs.finish(native_attention(extended, False,
                                              every_query_has_a_key=inputs.key_mask is None))
         return (out, state) if return_state else out
-    if stateful:  # attend the cached keys and the new ones (xattn._decode)
+    if stateful:  # attend the cached keys and the new ones (xattn._estimators.decode)
         inputs, state, offset = extend_cache(inputs, state, SoftmaxState)
     if inputs.is_empty:
         return (inputs.empty_result(), state) if return_state else inputs.empty_result()

@@ -22,7 +22,7 @@ correction sums to zero), which keeps the self-normalized estimate consistent.
 
 The query factor :math:`\alpha'_{nc} \xi(\hat q_n, \omega_c)` is RFA's positive feature
 with the log weight added to its logit, so the prefix sums are RFA's causal scan
-(:func:`xattn._rf_scan.scan_partials`): the same blocks, stabilizer and cost,
+(:func:`xattn._estimators.rf_scan.scan_partials`): the same blocks, stabilizer and cost,
 O(N C D).
 """
 
@@ -33,17 +33,17 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._array import Array, AttentionInputs
-from xattn._decode import continue_rfa
-from xattn._importance import importance_weights, own_proposal_weights
-from xattn._rf_scan import PAIR_BLOCK, PositiveMap, block_positions
-from xattn._rfa import causal_scan
-from xattn._state import (
+from xattn._core.array import Array, AttentionInputs
+from xattn._core.state import (
     IMPORTANCE_FEATURES,
     LARAState,
     empty_rfa_state,
     refuse,
 )
+from xattn._estimators.decode import continue_rfa
+from xattn._estimators.importance import importance_weights, own_proposal_weights
+from xattn._estimators.rf_scan import PAIR_BLOCK, PositiveMap, block_positions
+from xattn._estimators.rfa import causal_scan
 
 __all__ = ["CAUSAL_WEIGHTINGS", "ImportanceMap", "causal_lara",
            "check_lara_causal_options", "query_proposal_affinity", "state_options",
@@ -125,7 +125,7 @@ def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
     ``proposal_means``: the output (..., N, Dv), masked queries 0; with ``stateful``, the
     pair ``(out, LARAState)`` continuing ``state`` (None: a new sequence). The scan's
     blocks are as long as ``working_memory`` bytes allow
-    (:func:`~xattn._rf_scan.block_positions`)."""
+    (:func:`~xattn._estimators.rf_scan.block_positions`)."""
     xp = inputs.xp
     block_size = block_positions(
         length=inputs.num_queries, batch_size=math.prod(inputs.batch_shape),

@@ -1,7 +1,7 @@
 r"""Random-feature sums over a prefix (or suffix) of the keys, in blocks of chunks.
 
 Causal RFA needs, for every query :math:`n`, the random-feature sums over the keys
-:math:`m \le n`; the windowed RFA of :mod:`xattn._window` needs them over
+:math:`m \le n`; the windowed RFA of :mod:`xattn._estimators.window` needs them over
 :math:`m \le n - o` and :math:`m \ge n + o` (keys outside a band of half-width
 :math:`o - 1`). This module computes them over blocks of positions, each block as long as
 a working-memory budget allows (:func:`block_positions`: the whole sequence when it
@@ -11,12 +11,12 @@ fits, so that a call is a fixed number of array operations):
   maximum per random feature that is rescaled as it grows (online softmax per feature):
   :math:`K_s = \max_m a_{ms}`, :math:`A'_s = \sum_m e^{a_{ms} - K_s} [v_m, 1]` for the
   positive map, :math:`a_{ms} = \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2`;
-* inside a block, the chunkwise-parallel form of :mod:`xattn._chunks`: chunks of
-  :data:`~xattn._chunks.PAIR_BLOCK` positions carried as an axis, the state before each
+* inside a block, the chunkwise-parallel form of :mod:`xattn._estimators.chunks`: chunks of
+  :data:`~xattn._estimators.chunks.PAIR_BLOCK` positions carried as an axis, the state before each
   chunk (the carried state and the earlier chunks) an exclusive prefix over the chunk
-  axis (:func:`~xattn._chunks.exclusive_prefix`), and a query and a key of the same
+  axis (:func:`~xattn._estimators.chunks.exclusive_prefix`), and a query and a key of the same
   chunk paired **exactly**: :math:`\log \kappa_{nm} = \operatorname{LSE}_s (\omega_s
-  \cdot \hat q_n + a_{ms})` (:func:`~xattn._chunks.pair_kernel`), all summed with one
+  \cdot \hat q_n + a_{ms})` (:func:`~xattn._estimators.chunks.pair_kernel`), all summed with one
   shift per query, the largest term of its row.
 
 Every query therefore gets its sums with the shift of its own dominant term: the result
@@ -29,14 +29,14 @@ Results are *partials* ``(shift, sums, weight)``: ``sums[..., :Dv]`` and
 ``weight`` bounds the absolute denominator (equal to it for positive maps). Partials of
 disjoint key sets add up after rescaling to a common shift (:func:`combine_partials`).
 
-The output is assembled block by block in :class:`~xattn._primitives.RowPieces`:
+The output is assembled block by block in :class:`~xattn._core.primitives.RowPieces`:
 written into the result as the blocks are made where arrays can be written in place
 (NumPy, CuPy), concatenated once at the end elsewhere.
 
 NaN and infinity: the estimators read their inputs through
-:func:`~xattn._primitives.finite_entries` (non-finite entries as 0) and mark the rows
+:func:`~xattn._core.primitives.finite_entries` (non-finite entries as 0) and mark the rows
 that a non-finite key, value or query reaches with NaN at the end
-(:func:`~xattn._primitives.quarantine`), so no NaN from the inputs enters this scan, nor
+(:func:`~xattn._core.primitives.quarantine`), so no NaN from the inputs enters this scan, nor
 its backward pass. A key logit is never NaN or ``+inf`` (:meth:`PositiveMap.keys`), and
 masked entries are selected away with ``where`` before any exponential, never multiplied
 by zero.
@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 import array_api_compat
 
-from xattn._array import (
+from xattn._core.array import (
     Array,
     cumulative_max,
     nan_to_num,
@@ -58,8 +58,7 @@ from xattn._array import (
     stop_gradient,
     stream_bounds,
 )
-from xattn._chunks import DIRECT_PAIRS, PAIR_BLOCK, exclusive_prefix, pair_kernel
-from xattn._primitives import (
+from xattn._core.primitives import (
     RowBlocks,
     finite_entries,
     finite_shift,
@@ -67,6 +66,7 @@ from xattn._primitives import (
     pad_rows,
     value_columns,
 )
+from xattn._estimators.chunks import DIRECT_PAIRS, PAIR_BLOCK, exclusive_prefix, pair_kernel
 
 __all__ = ["PAIR_BLOCK", "FeatureMap", "PositiveMap", "TrigonometricMap", "block_positions",
            "combine_partials", "finish_partial", "scan_partials", "state_over_keys"]
@@ -79,8 +79,9 @@ State = tuple[Array, ...]
 
 
 class FeatureMap(Protocol):
-    """What :func:`scan_partials`, :func:`state_over_keys` and :mod:`xattn._window` use of
-    a feature map (:class:`PositiveMap`, :class:`TrigonometricMap`)."""
+    """What :func:`scan_partials`, :func:`state_over_keys` and
+    :mod:`xattn._estimators.window` use of a feature map (:class:`PositiveMap`,
+    :class:`TrigonometricMap`)."""
 
     key_fills: tuple[float, ...]
     """Per array returned by :meth:`keys`, the fill of the rows of padding keys."""
@@ -266,14 +267,14 @@ class PositiveMap:
               state: State | None) -> tuple[Partial, State]:
         r"""One block: key ``i`` of the block is allowed for query ``j`` iff ``i <= j``.
 
-        The chunkwise-parallel form (:mod:`xattn._chunks`): the B positions are J = B / b
+        The chunkwise-parallel form (:mod:`xattn._estimators.chunks`): the B positions are J = B / b
         chunks of b = :attr:`multiple` positions carried as an axis. (1) Each chunk j
         gets its statistics :math:`K^j_s, A^j_s` from one product for all chunks. (2)
         The state before each chunk (the carried state and the chunks before it) and the
-        state after the block come from :func:`~xattn._chunks.exclusive_prefix`, with
+        state after the block come from :func:`~xattn._estimators.chunks.exclusive_prefix`, with
         the features in front so that each merge is one matrix product per feature. (3)
         Each query reads the state before its chunk and takes the exact pairs of its own
-        chunk (:func:`~xattn._chunks.pair_kernel`), all with one shift, its largest term
+        chunk (:func:`~xattn._estimators.chunks.pair_kernel`), all with one shift, its largest term
         :math:`\max_s (p_{ns} + \max(P_{js}, \max_{m \le n} a_{ms}))`: over the keys
         it attends only.
         """
@@ -387,7 +388,7 @@ class TrigonometricMap:
         :attr:`multiple` positions carried as an axis, as :meth:`PositiveMap.block`: each
         chunk's sums :math:`\sum_m w_m \phi(\hat k_m) [v_m, 1]` and :math:`\sum_m w_m`
         shifted by its largest :math:`\log w_m`, the state before each chunk by
-        :func:`~xattn._chunks.exclusive_prefix` (one shared maximum: a single feature
+        :func:`~xattn._estimators.chunks.exclusive_prefix` (one shared maximum: a single feature
         whose sums are the flattened :math:`2S \times E` sums and the weight), and the
         pairs of each chunk exactly, shifted by each query's running maximum."""
         xp = self.xp
@@ -453,7 +454,7 @@ def block_positions(*, length: int, batch_size: int, num_features: int, width: i
     :math:`(12 + 2 \cdot \text{DIRECT\_PAIRS}) F + 5 F E / b + 4 E + 2 b + 3 \cdot
     \text{band}` numbers per position, F features (2S for the trigonometric and hyperbolic
     maps), E = Dv + 1 value columns, b = :data:`PAIR_BLOCK`, ``band`` the exact keys per
-    query of a window (the working set of :mod:`xattn._chunks`, measured on NumPy). The
+    query of a window (the working set of :mod:`xattn._estimators.chunks`, measured on NumPy). The
     block is as long as ``working_memory`` bytes allow (a multiple of b, at least one
     chunk), whatever the length, so the working set does not depend on it. Below the
     budget the whole sequence is one block: a fixed number of array operations at any
@@ -502,12 +503,12 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     offset`` (``reverse=True``) that are valid (``key_mask``, ``m >= first_key``). The
     blocks ``[start, start + block_size)`` are yielded as they are computed: from the
     first with ``reverse=False``, from the last with ``reverse=True`` (the caller keeps
-    what it needs of them, :func:`xattn._window.windowed_rfa`). ``initial`` (forward only)
-    is the state of keys before all of ``k``, every query's (a sequence continued,
-    :mod:`xattn._decode`); the generator returns the state after the last block.
+    what it needs of them, :func:`xattn._estimators.window.windowed_rfa`). ``initial``
+    (forward only) is the state of keys before all of ``k``, every query's (a sequence continued,
+    :mod:`xattn._estimators.decode`); the generator returns the state after the last block.
 
     Design: a generator, so that a caller walks the blocks in lock-step with its own
-    work on the same positions: :func:`xattn._window.windowed_rfa` runs one scan for the
+    work on the same positions: :func:`xattn._estimators.window.windowed_rfa` runs one scan for the
     keys before the band and one (``reverse=True``) for those after it, and combines
     each block's partial with the exact band of the same queries as it comes, so no
     (N, ...) array of partials is held.

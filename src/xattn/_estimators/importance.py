@@ -1,7 +1,7 @@
 r"""Multiple-importance weights of LARA: the balance heuristic, the weightings of the LARA
 paper's Appendix G.3.2 and the query affinities they use.
 
-LARA (:mod:`xattn._lara`) combines C proposals :math:`q_c = N(\mu_c, I)` with weights
+LARA (:mod:`xattn._estimators.lara`) combines C proposals :math:`q_c = N(\mu_c, I)` with weights
 :math:`\alpha_{nc}`; this module computes them:
 
 - :func:`balance_heuristic`: :math:`w_c = q_c(\omega_c) / \sum_{c'} q_{c'}(\omega_c)`
@@ -20,9 +20,9 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._array import Array, array_namespace
-from xattn._options import check_choice, check_finite_real
-from xattn._primitives import finite_shift, masked_softmax, merge_maxima, nonzero_divisor
+from xattn._core.array import Array, array_namespace
+from xattn._core.options import check_choice, check_finite_real
+from xattn._core.primitives import finite_shift, masked_softmax, merge_maxima, nonzero_divisor
 
 __all__ = ["WEIGHTINGS", "WEIGHT_FLOOR", "QuerySoftmax", "balance_heuristic",
            "importance_weights", "lara_weights", "own_proposal_weights"]
@@ -61,7 +61,7 @@ def balance_heuristic(points: Array, proposal_means: Array) -> Array:
     Examples
     --------
     >>> import numpy as np
-    >>> from xattn._importance import balance_heuristic
+    >>> from xattn._estimators.importance import balance_heuristic
     >>> rng = np.random.default_rng(0)
     >>> weights = balance_heuristic(rng.normal(size=(3, 4)), rng.normal(size=(5, 4)))
     >>> weights.shape, np.allclose(weights.sum(axis=-1), 1.0)
@@ -130,7 +130,7 @@ def lara_weights(proposal_weights: Array, query_affinity: Array, *,
     Examples
     --------
     >>> import numpy as np
-    >>> from xattn._importance import lara_weights
+    >>> from xattn._estimators.importance import lara_weights
     >>> w = np.array([0.5, 0.3, 0.2])
     >>> r = np.array([[0.6, 0.1, 0.3], [0.0, 0.5, 0.5]])
     >>> alpha = lara_weights(w, r, weighting="decoupled", beta=2.0)
@@ -157,7 +157,7 @@ class QuerySoftmax:
 
     The constructor is the first pass over the query pieces: piece p takes :math:`e_{nc} =
     e^{s_{nc} - m^{(p)}_c}` with its own maximum :math:`m^{(p)}_c` over its allowed
-    queries, and the pieces merge (:func:`~xattn._primitives.merge_maxima`, an online
+    queries, and the pieces merge (:func:`~xattn._core.primitives.merge_maxima`, an online
     softmax along n) into :math:`m_c = \max_p m^{(p)}_c` and :math:`Z_c = \sum_p
     e^{m^{(p)}_c - m_c} \sum_{n \in p} e_{nc}`. :meth:`piece` then gives, for piece p,
     a pair :math:`(e_{nc}, \rho_c)` with :math:`r_{nc} = e_{nc} \rho_c`:

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from xattn._hf_masks import AttentionMask, mask_from_tensor
-from xattn._layers import attend
-from xattn._state import LARAState, RFAState, _KeyValueCache
+from xattn._core.state import LARAState, RFAState, _KeyValueCache
+from xattn._integrations.hf_masks import AttentionMask, mask_from_tensor
+from xattn._integrations.layers import attend
 
 __all__ = ["StateLayer", "XattnCache", "continue_state", "map_batch", "state_nbytes",
            "take_pending"]

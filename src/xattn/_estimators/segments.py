@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from xattn._array import Array, index_sizes, one_chunk_along
-from xattn._primitives import join, nonzero_divisor
+from xattn._core.array import Array, index_sizes, one_chunk_along
+from xattn._core.primitives import join, nonzero_divisor
 
 __all__ = ["adaptive_bins", "segment_means"]
 
@@ -36,7 +36,7 @@ def adaptive_bins(length: int, parts: int) -> list[tuple[int, int]]:
 
     Examples
     --------
-    >>> from xattn._segments import adaptive_bins
+    >>> from xattn._estimators.segments import adaptive_bins
     >>> adaptive_bins(7, 3)
     [(0, 3), (2, 5), (4, 7)]
     """
@@ -66,7 +66,7 @@ def _segment_membership(xp: Any, mask: Array, length: int, num_segments: int,
 
     Segments are contiguous runs of the *allowed* entries (ranked in order), with sizes
     differing by at most one (the first ``count % C`` segments get one more,
-    as :func:`xattn._array.index_sizes`). Built from integer array arithmetic (a
+    as :func:`xattn._core.array.index_sizes`). Built from integer array arithmetic (a
     cumulative sum of the mask), with no Python control flow on values.
     """
     allowed = xp.astype(mask, xp.int32)
@@ -91,7 +91,7 @@ def _contiguous_segment_means(xp: Any, x: Array, num_segments: int,
     """Means (..., C, D) of C contiguous 1-D segments of all L rows of x, and sizes (C,).
 
     Without a mask the segments are static slices (sizes from
-    :func:`xattn._array.index_sizes`), so two reshapes give the means in O(L D).
+    :func:`xattn._core.array.index_sizes`), so two reshapes give the means in O(L D).
     Segments left empty when C > L get a zero mean.
     """
     length, dim, batch = x.shape[-2], x.shape[-1], x.shape[:-2]
