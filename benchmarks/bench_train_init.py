@@ -22,8 +22,9 @@ import json
 from pathlib import Path
 
 from xattn.cli import train as command
-from xattn.cli.tasks import get_task
-from xattn.cli.train_core import RunSpec, attention_options
+from xattn.training.loop import RunSpec, attention_options
+from xattn.training.runs import SETTINGS, load_framework
+from xattn.training.tasks import get_task
 
 PROJECTION_FAN_IN = 64  # the model's embedding
 
@@ -60,11 +61,11 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    module = command.load_framework(args.framework, 1)
+    module = load_framework(args.framework, 1)
     patch_initialization(module, args.framework, args.variance)
     command._WORKER["module"] = module  # run_jobs with one job at a time uses it
     task = get_task("digits")
-    settings = command.SETTINGS["digits"]
+    settings = SETTINGS["digits"]
     jobs = []
     for seed in (int(item) for item in args.seeds.split(",")):
         for estimator in args.estimators.split(","):

@@ -4,14 +4,14 @@ Two parts, both on one task (default ``mqar``) with the command's settings (step
 batch, schedule, data, seeds):
 
 * ``--check-steps N``: the two training loops from the **same** initial weights (the
-  PyTorch model's, copied into the Flax one with :mod:`xattn.cli.train_parity`), the
+  PyTorch model's, copied into the Flax one with :mod:`xattn.training.parity`), the
   same batches, the same LayerNorm epsilon (Flax's 1e-6), and the same random numbers:
   RFA with its features copied and fixed (``redraw_interval=None``), RA with the same
   noise (an int seed, which draws the same numbers in both frameworks). It records the
   training loss of both at each of the first N steps and their largest difference.
 * ``--variants``: full training runs, each a framework and an estimator, optionally
   starting from the other framework's initial weights for the same seed (all of them or
-  some :data:`~xattn.cli.train_parity.PARAMETER_GROUPS`). A variant is written
+  some :data:`~xattn.training.parity.PARAMETER_GROUPS`). A variant is written
   ``framework:estimator[:source[:group+group...]]``, e.g. ``torch:rfa`` (the command's
   run), ``torch:rfa:flax`` (PyTorch from Flax's initial weights),
   ``torch:rfa:flax:embeddings`` (only Flax's embeddings); the estimator may also be a
@@ -42,16 +42,16 @@ from typing import Any
 
 import numpy as np
 
-from xattn.cli import train as command
-from xattn.cli.tasks import get_task
-from xattn.cli.train_core import RunSpec, attention_options, batches, learning_rate, train_run
-from xattn.cli.train_parity import (
+from xattn.training.loop import RunSpec, attention_options, batches, learning_rate, train_run
+from xattn.training.parity import (
     PARAMETER_GROUPS,
     flax_parameters,
     load_flax_parameters,
     load_torch_parameters,
     torch_parameters,
 )
+from xattn.training.runs import SETTINGS, load_framework
+from xattn.training.tasks import get_task
 
 FLAX_LAYER_NORM_EPSILON = 1e-6  # nnx.LayerNorm's default; torch.nn.LayerNorm's is 1e-5
 
@@ -72,7 +72,7 @@ ATTENTIONS = {
 def make_spec(task_name: str, attention: str, seed: int, samples: int, **options: Any) -> RunSpec:
     """The :class:`RunSpec` of ``xattn train`` for one run of ``attention`` (an
     estimator or a name of :data:`ATTENTIONS`), with extra layer options."""
-    settings = command.SETTINGS[task_name]
+    settings = SETTINGS[task_name]
     estimator, extra = ATTENTIONS.get(attention, (attention, {}))
     return RunSpec(
         get_task(task_name),
@@ -148,7 +148,7 @@ def check_trajectories(
     for estimator in ("softmax", "rfa", "ra"):
         options = {"redraw_interval": None} if estimator == "rfa" else {}
         spec = make_spec(task_name, estimator, 0, samples, **options)
-        train, _ = spec.task.datasets(command.SETTINGS[task_name].train_size, 1)
+        train, _ = spec.task.datasets(SETTINGS[task_name].train_size, 1)
         trainers = {name: module.Trainer(spec) for name, module in modules.items()}
         set_torch_layer_norm_epsilon(trainers["torch"], FLAX_LAYER_NORM_EPSILON)
         set_trainer_parameters(
@@ -208,7 +208,7 @@ def run_variant(
     if source is not None and source != framework:
         donor = modules[source].Trainer(spec)
         set_trainer_parameters(framework, trainer, trainer_parameters(source, donor), groups)
-    settings = command.SETTINGS[task_name]
+    settings = SETTINGS[task_name]
     train, test = spec.task.datasets(settings.train_size, settings.test_size)
     started = time.perf_counter()
     result = train_run(spec, trainer, train, test).to_json()
@@ -237,8 +237,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     modules = {
-        "flax": command.load_framework("flax", 1),  # XLA's threads before torch
-        "torch": command.load_framework("torch", 1),
+        "flax": load_framework("flax", 1),  # XLA's threads before torch
+        "torch": load_framework("torch", 1),
     }
     path = Path(args.out) if args.out else None
     record: dict[str, Any] = {"runs": []}
@@ -248,7 +248,7 @@ def main() -> None:
         {
             "task": args.task,
             "samples": args.samples,
-            "settings": vars(command.SETTINGS[args.task]),
+            "settings": vars(SETTINGS[args.task]),
             "versions": {
                 **modules["torch"].versions(),
                 **modules["flax"].versions(),

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from xattn.cli import main
-from xattn.cli.tasks import Dataset, get_task, listops, mqar
-from xattn.cli.tasks import digits as digits_task
-from xattn.cli.train_core import ModelConfig, RunSpec, learning_rate, train_run
+from xattn.training.loop import ModelConfig, RunSpec, learning_rate, train_run
+from xattn.training.tasks import Dataset, get_task, listops, mqar
+from xattn.training.tasks import digits as digits_task
 
 ESTIMATORS = ("softmax", "rfa", "ra", "lara")
 
@@ -130,7 +130,7 @@ def test_schedule_warmup_then_cosine_and_same_in_optax():
     assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)
     assert rates[10] == pytest.approx(1e-3) and rates[-1] < 1e-6
     assert all(a >= b for a, b in itertools.pairwise(rates[10:]))
-    train_flax = pytest.importorskip("xattn.cli.train_flax")
+    train_flax = pytest.importorskip("xattn.training.encoder_flax")
     schedule = train_flax.schedule(spec)
     np.testing.assert_allclose([float(schedule(step)) for step in range(100)], rates,
                                rtol=1e-5, atol=1e-6 * spec.peak_lr)  # float32
@@ -147,7 +147,7 @@ SMOKE_OPTIONS = {"softmax": {}, "rfa": {"num_features": 8, "orthogonal": False,
 
 
 def _smoke(framework: str, estimator: str):
-    module = pytest.importorskip(f"xattn.cli.train_{framework}")
+    module = pytest.importorskip(f"xattn.training.encoder_{framework}")
     task = get_task("digits")
     train, test = task.datasets(0, 0)
     train = train.take(np.arange(16))  # one batch, seen 20 times
@@ -180,8 +180,8 @@ def _native_and_softmax(framework: str, model: ModelConfig = TINY):
     """Trainers of the native row and of the softmax row (seed 0) on ListOps at length 32,
     whose padding gives every layer a key mask, and a batch source (one batch of 8
     sequences, over and over, so that 10 steps lower the loss)."""
-    module = pytest.importorskip(f"xattn.cli.train_{framework}")
-    from xattn.cli.train_core import NATIVE, batches
+    module = pytest.importorskip(f"xattn.training.encoder_{framework}")
+    from xattn.training.loop import NATIVE, batches
     task = get_task("listops", 32)
     train, _ = task.datasets(8, 1)
     options = {"compiler_options": {"xla_backend_optimization_level": 0}} if (
@@ -250,7 +250,7 @@ def test_native_row_is_named_after_the_layer_and_resumes(tmp_path, monkeypatch, 
     pytest.importorskip("torch")
     from xattn.cli import build_parser
     from xattn.cli import train as train_command
-    from xattn.cli.train_core import NATIVE_LAYERS
+    from xattn.training.loop import NATIVE_LAYERS
     needs: list[tuple[str, int]] = []
     with monkeypatch.context() as patch:
         patch.setattr(train_command, "require_memory",
@@ -285,7 +285,7 @@ def test_native_row_is_named_after_the_layer_and_resumes(tmp_path, monkeypatch, 
 
 
 def test_evaluation_is_deterministic_for_random_estimators():
-    torch_trainer = pytest.importorskip("xattn.cli.train_torch")
+    torch_trainer = pytest.importorskip("xattn.training.encoder_torch")
     task = get_task("digits")
     _, test = task.datasets(0, 0)
     for estimator in ("rfa", "ra", "lara"):
@@ -302,7 +302,7 @@ def test_evaluation_is_deterministic_for_random_estimators():
 
 
 def test_command_writes_table_json_and_png(tmp_path, capsys):
-    train_torch = pytest.importorskip("xattn.cli.train_torch")
+    train_torch = pytest.importorskip("xattn.training.encoder_torch")
     pytest.importorskip("matplotlib")
     code = main(["train", "--task", "digits", "--estimators", "lara", "--steps", "6",
                  "--seeds", "0", "--samples", "4", "--batch-size", "8", "--no-progress",
@@ -327,7 +327,7 @@ def test_command_writes_table_json_and_png(tmp_path, capsys):
 
 def test_ctrl_c_keeps_the_finished_runs(tmp_path, monkeypatch, capsys):
     pytest.importorskip("torch")
-    from xattn.cli import train as train_command
+    from xattn.training import runs  # the command trains through it
     finished = []
 
     def interrupt_second(*args, **kwargs):
@@ -336,7 +336,7 @@ def test_ctrl_c_keeps_the_finished_runs(tmp_path, monkeypatch, capsys):
         finished.append(train_run(*args, **kwargs))
         return finished[-1]
 
-    monkeypatch.setattr(train_command, "train_run", interrupt_second)
+    monkeypatch.setattr(runs, "train_run", interrupt_second)
     code = main(["train", "--task", "digits", "--estimators", "softmax,rfa", "--steps", "2",
                  "--seeds", "0", "--batch-size", "4", "--no-progress", "--out",
                  str(tmp_path)])
@@ -353,7 +353,7 @@ def test_ctrl_c_keeps_the_finished_runs(tmp_path, monkeypatch, capsys):
         trained.append(spec.name)
         return train_run(spec, *args, **kwargs)
 
-    monkeypatch.setattr(train_command, "train_run", record)
+    monkeypatch.setattr(runs, "train_run", record)
     arguments = ["train", "--task", "digits", "--estimators", "softmax,rfa", "--steps", "2",
                  "--seeds", "0", "--batch-size", "4", "--no-progress", "--out",
                  str(tmp_path), "--resume"]
@@ -392,7 +392,7 @@ def test_bad_input_is_one_line_and_exit_code_2(arguments, tmp_path, capsys):
 
 def test_missing_framework_names_the_extra(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "flax", None)  # import flax -> ImportError
-    for name in ("xattn.cli.train_flax", "xattn.flax"):
+    for name in ("xattn.training.encoder_flax", "xattn.flax"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     code = main(["train", "--framework", "flax", "--out", str(tmp_path)])
     assert code == 2
@@ -401,8 +401,8 @@ def test_missing_framework_names_the_extra(tmp_path, monkeypatch, capsys):
 
 
 def test_summary_mean_and_std_over_seeds():
-    from xattn.cli.train_core import RunResult
     from xattn.cli.train_report import summarize
+    from xattn.training.loop import RunResult
 
     def result(seed, accuracy):
         return RunResult("digits", "rfa", "rfa", {}, seed, 10, accuracy, 1.0, 5.0, None,
@@ -433,7 +433,7 @@ def one_seed_file(tmp_path_factory):
 
 def fake_execute(trained):
     """Stands in for one training run: records the job, returns a plausible result."""
-    from xattn.cli.train_core import RunResult
+    from xattn.training.loop import RunResult
 
     def execute(job, device, progress, position=None):
         trained.append(job.spec.seed)
@@ -454,7 +454,7 @@ RUN_FIELDS = ["task", "name", "estimator", "options", "seed", "steps", "test_acc
 def test_run_fields_are_the_result_fields():
     from dataclasses import fields
 
-    from xattn.cli.train_core import RunResult
+    from xattn.training.loop import RunResult
     assert [field.name for field in fields(RunResult)] == RUN_FIELDS
 
 
@@ -594,7 +594,7 @@ def test_json_writes_are_atomic(tmp_path, monkeypatch):
 @pytest.mark.parametrize("size, batch_size", [(0, 1), (3, 4), (5, 5), (7, 2), (1, 1)])
 def test_batches_never_search_forever(size, batch_size):
     """Either full batches of the asked size come, or a ValueError at once."""
-    from xattn.cli.train_core import batches
+    from xattn.training.loop import batches
     data = Dataset(np.arange(size)[:, None, None], np.arange(size))
     if batch_size > size:
         with pytest.raises(ValueError, match="batch_size"):
@@ -610,8 +610,8 @@ def test_every_run_has_a_full_batch_or_is_refused(task, tmp_path, capsys):
     """On every task a batch larger than the training set is refused before any work
     (one line, exit 2, no output directory) or the training set is at least one batch."""
     from xattn.cli import build_parser
-    from xattn.cli.tasks import get_task
     from xattn.cli.train import check_jobs, plan_jobs
+    from xattn.training.tasks import get_task
     for batch_size in (1_000, 1_438, 20_000):
         args = build_parser().parse_args(["train", "--task", task, "--batch-size",
                                           str(batch_size), "--quick"])
@@ -646,8 +646,8 @@ def test_default_runs_fit_a_small_machine():
     """The memory estimate does not refuse the default runs (every task, estimator and
     --jobs 2) on a machine with 4 GiB free: the estimates are bounds, not alarms."""
     from xattn.cli import build_parser
-    from xattn.cli.tasks import CLASSIFICATION_TASKS, get_task
     from xattn.cli.train import check_jobs, plan_jobs
+    from xattn.training.tasks import CLASSIFICATION_TASKS, get_task
     for quick in ([], ["--quick"]):
         args = build_parser().parse_args(["train", *quick])
         jobs = plan_jobs([get_task(name) for name in CLASSIFICATION_TASKS], [0, 1, 2], args,

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from xattn.cli import main
-from xattn.cli.tasks import get_task, shakespeare
-from xattn.cli.train_lm import (
+from xattn.training.lm import (
     RFA_SINKS,
     RFA_WINDOW,
     GPTConfig,
@@ -25,6 +24,7 @@ from xattn.cli.train_lm import (
     random_windows,
     train_lm_run,
 )
+from xattn.training.tasks import get_task, shakespeare
 
 #: Every row of the task: (row name, layer estimator, options), tiny sizes.
 ROWS = [("softmax", "softmax", {}), ("native", "native", {}),
@@ -85,7 +85,7 @@ def test_nanogpt_schedule_and_the_same_in_optax():
     assert lm_learning_rate(100, spec) == pytest.approx(1e-3)
     assert lm_learning_rate(1050, spec) == pytest.approx(5.5e-4)
     assert lm_learning_rate(2000, spec) == pytest.approx(1e-4)
-    train_lm_flax = pytest.importorskip("xattn.cli.train_lm_flax")
+    train_lm_flax = pytest.importorskip("xattn.training.lm_flax")
     schedule = train_lm_flax.lm_schedule(spec)
     steps = [0, 50, 99, 100, 500, 1999, 2000]
     np.testing.assert_allclose([float(schedule(step)) for step in steps],
@@ -93,7 +93,7 @@ def test_nanogpt_schedule_and_the_same_in_optax():
 
 
 def test_rfa_runs_also_with_a_window_and_sinks_and_lara_is_left_out():
-    from xattn.cli.train import attention_variants
+    from xattn.training.runs import attention_variants
     rows = attention_variants(get_task("shakespeare"), ["softmax", "rfa"], 16, False)
     assert [name for name, _, _ in rows] == ["softmax", "rfa", "rfa-window"]
     assert rows[2][1] == "rfa" and (rows[2][2]["window"], rows[2][2]["sinks"]) == (
@@ -101,7 +101,7 @@ def test_rfa_runs_also_with_a_window_and_sinks_and_lara_is_left_out():
 
 
 def test_lara_variants_are_causal_on_shakespeare_and_segments_elsewhere():
-    from xattn.cli.train import attention_variants
+    from xattn.training.runs import attention_variants
     variants = ["lara-learned", "lara-defensive"]
     causal = attention_variants(get_task("shakespeare"), variants, 16, False)
     assert causal == [("lara-learned", "lara", {"num_samples": 16, "proposal": "learned"}),
@@ -112,7 +112,7 @@ def test_lara_variants_are_causal_on_shakespeare_and_segments_elsewhere():
 
 
 def _trainer(framework: str, name: str, estimator: str, options: dict, **sizes):
-    module = pytest.importorskip(f"xattn.cli.train_lm_{framework}")
+    module = pytest.importorskip(f"xattn.training.lm_{framework}")
     spec = LMSpec(name, estimator, options, seed=0, model=TINY, **{
         "steps": 4, "length": 8, "batch_size": 2, "warmup": 1, "eval_interval": 2,
         "eval_iters": 2, "final_eval_iters": 2, "sample_length": 12, **sizes})
@@ -225,8 +225,8 @@ def test_the_memory_estimate_counts_the_native_causal_mask_and_stays_linear_for_
     """The framework's own layer needs an (L, L) causal mask in each block: the estimate
     of a native row is softmax's plus the masks. RFA's (also with a window and sinks)
     grows linearly with L."""
-    from xattn.cli.train import attention_variants
     from xattn.cli.train_lm_report import lm_step_bytes
+    from xattn.training.runs import attention_variants
     native, softmax = (lm_step_bytes(LMSpec(name, name, {}, seed=0, length=4096,
                                             batch_size=3)) for name in ("native", "softmax"))
     assert native - softmax == GPTConfig().layers * 2 * 3 * 4096**2
@@ -243,9 +243,9 @@ def test_the_memory_estimate_covers_a_measured_training_step(attention):
     """The estimate up front is at least the peak that torch's CPU allocator reports for a
     training step of the command's model (its options, context 1024, batch 1)."""
     pytest.importorskip("torch")
-    from xattn.cli.train import attention_variants
     from xattn.cli.train_lm_report import lm_step_bytes
-    from xattn.cli.train_lm_torch import TorchLMTrainer
+    from xattn.training.lm_torch import TorchLMTrainer
+    from xattn.training.runs import attention_variants
     inputs, targets = random_windows(shakespeare.split()[0], 1024, 1,
                                      np.random.default_rng(0))
     for name, estimator, options in attention_variants(get_task("shakespeare", 1024),

@@ -1,6 +1,6 @@
 """PyTorch against Flax in ``xattn train`` (issue 43): from the same weights, batch and
 random numbers, the two models give the same loss and gradients, and the two trainers the
-same training losses; the parameter exchange of :mod:`xattn.cli.train_parity`."""
+same training losses; the parameter exchange of :mod:`xattn.training.parity`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 pytest.importorskip("optax")
 
-from xattn.cli import train_flax, train_torch  # noqa: E402
-from xattn.cli.tasks import get_task  # noqa: E402
-from xattn.cli.train_core import (  # noqa: E402
+from xattn.training import encoder_flax as train_flax  # noqa: E402
+from xattn.training import encoder_torch as train_torch  # noqa: E402
+from xattn.training.loop import (  # noqa: E402
     NATIVE,
     ModelConfig,
     RunSpec,
@@ -22,7 +22,7 @@ from xattn.cli.train_core import (  # noqa: E402
     batches,
     learning_rate,
 )
-from xattn.cli.train_parity import (  # noqa: E402
+from xattn.training.parity import (  # noqa: E402
     PARAMETER_GROUPS,
     flax_parameters,
     group_of,
@@ -30,6 +30,7 @@ from xattn.cli.train_parity import (  # noqa: E402
     load_torch_parameters,
     torch_parameters,
 )
+from xattn.training.tasks import get_task  # noqa: E402
 
 CONFIG = ModelConfig(dim=16, ffn=32, heads=2, layers=2)
 FLAX_EPSILON = 1e-6  # nnx.LayerNorm's; torch.nn.LayerNorm's default is 1e-5

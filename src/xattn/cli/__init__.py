@@ -11,9 +11,15 @@ tasks (MQAR, ListOps, digits) and reports test accuracy, training loss, time per
 peak memory. Run
 ``xattn <command> --help`` for the options.
 
-This package is the application around the library: it may import array libraries
-(lazily, only the chosen backend), synchronize devices for timing and read their memory
-counters. Figures are drawn with Matplotlib's Agg canvas (no display, no pyplot state).
+This package is the application around the library, and only that: it parses the
+arguments, plans the runs, runs them and prints and writes the reports. What it measures
+or trains is the library's: the estimators of :mod:`xattn`, and for ``xattn train`` the
+models, tasks and training loops of :mod:`xattn.training` (which never imports this
+package). It imports public names only (:mod:`xattn`, :mod:`xattn.diagnostics`,
+:mod:`xattn.training`, ...), never a private module of the library. It may import array
+libraries (lazily, only the chosen backend), synchronize devices for timing and read their
+memory counters. Figures are drawn with Matplotlib's Agg canvas (no display, no pyplot
+state).
 
 Modules, one concern each:
 
@@ -25,12 +31,11 @@ Modules, one concern each:
   :mod:`xattn.cli.memory`: memory estimates, checked before a run;
 * :mod:`xattn.cli.inputs`: reading and validating ``--input`` files;
 * :mod:`xattn.cli.compare`, :mod:`xattn.cli.bench`, :mod:`xattn.cli.train`: the
-  sub-commands, each with ``add_parser(subparsers)`` and ``run(args)``;
-* :mod:`xattn.cli.train_core`: the framework-independent part of ``xattn train`` (run
-  configuration, schedule, batching, the training loop); :mod:`xattn.cli.train_torch`,
-  :mod:`xattn.cli.train_flax`: the model and training step in each framework (imported
-  only for the chosen ``--framework``); :mod:`xattn.cli.train_report`: its table, JSON
-  and figure;
+  sub-commands, each with ``add_parser(subparsers)`` and ``run(args)``
+  (:mod:`xattn.cli.decode`: ``xattn bench --decode``);
+* :mod:`xattn.cli.train_report`: the table, JSON and figure of ``xattn train``;
+  :mod:`xattn.cli.train_resume`: its ``--resume``; :mod:`xattn.cli.train_lm_report`:
+  ``--task shakespeare`` (plan, checks, table, JSON and figure);
 * :mod:`xattn.cli.common`, :mod:`xattn.cli.options`: what the sub-commands share (the
   usage error, the progress bar, the table, JSON and ``--out``; argument types and the
   common options, ``--out`` and ``--progress`` among them);

@@ -1,5 +1,6 @@
 """What every sub-command shares: the usage-error exception and the output helpers (the
-progress bar, the text table, JSON, the output directory)."""
+progress bar, the text table, JSON, the output directory); and the trainer module of
+``xattn train --framework`` (:func:`load_framework`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import numpy as np
 import xattn
 
 __all__ = ["DEFAULT_OUT", "EXIT_USAGE", "CommandError", "advance", "environment",
-           "format_bytes", "format_table", "output_dir", "progress_bar", "write_json"]
+           "format_bytes", "format_table", "load_framework", "output_dir", "progress_bar",
+           "write_json"]
 
 #: The ``--out`` directory of every sub-command unless told otherwise.
 DEFAULT_OUT = "xattn-out"
@@ -54,6 +56,19 @@ def advance(bar: Any, label: str) -> None:
     if bar is not None:
         bar.set_postfix_str(label, refresh=False)
         bar.update(1)
+
+
+def load_framework(framework: str, threads: int, *, language_model: bool = False) -> Any:
+    """The trainer module of ``--framework`` (:func:`xattn.training.runs.load_framework`),
+    a CommandError naming the extra when the framework is not installed."""
+    from xattn.training.runs import load_framework as load  # xattn train only
+
+    try:
+        return load(framework, threads, language_model=language_model)
+    except ImportError as error:
+        raise CommandError(f"--framework {framework} needs {error.name or framework}, which "
+                           f"is not installed (in the clone of xattn: pip install -e "
+                           f"'.[{framework}]')") from None
 
 
 def format_bytes(value: int | None) -> str:

@@ -8,21 +8,17 @@ Used by ``xattn compare``, ``xattn bench``, ``xattn train`` (torch) and the scri
   peak memory of a call;
 * :class:`Measurement` and :func:`measured` time the calls of a function (the first call
   warms up and measures memory);
-* :func:`tracemalloc_peak` measures host memory.
+* :func:`tracemalloc_peak` measures host memory; the torch peak (CPU profiler, CUDA
+  counter) is :mod:`xattn.training.peak`'s, as the training step measures it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +26,7 @@ import numpy as np
 
 from xattn.cli import memory
 from xattn.cli.common import CommandError
+from xattn.training.peak import allocator_peak, native_stderr_silenced, torch_memory
 
 __all__ = ["BACKENDS", "DEVICES", "Backend", "Measurement", "allocator_peak", "load_backend",
            "measured", "native_stderr_silenced", "tracemalloc_peak"]
@@ -117,67 +114,6 @@ def _no_peak(run: Callable[[], Any]) -> tuple[Any, None]:
     return run(), None
 
 
-@contextlib.contextmanager
-def native_stderr_silenced() -> Iterator[None]:
-    """Silence file descriptor 2 (the torch profiler's native start/stop log lines)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def allocator_peak(trace_events: list[dict[str, Any]]) -> int:
-    """Peak of the CPU allocator's total above its level before the first event.
-
-    ``trace_events`` are the events of a Chrome trace written by :mod:`torch.profiler`
-    with ``profile_memory=True``: each ``[memory]`` event carries the bytes allocated
-    (freed, if negative) and the allocator's ``Total Allocated`` after it.
-
-    Examples
-    --------
-    >>> from xattn.cli.measure import allocator_peak
-    >>> def event(ts, size, total):
-    ...     return {"name": "[memory]", "ts": ts,
-    ...             "args": {"Bytes": size, "Total Allocated": total, "Device Type": 0}}
-    >>> allocator_peak([event(2, -8, 92), event(1, 100, 100), event(3, 50, 142)])
-    142
-    """
-    memory = sorted((event for event in trace_events if event.get("name") == "[memory]"
-                     and event.get("args", {}).get("Device Type", 0) == 0),
-                    key=lambda event: float(event["ts"]))
-    if not memory:
-        return 0
-    first = memory[0]["args"]
-    baseline = first["Total Allocated"] - first["Bytes"]
-    return max(max(event["args"]["Total Allocated"] for event in memory) - baseline, 0)
-
-
-def _torch_cpu_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
-    """``run()`` under :mod:`torch.profiler` with ``profile_memory=True``: the peak of
-    the bytes torch's CPU allocator holds during the call, above the level before it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with native_stderr_silenced():
-        profiler.start()
-    try:
-        result = run()
-    finally:
-        with native_stderr_silenced():
-            profiler.stop()
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        profiler.export_chrome_trace(path)
-        with open(path) as trace:
-            events = json.load(trace).get("traceEvents", [])
-    return result, allocator_peak(events)
-
-
 def _jax_compiled_peak(function: Callable[..., Any], args: tuple, kwargs: dict) -> int | None:
     """Temp + output bytes of the XLA program compiled for ``function(*args, **kwargs)``."""
     import jax
@@ -229,34 +165,24 @@ def _torch(device: str, dtype: str) -> Backend:
     torch = _import_backend("torch", "torch")
     import array_api_compat.torch as xp
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CommandError("--device cuda: torch sees no CUDA device")
-    torch_device = torch.device("cuda:0" if device == "cuda" else "cpu")
+    try:
+        memory = torch_memory(device)
+    except ValueError:
+        raise CommandError("--device cuda: torch sees no CUDA device") from None
+    torch_device = torch.device(memory.device)
 
     def torch_sync(out: Any) -> Any:
         if torch_device.type == "cuda":
             torch.cuda.synchronize(torch_device)
         return out
 
-    def torch_peak(run: Callable[[], Any]) -> tuple[Any, int | None]:
-        if torch_device.type != "cuda":
-            return _torch_cpu_peak(run)
-        torch.cuda.synchronize(torch_device)
-        torch.cuda.reset_peak_memory_stats(torch_device)
-        baseline = torch.cuda.memory_allocated(torch_device)
-        result = run()
-        return result, int(torch.cuda.max_memory_allocated(torch_device) - baseline)
-
     torch_dtype = getattr(torch, dtype)
     return Backend("torch", str(torch_device), xp,
                    lambda host: torch.as_tensor(host, device=torch_device).to(torch_dtype),
-                   torch_sync, torch_peak, torch.__version__,
+                   torch_sync, memory.peak_memory, torch.__version__,
                    memory_available=(lambda: int(torch.cuda.mem_get_info(torch_device)[0]))
                    if torch_device.type == "cuda" else _host_available,
-                   memory_method="torch.cuda.max_memory_allocated above the level before "
-                   "the call" if torch_device.type == "cuda" else "torch.profiler "
-                   "(profile_memory=True): peak of torch's CPU allocator above the level "
-                   "before the call")
+                   memory_method=memory.memory_method)
 
 
 def _jax(device: str, dtype: str) -> Backend:

@@ -131,7 +131,7 @@ TRAINING_ATTENTION_BYTES = {"softmax": softmax_training_bytes, "rfa": rfa_bytes,
 
 
 def dataset_bytes(examples: int, length: int, fields: int, per_token: bool) -> int:
-    """A task's arrays (:class:`xattn.cli.tasks.Dataset`): int32 tokens (n, L, F), a bool
+    """A task's arrays (:class:`xattn.training.tasks.Dataset`): int32 tokens (n, L, F), a bool
     mask (n, L) and int64 targets, (n, L) for per-position labels, else (n,)."""
     return examples * (length * (4 * fields + 1 + (8 if per_token else 0))
                        + (0 if per_token else 8))

@@ -6,7 +6,7 @@ framework's own layer (``--estimators native``: :class:`torch.nn.MultiheadAttent
 :class:`flax.nnx.MultiHeadAttention`) as the baseline of the softmax row.
 
 The run configuration (model, optimizer, schedule, estimator options) is in
-:mod:`xattn.cli.train_core`, the tasks in :mod:`xattn.cli.tasks`, the outputs in
+:mod:`xattn.training.loop`, the tasks in :mod:`xattn.training.tasks`, the outputs in
 :mod:`xattn.cli.train_report`.
 """
 
@@ -15,19 +15,16 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import importlib
 import json
 import math
 import multiprocessing
-import os
 import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from xattn.cli.common import CommandError, output_dir, progress_bar
+from xattn.cli.common import CommandError, load_framework, output_dir, progress_bar
 from xattn.cli.measure import DEVICES
 from xattn.cli.memory import (
     dataset_bytes,
@@ -44,60 +41,39 @@ from xattn.cli.options import (
     positive_int,
     seed_list,
 )
-from xattn.cli.tasks import CLASSIFICATION_TASKS, TASKS, Task, get_task
-from xattn.cli.train_core import (
+from xattn.cli.train_lm_report import run_lm
+from xattn.cli.train_report import write_outputs, write_results
+from xattn.cli.train_resume import previous_runs, row_names
+from xattn.training.lm import LM_QUICK_STEPS, RFA_SINKS, RFA_WINDOW, RFA_WINDOW_ROW
+from xattn.training.loop import (
     ATTENTIONS,
     LARA_VARIANTS,
     NATIVE,
     NATIVE_LAYERS,
     TOKEN_INITS,
-    ModelConfig,
     RunResult,
     RunSpec,
-    attention_options,
-    lara_variant_options,
-    train_run,
 )
-from xattn.cli.train_lm import LM_QUICK_STEPS, RFA_SINKS, RFA_WINDOW, RFA_WINDOW_ROW
-from xattn.cli.train_lm_report import run_lm
-from xattn.cli.train_report import read_results, write_outputs, write_results
+from xattn.training.runs import (
+    DEFAULT_SAMPLES,
+    FRAMEWORKS,
+    SETTINGS,
+    attention_variants,
+    dataset_sizes,
+    run_spec,
+    train_spec,
+)
+from xattn.training.tasks import CLASSIFICATION_TASKS, TASKS, Task, get_task
 
 __all__ = ["DEFAULT_ATTENTIONS", "DEFAULT_SAMPLES", "EXIT_INTERRUPTED", "FRAMEWORKS",
-           "RESUME_KEYS", "SETTINGS", "Job", "PreviousRuns", "TaskSettings", "add_parser",
-           "attention_variants", "check_jobs", "dataset_sizes", "grid_pools",
-           "load_framework", "plan_jobs", "previous_runs", "row_names", "run", "run_jobs"]
+           "SETTINGS", "Job", "add_parser", "attention_variants", "check_jobs",
+           "dataset_sizes", "load_framework", "plan_jobs", "run", "run_jobs"]
 
-FRAMEWORKS = ("torch", "flax")  # each also the name of the extra that installs it
 EXIT_INTERRUPTED = 130
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskSettings:
-    """Optimization of one task: steps (full run, ``--quick``), batch size, peak learning
-    rate, and how many generated training / test examples there are."""
-
-    steps: int
-    quick_steps: int
-    batch_size: int
-    peak_lr: float
-    train_size: int
-    test_size: int
-    quick_train_size: int
-    warmup_fraction: float = 0.1
-
-
-SETTINGS = {
-    "mqar": TaskSettings(steps=600, quick_steps=300, batch_size=32, peak_lr=1e-3,
-                         train_size=19_200, test_size=500, quick_train_size=9_600),
-    "listops": TaskSettings(steps=600, quick_steps=200, batch_size=32, peak_lr=1e-3,
-                            train_size=8_000, test_size=1_000, quick_train_size=3_000),
-    "digits": TaskSettings(steps=600, quick_steps=200, batch_size=32, peak_lr=3e-3,
-                           train_size=0, test_size=0, quick_train_size=0),
-}
-#: RFA features and LARA proposals of every run unless ``--samples`` says otherwise.
-DEFAULT_SAMPLES = 16
 #: ``--estimators`` by default: every estimator. The framework's own layer
-#: (:data:`~xattn.cli.train_core.NATIVE`) is opt-in: its losses and accuracies are those of
+#: (:data:`~xattn.training.loop.NATIVE`) is opt-in: its losses and accuracies are those of
 #: the softmax row (tests/test_train.py), so by default the time goes to the estimators.
 DEFAULT_ATTENTIONS = tuple(name for name in ATTENTIONS
                            if name != NATIVE and name not in LARA_VARIANTS)
@@ -190,67 +166,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def load_framework(framework: str, threads: int) -> Any:
-    """Import the framework's trainer module (naming the extra when it is missing)."""
-    if framework == "flax" and threads and "jax" not in sys.modules:
-        # XLA reads its thread settings when JAX starts
-        os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
-                              f"intra_op_parallelism_threads={threads}")
-    try:
-        module = importlib.import_module(f"xattn.cli.train_{framework}")
-    except ImportError as error:
-        raise CommandError(f"--framework {framework} needs {error.name or framework}, which "
-                           f"is not installed (in the clone of xattn: pip install -e "
-                           f"'.[{framework}]')") from None
-    if framework == "torch" and threads:
-        import torch
-        torch.set_num_threads(threads)
-    return module
-
-
-def grid_pools(samples: int, grid: tuple[int, int]) -> tuple[int, int]:
-    """(c_h, c_w) with c_h * c_w = ``samples``, as square as possible, within ``grid``;
-    the nearest smaller count when ``samples`` has no such factorization."""
-    for count in range(min(samples, grid[0] * grid[1]), 0, -1):
-        pairs = [(rows, count // rows) for rows in range(1, grid[0] + 1)
-                 if count % rows == 0 and count // rows <= grid[1]]
-        if pairs:
-            return min(pairs, key=lambda pair: abs(pair[0] - pair[1]))
-    return (1, 1)
-
-
-def attention_variants(task: Task, estimators: list[str], samples: int,
-                       has_grid: bool, framework: str = "torch",
-                       ) -> list[tuple[str, str, dict[str, Any]]]:
-    """(row name, layer estimator, options) of each run on ``task``. On an image task
-    LARA runs twice: ``lara-2d`` (2-D segments on the image grid) and ``lara-1d``; on a
-    causal task RFA runs twice, plain and with a window and sinks (``rfa-window``). The
-    rows of :data:`~xattn.cli.train_core.LARA_VARIANTS` run LARA with the options of
-    :func:`~xattn.cli.train_core.lara_variant_options`.
-    :data:`~xattn.cli.train_core.NATIVE` is the row of ``framework``'s own layer, named
-    after it (:data:`~xattn.cli.train_core.NATIVE_LAYERS`)."""
-    variants = []
-    for estimator in estimators:
-        options = attention_options(estimator, min(samples, task.length))
-        if estimator == NATIVE:
-            variants.append((NATIVE_LAYERS[framework], NATIVE, options))
-        elif estimator == "rfa" and task.causal:  # also with an exact window and sinks
-            variants += [("rfa", "rfa", options), (RFA_WINDOW_ROW, "rfa", {
-                **options, "window": RFA_WINDOW, "sinks": RFA_SINKS})]
-        elif estimator in LARA_VARIANTS:
-            variants.append((estimator, "lara", lara_variant_options(
-                estimator, min(samples, task.length), causal=task.causal)))
-        elif estimator == "lara" and task.grid is not None:
-            if has_grid:
-                pools = grid_pools(samples, task.grid)
-                variants.append(("lara-2d", "lara", {"num_samples": pools,
-                                                     "grid": task.grid}))
-            variants.append(("lara-1d", "lara", options))
-        else:
-            variants.append((estimator, estimator, options))
-    return variants
-
-
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One training run: its place in the plan, its label, what it trains and the sizes of
@@ -261,16 +176,6 @@ class Job:
     spec: RunSpec
     train_size: int
     test_size: int
-
-
-def dataset_sizes(settings: TaskSettings, spec: RunSpec, quick: bool) -> tuple[int, int]:
-    """(training, test) examples of a run: a shipped task's fixed split, else the task's
-    settings (``quick``: the smaller training set) with at least one batch of training
-    examples."""
-    if spec.task.fixed_sizes is not None:
-        return spec.task.fixed_sizes
-    train_size = settings.quick_train_size if quick else settings.train_size
-    return max(train_size, spec.batch_size), settings.test_size
 
 
 def _sample_count(options: dict[str, Any]) -> int:
@@ -324,15 +229,15 @@ def _init_worker(framework: str, threads: int) -> None:
 def _execute(job: Job, device: str, progress: bool | None,
              position: int | None = None) -> RunResult | str:
     """One run (in this process or a worker); a message instead when it diverged."""
-    module = _WORKER["module"]
-    train, test = job.spec.task.datasets(job.train_size, job.test_size)
-    trainer = module.Trainer(job.spec, device=device)
     with progress_bar(job.spec.steps, job.label, progress, unit="step",
                       position=position) as bar:
         try:
-            return train_run(job.spec, trainer, train, test, bar)
+            return train_spec(job.spec, _WORKER["module"], job.train_size, job.test_size,
+                              device=device, progress=bar)
         except FloatingPointError as problem:
             return f"stopped, {problem}"
+        except ValueError as problem:  # a device the framework does not see
+            raise CommandError(str(problem)) from None
 
 
 def _execute_in_worker(job: Job, device: str, progress: bool | None) -> RunResult | str:
@@ -386,105 +291,6 @@ def run_jobs(jobs: list[Job], args: argparse.Namespace,
     return finished
 
 
-#: Configuration entries that must match for ``--resume`` to take runs over, with the
-#: option that sets each (None: not an option, fixed by the version or the framework).
-RESUME_KEYS = {"framework": "--framework", "device": "--device", "samples": "--samples",
-               "quick": "--quick", "batch_size": "--batch-size", "model": "--token-init",
-               "lara_2d_segments": None}
-
-
-@dataclasses.dataclass
-class PreviousRuns:
-    """The runs of an earlier ``train.json``: ``taken`` are those this command plans (by
-    job index), ``kept`` those it does not plan (other attentions or seeds), kept in
-    the file and in the table."""
-
-    taken: dict[int, RunResult]
-    kept: list[RunResult]
-    wall_s: float
-
-
-def previous_runs(path: Path, config: dict[str, Any], jobs: list[Job],
-                  rows: dict[str, dict[str, str]]) -> PreviousRuns:
-    """The runs of an earlier ``train.json`` at ``path``: those ``jobs`` would repeat (same
-    task, attention and seed), and the others, which are kept. Nothing is dropped: a run
-    that this command could not put in one table with its own (another task, other task
-    settings such as the length, other steps) makes it refuse. ``rows`` maps each task to
-    its row names and their layers' estimators.
-
-    Raises
-    ------
-    CommandError
-        The file is not a ``train.json`` (any entry it reads has the wrong type or
-        range, see :func:`~xattn.cli.train_report.read_results`; a row that is not one
-        of ``xattn train``), its settings differ from ``config``, or it holds runs of
-        another task, task setting or number of steps. One line; the file is left as it is.
-    """
-    if not path.exists():
-        return PreviousRuns({}, [], 0.0)
-    untouched = "nothing was trained and the file is left as it is"
-    try:
-        previous_config, runs = read_results(path)
-    except ValueError as problem:
-        raise CommandError(f"--resume: {path}: {problem}; {untouched}") from None
-    for key, option in RESUME_KEYS.items():
-        if previous_config.get(key) != config[key]:
-            raise CommandError(f"--resume: {path} was written with {option or key} "
-                               f"{_setting(previous_config.get(key))}, this command has "
-                               f"{_setting(config[key])}; {untouched}")
-    planned = {(job.spec.task.name, job.spec.name, job.spec.seed): job for job in jobs}
-    steps = {job.spec.task.name: job.spec.steps for job in jobs}
-    taken: dict[int, RunResult] = {}
-    kept: dict[tuple[str, str, int], RunResult] = {}
-    for index, result in enumerate(runs):
-        where = f"--resume: {path} holds {result.task} runs"
-        if result.task not in config["tasks"]:
-            raise CommandError(f"{where}, a task this command does not train; add --task "
-                               f"{result.task}, or choose another --out; {untouched}")
-        settings = previous_config.get("tasks", {}).get(result.task)
-        if settings != config["tasks"][result.task]:
-            length = (settings or {}).get("length")
-            if length != config["tasks"][result.task]["length"]:
-                raise CommandError(f"{where} at --length {length}, this command has "
-                                   f"{config['tasks'][result.task]['length']}; {untouched}")
-            raise CommandError(f"{where} with other task settings ({settings!r:.60}); "
-                               f"choose another --out; {untouched}")
-        if result.steps != steps.get(result.task, result.steps):
-            raise CommandError(f"{where} of {result.steps} steps, this command trains "
-                               f"{steps[result.task]} (--steps); give --steps "
-                               f"{result.steps}, or choose another --out; {untouched}")
-        if rows[result.task].get(result.name) != result.estimator:
-            raise CommandError(f"--resume: {path}: runs[{index}] is not a row of xattn train "
-                               f"(attention {result.name!r:.40}, estimator "
-                               f"{result.estimator!r:.40}); {untouched}")
-        run_key = (result.task, result.name, result.seed)
-        if run_key in planned:
-            taken[planned[run_key].index] = result
-        else:
-            kept[run_key] = result
-    wall_s = previous_config.get("wall_s", 0.0) if runs else 0.0
-    return PreviousRuns(taken, list(kept.values()), wall_s)
-
-
-def _setting(value: Any) -> str:
-    """A recorded setting in a message (None: the option was not given)."""
-    return "the default" if value is None else f"{value!r:.60}"
-
-
-def row_names(tasks: list[Task], samples: int, has_grid: bool,
-              framework: str) -> dict[str, dict[str, str]]:
-    """Every row ``xattn train`` can run on each task: ``{task: {row name: attention}}``
-    (the name in ``--estimators``), for reading back a ``train.json``."""
-    names: dict[str, dict[str, str]] = {}
-    for task in tasks:
-        names[task.name] = {}
-        for attention in ATTENTIONS:
-            for name, _, _ in attention_variants(task, [attention], samples, has_grid,
-                                                 framework):
-                names[task.name][name] = attention
-    return names
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``xattn train``."""
     if "shakespeare" in args.task:  # the causal language model: its own loop and outputs
@@ -522,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
     kept = 0
     if args.resume:  # the whole file is checked here, before any training
         rows = row_names(tasks, args.samples, has_grid, args.framework)
-        previous = previous_runs(out_dir / "train.json", config, jobs, rows)
+        previous = previous_runs(out_dir / "train.json", config,
+                                 {job.index: job.spec for job in jobs}, rows)
         finished, earlier_wall_s, kept = previous.taken, previous.wall_s, len(previous.kept)
         # the runs this command does not plan stay, after its own
         finished.update(enumerate(previous.kept, len(jobs) + 1))
@@ -568,21 +375,15 @@ def run(args: argparse.Namespace) -> int:
 def plan_jobs(tasks: list[Task], seeds: list[int], args: argparse.Namespace,
           has_grid: bool) -> list[Job]:
     """Every run of the command, in order: by task, seed and attention."""
-    plan: list[tuple[RunSpec, TaskSettings]] = []
+    plan = []
     for task in tasks:
-        settings = SETTINGS[task.name]
-        steps = args.steps or (settings.quick_steps if args.quick else settings.steps)
-        batch_size = args.batch_size or settings.batch_size
         for seed in seeds:
             for name, estimator, options in attention_variants(
                     task, list(dict.fromkeys(args.estimators or DEFAULT_ATTENTIONS)),
-                    args.samples, has_grid,
-                    args.framework):
-                plan.append((RunSpec(task, name, estimator, options, seed, steps,
-                                     batch_size, settings.peak_lr,
-                                     warmup_fraction=settings.warmup_fraction,
-                                     model=ModelConfig(token_init=args.token_init)),
-                             settings))
+                    args.samples, has_grid, args.framework):
+                plan.append(run_spec(task, name, estimator, options, seed, steps=args.steps,
+                                     batch_size=args.batch_size, quick=args.quick,
+                                     token_init=args.token_init))
     return [Job(index, f"[{index}/{len(plan)}] {spec.task.name} {spec.name} seed {spec.seed}",
-                spec, *dataset_sizes(settings, spec, args.quick))
-            for index, (spec, settings) in enumerate(plan, 1)]
+                spec, *dataset_sizes(SETTINGS[spec.task.name], spec, args.quick))
+            for index, spec in enumerate(plan, 1)]

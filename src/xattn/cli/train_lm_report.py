@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import math
 import platform
 import statistics
@@ -22,15 +21,17 @@ from xattn.cli.common import (
     CommandError,
     format_bytes,
     format_table,
+    load_framework,
     output_dir,
     progress_bar,
     write_json,
 )
 from xattn.cli.figures import new_figure, save_figure
 from xattn.cli.memory import host_memory_available, require_memory, training_step_bytes
-from xattn.cli.tasks import get_task
-from xattn.cli.train_core import NATIVE
-from xattn.cli.train_lm import LM_QUICK_STEPS, LMResult, LMSpec, train_lm_run
+from xattn.training.lm import LMResult, LMSpec, train_lm_run
+from xattn.training.loop import NATIVE
+from xattn.training.runs import LM_QUICK_EVAL_ITERS, attention_variants, lm_spec
+from xattn.training.tasks import get_task
 
 __all__ = ["DEFAULT_LM_ATTENTIONS", "LM_QUICK_EVAL_ITERS", "lm_step_bytes", "plan_lm", "run_lm",
            "summarize_lm"]
@@ -39,8 +40,6 @@ __all__ = ["DEFAULT_LM_ATTENTIONS", "LM_QUICK_EVAL_ITERS", "lm_step_bytes", "pla
 #: with a window and sinks); lara's segment proposals look ahead (lara-learned and
 #: lara-defensive, causal LARA, are opt-in).
 DEFAULT_LM_ATTENTIONS = ("softmax", "rfa", "ra")
-#: Batches of the final loss estimate with ``--quick`` (200 without).
-LM_QUICK_EVAL_ITERS = 50
 
 
 def _check(args: argparse.Namespace) -> list[str]:
@@ -62,20 +61,14 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 def plan_lm(args: argparse.Namespace, framework: str = "torch") -> list[LMSpec]:
     """Every run of the command, by seed and attention (``args`` as parsed)."""
-    from xattn.cli.train import attention_variants  # train imports this module
-
     estimators = _check(args)
     try:
         task = get_task("shakespeare", args.length)
     except ValueError as problem:
         raise CommandError(str(problem)) from None
-    steps = args.steps or (LM_QUICK_STEPS if args.quick else LMSpec.steps)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
-    return [LMSpec(name, estimator, options, seed, steps=steps, length=task.length,
-                   batch_size=args.batch_size or LMSpec.batch_size,
-                   warmup=max(1, round(0.05 * steps)), eval_interval=max(1, steps // 8),
-                   final_eval_iters=LM_QUICK_EVAL_ITERS if args.quick
-                   else LMSpec.final_eval_iters)
+    return [lm_spec(name, estimator, options, seed, steps=args.steps, length=task.length,
+                    batch_size=args.batch_size, quick=args.quick)
             for seed in seeds
             for name, estimator, options in attention_variants(
                 task, estimators, args.samples, False, framework)]
@@ -180,16 +173,13 @@ def _plot(path: Path, results: list[LMResult]) -> None:
 
 def run_lm(args: argparse.Namespace) -> int:
     """Run ``xattn train --task shakespeare``."""
-    from xattn.cli.train import load_framework  # train imports this module
-
     specs = plan_lm(args, args.framework)
     if args.device == "cpu":
         require_memory([(f"shakespeare at context {spec.length} with batch size "
                          f"{spec.batch_size} ({spec.name})", lm_step_bytes(spec))
                         for spec in specs], host_memory_available(), "this machine")
     out_dir = output_dir(args.out, ("train.json", "train.png"))
-    load_framework(args.framework, args.threads)  # the threads; names a missing extra
-    module = importlib.import_module(f"xattn.cli.train_lm_{args.framework}")
+    module = load_framework(args.framework, args.threads, language_model=True)
     config = {"framework": args.framework, "device": args.device, "threads": args.threads,
               "task": "shakespeare", "estimators": list(dict.fromkeys(spec.name for spec in specs)),
               "seeds": sorted({spec.seed for spec in specs}), "samples": args.samples,
@@ -204,7 +194,10 @@ def run_lm(args: argparse.Namespace) -> int:
     try:
         for index, spec in enumerate(specs, 1):
             label = f"[{index}/{len(specs)}] shakespeare {spec.name} seed {spec.seed}"
-            trainer = module.Trainer(spec, device=args.device)
+            try:
+                trainer = module.Trainer(spec, device=args.device)
+            except ValueError as problem:  # a device the framework does not see
+                raise CommandError(str(problem)) from None
             with progress_bar(spec.steps, label, args.progress, unit="step") as bar:
                 try:
                     result = train_lm_run(spec, trainer, bar)

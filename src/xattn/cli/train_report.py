@@ -17,8 +17,8 @@ import xattn
 from xattn.cli.common import format_bytes, format_table, write_json
 from xattn.cli.figures import new_figure, save_figure
 from xattn.cli.options import MAX_SEED
-from xattn.cli.tasks import Task
-from xattn.cli.train_core import RunResult
+from xattn.training.loop import RunResult
+from xattn.training.tasks import Task
 
 __all__ = ["EVALUATION_MODES", "LARGEST_FIGURE", "TRAINING_MODES", "read_results",
            "summarize", "write_outputs", "write_results"]
@@ -254,7 +254,7 @@ def read_results(path: Path) -> tuple[dict[str, Any], list[RunResult]]:
     """The configuration and the runs of a ``train.json``, every field checked.
 
     Everything ``--resume`` reads is checked here, before any training: the runs (each
-    field of :class:`~xattn.cli.train_core.RunResult`, with its type and range: accuracies
+    field of :class:`~xattn.training.loop.RunResult`, with its type and range: accuracies
     in [0, 1], times, losses and byte counts finite, from 0 to :data:`LARGEST_FIGURE`),
     and the configuration entries it uses (``tasks``, ``wall_s``).
 

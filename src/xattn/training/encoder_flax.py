@@ -15,9 +15,8 @@ import optax
 from flax import nnx
 
 import xattn.flax as xflax
-from xattn.cli.common import CommandError
-from xattn.cli.tasks import Dataset, Task
-from xattn.cli.train_core import NATIVE, ModelConfig, RunSpec, accuracy_counts
+from xattn.training.loop import NATIVE, ModelConfig, RunSpec, accuracy_counts
+from xattn.training.tasks import Dataset, Task
 
 __all__ = ["Encoder", "FlaxTrainer", "Trainer", "schedule", "supports_grid", "versions"]
 
@@ -72,14 +71,15 @@ class _Block(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    """The LRA encoder of :class:`xattn.cli.train_core.ModelConfig` for ``task``."""
+    """The LRA encoder of :class:`xattn.training.loop.ModelConfig` for ``task``."""
 
     def __init__(self, task: Task, estimator: str, options: dict[str, Any], *,
                  config: ModelConfig, rngs: nnx.Rngs) -> None:
         self.per_token = task.per_token
         # ModelConfig.token_init: "scaled" is nnx.Embed's own N(0, 1/dim)
-        embedding_init = ({} if config.token_init == "scaled"
-                          else {"embedding_init": nnx.initializers.normal(config.token_std)})
+        embedding_init: dict[str, Any] = ({} if config.token_init == "scaled"
+                                          else {"embedding_init": nnx.initializers.normal(
+                                              config.token_std)})
         self.embeddings = nnx.List([nnx.Embed(size, config.dim, rngs=rngs, **embedding_init)
                                     for size in task.vocabulary_sizes])
         # learned positions, initialized N(0, 1) as in the PyTorch model; none where the
@@ -112,7 +112,7 @@ class Encoder(nnx.Module):
 
 
 def schedule(spec: RunSpec) -> Callable[[Any], Any]:
-    """:func:`xattn.cli.train_core.learning_rate` as an optax schedule (jnp operations)."""
+    """:func:`xattn.training.loop.learning_rate` as an optax schedule (jnp operations)."""
     warmup = spec.warmup_steps()
     decay_steps = max(1, spec.steps - warmup)
 
@@ -153,7 +153,7 @@ class FlaxTrainer:
         try:
             self.device = jax.devices("gpu" if device == "cuda" else "cpu")[0]
         except RuntimeError:
-            raise CommandError(f"--device {device}: JAX sees no such device") from None
+            raise ValueError(f"device {device}: JAX sees no such device") from None
         with jax.default_device(self.device):
             model = Encoder(spec.task, spec.estimator, spec.options, config=spec.model,
                             rngs=nnx.Rngs(params=spec.seed, attention=spec.seed + 1))

@@ -4,16 +4,16 @@ step."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 import xattn.torch as xtorch
-from xattn.cli.measure import load_backend, native_stderr_silenced
-from xattn.cli.tasks import Dataset, Task
-from xattn.cli.train_core import NATIVE, ModelConfig, RunSpec, accuracy_counts
+from xattn.training.loop import NATIVE, ModelConfig, RunSpec, accuracy_counts
+from xattn.training.peak import native_stderr_silenced, torch_memory
+from xattn.training.tasks import Dataset, Task
 
 __all__ = ["Encoder", "TorchTrainer", "Trainer", "supports_grid", "versions"]
 
@@ -64,7 +64,7 @@ class _Block(nn.Module):
 
 
 class Encoder(nn.Module):
-    """The LRA encoder of :class:`xattn.cli.train_core.ModelConfig` for ``task``."""
+    """The LRA encoder of :class:`xattn.training.loop.ModelConfig` for ``task``."""
 
     def __init__(self, task: Task, estimator: str, options: dict[str, Any], *,
                  config: ModelConfig, generator: torch.Generator, device: Any = None) -> None:
@@ -74,7 +74,7 @@ class Encoder(nn.Module):
                                         for size in task.vocabulary_sizes)
         with torch.no_grad():  # ModelConfig.token_init, drawn from the global generator
             for embedding in self.embeddings:  # as nn.Embedding's own N(0, 1) is
-                embedding.weight.normal_(0.0, config.token_std)
+                cast(nn.Embedding, embedding).weight.normal_(0.0, config.token_std)
         # learned positions, initialized like the token embeddings (N(0, 1)); none where
         # the order carries no information (mqar)
         self.position = nn.Parameter(torch.randn(task.length, config.dim, generator=generator)
@@ -109,7 +109,7 @@ class TorchTrainer:
 
     def __init__(self, spec: RunSpec, device: str = "cpu") -> None:
         # peak memory as xattn bench measures it: torch's CPU allocator (profiler) or CUDA
-        self.backend = load_backend("torch", device, "float32")
+        self.backend = torch_memory(device)
         self.memory_method = self.backend.memory_method + " (one training step)"
         self.device = torch.device(self.backend.device)
         generator = torch.Generator(device=self.device).manual_seed(spec.seed)

@@ -7,8 +7,8 @@ The defaults reproduce nanoGPT's ``train_shakespeare_char`` with its CPU overrid
 (README: ``--device=cpu --compile=False --eval_iters=20 --log_interval=1 --block_size=64
 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
 --lr_decay_iters=2000 --dropout=0.0``), whose validation loss nanoGPT reports as about
-1.88. The framework modules (:mod:`xattn.cli.train_lm_torch`,
-:mod:`xattn.cli.train_lm_flax`) build the model and give an :class:`LMTrainer`.
+1.88. The framework modules (:mod:`xattn.training.lm_torch`,
+:mod:`xattn.training.lm_flax`) build the model and give an :class:`LMTrainer`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from xattn.cli.common import advance
-from xattn.cli.tasks import shakespeare
-from xattn.cli.train_core import WARMUP_STEPS  # steps not timed; the last measures memory
+from xattn.training.loop import (
+    WARMUP_STEPS,  # steps not timed; the last measures memory
+    advance,
+)
+from xattn.training.tasks import shakespeare
 
 __all__ = ["EVAL_SEED", "LM_QUICK_STEPS", "RFA_SINKS", "RFA_WINDOW", "RFA_WINDOW_ROW",
            "GPTConfig", "LMResult", "LMSpec", "LMTrainer", "Sampler",

@@ -1,5 +1,5 @@
 """Flax (NNX) side of ``xattn train --task shakespeare``: the causal GPT of
-:class:`xattn.cli.train_lm.GPTConfig` with :class:`xattn.flax.MultiHeadAttention`
+:class:`xattn.training.lm.GPTConfig` with :class:`xattn.flax.MultiHeadAttention`
 (``is_causal=True``) or, for the ``native`` row, :class:`flax.nnx.MultiHeadAttention` (with
 :func:`flax.nnx.make_causal_mask`), and nanoGPT's AdamW step (optax) under
 :func:`jax.jit`."""
@@ -16,10 +16,9 @@ import optax
 from flax import nnx
 
 import xattn.flax as xflax
-from xattn.cli.common import CommandError
-from xattn.cli.train_core import NATIVE
-from xattn.cli.train_flax import versions
-from xattn.cli.train_lm import GPTConfig, LMSpec, Sampler
+from xattn.training.encoder_flax import versions
+from xattn.training.lm import GPTConfig, LMSpec, Sampler
+from xattn.training.loop import NATIVE
 
 __all__ = ["GPT", "FlaxLMTrainer", "Trainer", "lm_schedule", "versions"]
 
@@ -102,7 +101,7 @@ class GPT(nnx.Module):
 
 
 class _StateSampler:
-    """:class:`xattn.cli.train_lm.Sampler` of a :class:`GPT` in evaluation mode: the
+    """:class:`xattn.training.lm.Sampler` of a :class:`GPT` in evaluation mode: the
     layers' ``decode=True`` caches, stepped by :func:`jax.jit` over the model's split
     state (one trace per length). Not :func:`flax.nnx.jit`: it walks the module graph in
     Python at every call, which at one token per call cost more than the step itself (the
@@ -140,7 +139,7 @@ class _StateSampler:
 
 
 def lm_schedule(spec: LMSpec) -> Any:
-    """:func:`xattn.cli.train_lm.lm_learning_rate` as an optax schedule."""
+    """:func:`xattn.training.lm.lm_learning_rate` as an optax schedule."""
 
     def rate(step: Any) -> Any:
         warm = spec.peak_lr * (step + 1) / (spec.warmup + 1)
@@ -169,7 +168,7 @@ class FlaxLMTrainer:
         try:
             self.device = jax.devices("gpu" if device == "cuda" else "cpu")[0]
         except RuntimeError:
-            raise CommandError(f"--device {device}: JAX sees no such device") from None
+            raise ValueError(f"device {device}: JAX sees no such device") from None
         self.length, self.dim, self.native = spec.length, spec.model.dim, spec.estimator == NATIVE
         self._sampler_compiled: dict[str, Any] = {}
         with jax.default_device(self.device):

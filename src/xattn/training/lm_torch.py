@@ -1,5 +1,5 @@
 """PyTorch side of ``xattn train --task shakespeare``: a causal GPT (nanoGPT's model, see
-:class:`xattn.cli.train_lm.GPTConfig`) with :class:`xattn.torch.MultiheadAttention`
+:class:`xattn.training.lm.GPTConfig`) with :class:`xattn.torch.MultiheadAttention`
 (``is_causal=True``, no mask: the linear estimators never form an ``(L, L)`` array) or,
 for the ``native`` row, :class:`torch.nn.MultiheadAttention` (with the causal
 ``attn_mask`` it needs, ``(L, L)``, counted in the memory estimate), and nanoGPT's AdamW
@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import xattn.torch as xtorch
-from xattn.cli.measure import load_backend, native_stderr_silenced
-from xattn.cli.train_core import NATIVE
-from xattn.cli.train_lm import GPTConfig, LMSpec, Sampler
-from xattn.cli.train_torch import versions
+from xattn.training.encoder_torch import versions
+from xattn.training.lm import GPTConfig, LMSpec, Sampler
+from xattn.training.loop import NATIVE
+from xattn.training.peak import native_stderr_silenced, torch_memory
 
 __all__ = ["GPT", "TorchLMTrainer", "Trainer", "versions"]
 
@@ -67,7 +67,7 @@ class _Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """nanoGPT's character model (:class:`~xattn.cli.train_lm.GPTConfig`) at ``length``
+    """nanoGPT's character model (:class:`~xattn.training.lm.GPTConfig`) at ``length``
     positions, the head tied to the token embedding."""
 
     def __init__(self, config: GPTConfig, length: int, estimator: str,
@@ -115,7 +115,7 @@ class GPT(nn.Module):
 
 
 class _StateSampler:
-    """:class:`xattn.cli.train_lm.Sampler` of a :class:`GPT` (evaluation mode)."""
+    """:class:`xattn.training.lm.Sampler` of a :class:`GPT` (evaluation mode)."""
 
     def __init__(self, trainer: TorchLMTrainer) -> None:
         self.trainer = trainer
@@ -142,7 +142,7 @@ class TorchLMTrainer:
     """nanoGPT's AdamW steps, loss estimate and sampling of a :class:`GPT`."""
 
     def __init__(self, spec: LMSpec, device: str = "cpu") -> None:
-        self.backend = load_backend("torch", device, "float32")
+        self.backend = torch_memory(device)
         self.memory_method = self.backend.memory_method + " (one training step)"
         self.device = torch.device(self.backend.device)
         self.estimator = spec.estimator

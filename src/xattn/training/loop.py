@@ -1,9 +1,11 @@
-"""Framework-independent parts of ``xattn train``: the run configuration, the attention
-options per estimator, the learning-rate schedule, batching, the training loop with its
-learning curve and timing, and the peak-memory probe.
+"""The framework-independent training of the Long Range Arena model (``xattn train``, and
+:func:`xattn.training.train`): the run configuration, the attention options per
+estimator, the learning-rate schedule, batching, the training loop with its learning curve
+and timing, and the peak-memory probe.
 
-The framework modules (:mod:`xattn.cli.train_torch`, :mod:`xattn.cli.train_flax`) build
-the model and give a :class:`Trainer`; :func:`train_run` drives it.
+The framework modules (:mod:`xattn.training.encoder_torch`,
+:mod:`xattn.training.encoder_flax`) build the model and give a :class:`Trainer`;
+:func:`train_run` drives it.
 """
 
 from __future__ import annotations
@@ -18,20 +20,21 @@ from typing import Any, Protocol
 import numpy as np
 
 from xattn import ESTIMATORS
-from xattn.cli.common import advance
-from xattn.cli.tasks import Dataset, Task
+from xattn.training.tasks import Dataset, Task
 
 __all__ = [
     "ATTENTIONS",
     "LARA_VARIANTS",
     "NATIVE",
     "NATIVE_LAYERS",
+    "TOKEN_INITS",
     "WARMUP_STEPS",
     "ModelConfig",
     "RunResult",
     "RunSpec",
     "Trainer",
     "accuracy_counts",
+    "advance",
     "attention_options",
     "batches",
     "lara_variant_options",
@@ -80,14 +83,14 @@ class ModelConfig:
     ``"scaled"`` draws N(0, 1/dim) (Flax's ``nnx.Embed`` default), ``"unit"`` N(0, 1)
     (PyTorch's ``nn.Embedding`` default, which the PyTorch model used before 0.2). On
     ``mqar`` it decides whether RFA learns (see ``benchmarks/bench_train_parity.py`` and
-    :mod:`xattn.cli.train_parity`). Every other weight starts as its framework's layer
+    ``xattn.training.parity``). Every other weight starts as its framework's layer
     starts it: projections and linear layers with PyTorch's or Flax's initializers.
 
     ``equal_query_key_init``: the key projection starts as a copy of the query projection
     (both are then trained independently), so that at initialization tokens that share an
     embedding (a query and the key-value pair holding its key) attend to each other more
     than to unrelated tokens. Without it, softmax attention stayed at chance on ``mqar`` at
-    length 256 for 1,500 steps in 2 of 3 seeds (see :mod:`xattn.cli.tasks.mqar`)."""
+    length 256 for 1,500 steps in 2 of 3 seeds (see ``xattn.training.tasks.mqar``)."""
 
     dim: int = 64
     ffn: int = 128
@@ -235,6 +238,14 @@ def accuracy_counts(logits: np.ndarray, targets: np.ndarray) -> tuple[int, int]:
     return int(correct.sum()), int(counted.sum())
 
 
+def advance(bar: Any, label: str) -> None:
+    """Advance the progress bar (a tqdm bar, or None for none) by one step, labelled
+    ``label``."""
+    if bar is not None:
+        bar.set_postfix_str(label, refresh=False)
+        bar.update(1)
+
+
 class Trainer(Protocol):
     """What a framework module gives :func:`train_run`."""
 
@@ -256,8 +267,10 @@ def train_run(spec: RunSpec, trainer: Trainer, train: Dataset, test: Dataset,
     """Train for ``spec.steps`` steps, evaluating ``spec.eval_points`` times on the first
     ``spec.curve_test_size`` test examples and at the end on the whole test set.
 
-    ``progress`` is a tqdm bar (or None). ms per step is the median wall time of the
-    steps after the first :data:`WARMUP_STEPS` (compilation and warm-up), evaluation
+    ``trainer`` is the ``Trainer`` of a framework module for ``spec``
+    (``load_framework(framework).Trainer(spec, device=device)``); ``progress`` is a tqdm
+    bar (or None). ms per step is the median wall time of the
+    steps after the first ``WARMUP_STEPS`` (5: compilation and warm-up), evaluation
     excluded; the peak memory is measured on the last of those warm-up steps.
     """
     curve_test = test.take(np.arange(min(len(test), spec.curve_test_size)))

@@ -1,7 +1,7 @@
 """The parameters of the ``xattn train`` model in one layout for both frameworks, to
 train the PyTorch and the Flax model from the same weights (issue 43: training parity).
 
-Both :class:`xattn.cli.train_torch.Encoder` and :class:`xattn.cli.train_flax.Encoder`
+Both :class:`xattn.training.encoder_torch.Encoder` and :class:`xattn.training.encoder_flax.Encoder`
 (with the xattn layer or the framework's own) are read into, and loaded from, a flat
 dict of NumPy arrays keyed by the Flax model's parameter paths joined by dots
 (``"blocks.0.attention.query.kernel"``), in Flax's layout: a PyTorch weight ``W`` of
@@ -157,7 +157,7 @@ def torch_parameters(model: Any, *, gradients: bool = False) -> dict[str, np.nda
 
     Parameters
     ----------
-    model : xattn.cli.train_torch.Encoder
+    model : xattn.training.encoder_torch.Encoder
     gradients : bool
         Read the parameters' ``.grad`` instead (after a backward pass; the features and
         parameters without a gradient are left out).
@@ -187,7 +187,7 @@ def load_torch_parameters(
 
     Parameters
     ----------
-    model : xattn.cli.train_torch.Encoder
+    model : xattn.training.encoder_torch.Encoder
     parameters : dict of str to numpy.ndarray
     groups : iterable of str, optional
         Copy only the entries of these :data:`PARAMETER_GROUPS` (default: all).
@@ -242,7 +242,7 @@ def flax_parameters(model: Any, gradients: Any = None) -> dict[str, np.ndarray]:
 
     Parameters
     ----------
-    model : xattn.cli.train_flax.Encoder
+    model : xattn.training.encoder_flax.Encoder
     gradients : flax.nnx.State, optional
         The gradients of ``nnx.grad`` with respect to the model's ``nnx.Param``: read
         them instead of the parameters.
@@ -270,7 +270,7 @@ def load_flax_parameters(
 
     Parameters
     ----------
-    model : xattn.cli.train_flax.Encoder
+    model : xattn.training.encoder_flax.Encoder
     parameters : dict of str to numpy.ndarray
     groups : iterable of str, optional
         Copy only the entries of these :data:`PARAMETER_GROUPS` (default: all).

@@ -2,8 +2,8 @@
 downloaded): ``mqar`` (multi-query associative recall), ``listops`` (the Long Range Arena's
 ListOps), ``digits`` (scikit-learn's 8x8 handwritten digits, vendored) and ``shakespeare``
 (tiny Shakespeare, character-level causal language modelling, vendored: its data and
-training loop are its own, see :mod:`xattn.cli.tasks.shakespeare` and
-:mod:`xattn.cli.train_lm`).
+training loop are its own, see :mod:`xattn.training.tasks.shakespeare` and
+:mod:`xattn.training.lm`).
 
 Every task gives NumPy arrays: ``tokens`` (n, L, F) int32 with F token fields whose
 embeddings the model sums, ``mask`` (n, L) bool (True = a real token) or None, and
@@ -21,7 +21,7 @@ from functools import cache
 
 import numpy as np
 
-from xattn.cli.tasks import digits, listops, mqar, shakespeare
+from xattn.training.tasks import digits, listops, mqar, shakespeare
 
 __all__ = ["CLASSIFICATION_TASKS", "LISTOPS_MIN_LENGTH", "SHAKESPEARE_LENGTH", "TASKS",
            "Dataset", "Task", "get_task"]
@@ -33,7 +33,7 @@ CLASSIFICATION_TASKS = ("mqar", "listops", "digits")
 #: Context of ``shakespeare`` by default (nanoGPT's CPU configuration's block size).
 SHAKESPEARE_LENGTH = 64
 
-#: MQAR's fixed sizes (see :mod:`xattn.cli.tasks.mqar`).
+#: MQAR's fixed sizes (see :mod:`xattn.training.tasks.mqar`).
 MQAR_PAIRS, MQAR_KEYS, MQAR_VALUES = 16, 64, 64
 #: Shortest ListOps length accepted (an expression of a few nested operators).
 LISTOPS_MIN_LENGTH = 32

@@ -21,7 +21,7 @@ informative position of a query holds about 1/256 of the attention mass at
 initialization, and with independently initialized query and key projections softmax
 stayed at chance for 1,500 steps in 2 of 3 seeds (also with every free position a
 query). ``xattn train`` therefore starts the key projection equal to the query projection
-(see :class:`xattn.cli.train_core.ModelConfig`). With it and a peak learning rate of
+(see :class:`xattn.training.loop.ModelConfig`). With it and a peak learning rate of
 3e-3, softmax solved the task (100 % test accuracy from about step 180) in 2 of the 3
 seeds of the full 600-step run; the third stayed at chance. With 1e-3, the setting of
 ``xattn train``, softmax solved it in each of seeds 0-4 (99.8-100 %, from step 180 to
