@@ -5,9 +5,11 @@ accuracy, training loss, time per step and peak memory; optionally also with the
 framework's own layer (``--estimators native``: :class:`torch.nn.MultiheadAttention`,
 :class:`flax.nnx.MultiHeadAttention`) as the baseline of the softmax row.
 
-The run configuration (model, optimizer, schedule, estimator options) is in
-:mod:`xattn.training.loop`, the tasks in :mod:`xattn.training.tasks`, the outputs in
-:mod:`xattn.cli.train_report`.
+What is trained (the model, optimizer, schedule, estimator options, tasks) is
+:mod:`xattn.training`'s, through the functions :func:`xattn.training.train` uses; this
+module parses the options, plans the runs, runs them (each in its own process with
+``--jobs``) and writes the outputs (:mod:`xattn.cli.train_report`; ``--resume``:
+:mod:`xattn.cli.train_resume`; ``--task shakespeare``: :mod:`xattn.cli.train_lm_report`).
 """
 
 from __future__ import annotations
