@@ -25,7 +25,7 @@ ESTIMATORS = {
         xattn.softmax_attention, *a, **{"rng_keyword": None, "draws": 1, **kw}),
 }
 
-# the attention-input errors every estimator shares (from _array.prepare_attention)
+# the attention-input errors every estimator shares (from xattn._core.inputs.prepare_attention)
 COMMON = [
     ("q rank", (Q[0, 0], K, V), {}, ValueError, r"q must have shape \(\.\.\., N, D\)"),
     ("k rank", (Q, K[0, 0], V), {}, ValueError, r"k must have shape \(\.\.\., M, D\)"),

@@ -28,8 +28,8 @@ import pytest
 import xattn
 
 # may need extras that are not installed (the layers' framework helpers too)
-OPTIONAL_MODULES = {"cli", "torch", "flax", "transformers", "_torch_layer", "_flax_layer",
-                    "_flax_attention_fn", "_hf_cache", "_hf_masks"}
+OPTIONAL_MODULES = {"cli", "training", "torch", "flax", "transformers", "torch_layer",
+                    "flax_layer", "flax_attention_fn", "hf_cache", "hf_masks"}
 OPTION_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # tested in subprocesses, one per Keras backend (tests/test_keras_layer.py)
 SUBPROCESS_MODULES = {"xattn.keras", "xattn._integrations.keras_layer"}
@@ -109,7 +109,7 @@ API_PAGE = Path(__file__).resolve().parents[1] / "docs" / "api.rst"
 #: The modules a user is told to import, whose ``__all__`` the API reference must cover.
 #: (``xattn.cli`` is documented as a command; its page lists only ``main``.)
 DOCUMENTED_MODULES = ("xattn", "xattn.random", "xattn.features", "xattn.diagnostics",
-                      "xattn.mrf", "xattn.torch", "xattn.flax", "xattn.keras")
+                      "xattn.mrf", "xattn.torch", "xattn.flax", "xattn.keras", "xattn.training")
 
 
 def _api_page_names() -> set[str]:

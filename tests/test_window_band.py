@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from op_counting import op_counter
-from xattn._core.array import prepare_attention
+from xattn._core.inputs import prepare_attention
 from xattn._estimators.window import _band_chunks, _exact_partial
 
 WINDOWS = (1, 5, 16, 40)

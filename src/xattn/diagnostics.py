@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from xattn._core.array import Array, array_namespace, prepare_attention
+from xattn._core.array import Array, array_namespace
+from xattn._core.inputs import check_attention_inputs, prepare_attention
 from xattn._core.options import check_positive_int
 from xattn._core.primitives import nonzero_divisor
 from xattn._estimators.softmax import softmax_attention
@@ -335,58 +336,6 @@ def _relative(mse: float, reference_mean_square: float) -> float:
     if reference_mean_square > 0:
         return math.sqrt(mse / reference_mean_square)
     return 0.0 if mse == 0 else math.inf
-
-
-def check_attention_inputs(
-    q: Array,
-    k: Array,
-    v: Array,
-    *,
-    key_mask: Array | None = None,
-    query_mask: Array | None = None,
-    check_finite: bool = False,
-) -> None:
-    """Check ``q, k, v`` and the masks as every estimator checks them, computing nothing.
-
-    The checks: all arrays from one library; ranks >= 2; ``D`` of q equals ``D`` of k;
-    ``M`` of k equals ``M`` of v; real floating dtypes; boolean masks of shape
-    ``(..., M)`` (``key_mask``) and ``(..., N)`` (``query_mask``); leading dims that
-    broadcast. For checking inputs before a long run, or in a tool that reads them from a
-    file (``xattn bench --inputs`` does).
-
-    Parameters
-    ----------
-    q : array, shape (..., N, D)
-    k : array, shape (..., M, D)
-    v : array, shape (..., M, Dv)
-    key_mask : bool array, shape broadcastable to (..., M), optional
-    query_mask : bool array, shape broadcastable to (..., N), optional
-    check_finite : bool
-        Also read the values and refuse NaN or infinity (forces lazy Dask inputs; not
-        possible on traced arrays).
-
-    Raises
-    ------
-    ValueError
-        For a shape that does not fit, naming the array and the expected shape (or the
-        array that holds a non-finite value, with ``check_finite``).
-    TypeError
-        For arrays of different libraries or a dtype that is not real floating (boolean
-        for the masks), naming the array.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from xattn.diagnostics import check_attention_inputs
-    >>> check_attention_inputs(np.zeros((4, 8)), np.zeros((6, 8)), np.zeros((6, 2)))
-    >>> check_attention_inputs(np.zeros((4, 8)), np.zeros((6, 3)),
-    ...                        np.zeros((6, 2)))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: q and k must have the same last dim D: q has shape (4, 8) (..., N, D), ...
-    """
-    prepare_attention(q, k, v, key_mask=key_mask, query_mask=query_mask,
-                      check_finite=check_finite)
 
 
 def uniform_attention(q: Array, k: Array, v: Array, *, key_mask: Array | None = None) -> Array:

@@ -36,7 +36,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._core.array import Array, host_namespace, host_to_device, qr
+from xattn._core.array import Array, host_namespace, host_to_device
+from xattn._core.delegation import qr
 from xattn._core.options import check_bool, check_choice, check_positive_int
 from xattn._core.primitives import finite_shift, merge_maxima, nonzero_divisor
 from xattn.random import HostGenerator, as_generator

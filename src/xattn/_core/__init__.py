@@ -17,4 +17,4 @@ nothing else of xattn. Backend-specific branches (torch, JAX, Dask, CuPy) live h
 is only ever reached through the arrays it is given.
 """
 
-__all__ = ["array", "options", "primitives", "state"]
+__all__ = ["array", "delegation", "inputs", "options", "primitives", "state"]

@@ -1,6 +1,6 @@
 """The checks of every scalar option of xattn's estimators, helpers and layers.
 
-Arrays are checked by :func:`xattn._core.array.prepare_attention` (shapes, dtypes, masks,
+Arrays are checked by :func:`xattn._core.inputs.prepare_attention` (shapes, dtypes, masks,
 devices); everything else an estimator or a layer takes (flags, counts, choices, scales,
 RFA's window and sinks, LARA's segments, the layers' estimator options) is checked here,
 once, so that one kind of mistake raises one exception type with one message wherever it

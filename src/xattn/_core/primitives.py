@@ -16,17 +16,9 @@ from typing import Any, NamedTuple
 import array_api_compat
 import array_api_extra as xpx
 
-from xattn._core.array import (
-    Array,
-    AttentionInputs,
-    append_ones_column,
-    chunked_like,
-    nan_to_num,
-    nonfinite_rows,
-    one_chunk_along,
-    split_rows,
-    written_in_place,
-)
+from xattn._core.array import Array, chunked_like, one_chunk_along, split_rows, written_in_place
+from xattn._core.delegation import append_ones_column, nan_to_num, nonfinite_rows
+from xattn._core.inputs import AttentionInputs
 
 __all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_entries",
            "finite_inputs", "finite_shift", "group_rows", "join", "logsumexp",
@@ -263,7 +255,7 @@ def finite_entries(xp: Any, x: Array) -> Array:
 
 def value_columns(xp: Any, v: Array) -> Array:
     """Values with a column of ones appended (the denominator), non-finite entries 0
-    (:func:`~xattn._core.array.append_ones_column`: one operation where the library pads)."""
+    (:func:`~xattn._core.delegation.append_ones_column`: one operation where the library pads)."""
     return append_ones_column(finite_entries(xp, v))
 
 

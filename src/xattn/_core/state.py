@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from xattn._core.array import Array, AttentionInputs, concrete_count, register_pytree
+from xattn._core.array import Array, concrete_count, register_pytree
+from xattn._core.inputs import AttentionInputs
 from xattn._core.options import check_bool
 
 __all__ = ["IMPORTANCE_FEATURES", "LARAState", "RAState", "RFAState", "SoftmaxState",

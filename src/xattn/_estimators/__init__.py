@@ -17,4 +17,5 @@ other downwards in the order above (an estimator imports the machinery, never th
 Never a framework: the layers and the command line sit above.
 """
 
-__all__ = ["chunks", "decode", "importance", "lara", "lara_causal", "ra", "rf_groups", "rf_scan", "rfa", "segments", "softmax", "window"]
+__all__ = ["chunks", "decode", "importance", "lara", "lara_causal", "ra", "rf_groups", "rf_scan",
+           "rfa", "segments", "softmax", "window"]

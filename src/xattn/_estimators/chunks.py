@@ -39,7 +39,8 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._core.array import Array, one_chunk_along, stop_gradient, take
+from xattn._core.array import Array, one_chunk_along, take
+from xattn._core.delegation import stop_gradient
 from xattn._core.primitives import finite_shift
 
 __all__ = ["DIRECT_PAIRS", "PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix",

@@ -42,13 +42,9 @@ import math
 from collections.abc import Generator
 from typing import Any, TypeVar
 
-from xattn._core.array import (
-    Array,
-    AttentionInputs,
-    append_ones_column,
-    nonfinite_probe,
-    stop_gradient,
-)
+from xattn._core.array import Array
+from xattn._core.delegation import append_ones_column, nonfinite_probe, stop_gradient
+from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
     finite_entries,
@@ -57,10 +53,10 @@ from xattn._core.primitives import (
     quarantine,
 )
 from xattn._core.state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
+from xattn._estimators.feature_maps import PositiveMap
 from xattn._estimators.rf_scan import (
     FeatureMap,
     Partial,
-    PositiveMap,
     State,
     combine_partials,
     finish_partial,
@@ -205,7 +201,7 @@ def _to_batch(xp: Any, x: Array, batch: tuple[int, ...]) -> Array:
 
 def _nonfinite_probe(xp: Any, *rows: Array) -> Array:
     """(..., 1, 1): 0 where every entry of the rows (..., 1, ·) is finite, NaN where one is
-    not (:func:`~xattn._core.array.nonfinite_probe` of the rows side by side)."""
+    not (:func:`~xattn._core.delegation.nonfinite_probe` of the rows side by side)."""
     return nonfinite_probe(xp.concat(rows, axis=-1) if len(rows) > 1 else rows[0])
 
 

@@ -33,7 +33,8 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._core.array import Array, AttentionInputs
+from xattn._core.array import Array
+from xattn._core.inputs import AttentionInputs
 from xattn._core.state import (
     IMPORTANCE_FEATURES,
     LARAState,
@@ -41,8 +42,9 @@ from xattn._core.state import (
     refuse,
 )
 from xattn._estimators.decode import continue_rfa
+from xattn._estimators.feature_maps import PositiveMap
 from xattn._estimators.importance import importance_weights, own_proposal_weights
-from xattn._estimators.rf_scan import PAIR_BLOCK, PositiveMap, block_positions
+from xattn._estimators.rf_scan import PAIR_BLOCK, block_positions
 from xattn._estimators.rfa import causal_scan
 
 __all__ = ["CAUSAL_WEIGHTINGS", "ImportanceMap", "causal_lara",

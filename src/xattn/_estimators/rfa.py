@@ -30,13 +30,8 @@ import math
 import warnings
 from typing import Any
 
-from xattn._core.array import (
-    Array,
-    check_samples,
-    concrete_count,
-    default_working_memory,
-    prepare_attention,
-)
+from xattn._core.array import Array, concrete_count, default_working_memory
+from xattn._core.inputs import check_samples, prepare_attention
 from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
     check_bool,
@@ -53,12 +48,11 @@ from xattn._core.state import (
     rfa_state_options,
 )
 from xattn._estimators.decode import continue_rfa
+from xattn._estimators.feature_maps import PositiveMap, TrigonometricMap
 from xattn._estimators.rf_groups import positive_rfa, rfa_group_rows, trigonometric_rfa
 from xattn._estimators.rf_scan import (
     PAIR_BLOCK,
     FeatureMap,
-    PositiveMap,
-    TrigonometricMap,
     block_positions,
     finish_partial,
     scan_partials,

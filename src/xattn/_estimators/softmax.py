@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from xattn._core.array import (
-    Array,
-    AttentionInputs,
-    has_native_attention,
-    native_attention,
-    prepare_attention,
-    sequence_positions,
-    stream_bounds,
-)
+from xattn._core.array import Array, sequence_positions, stream_bounds
+from xattn._core.delegation import has_native_attention, native_attention
+from xattn._core.inputs import AttentionInputs, prepare_attention
 from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
     IMPLEMENTATIONS,

@@ -41,7 +41,8 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._core.array import Array, AttentionInputs, chunked_like
+from xattn._core.array import Array, chunked_like
+from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
     finite_entries,

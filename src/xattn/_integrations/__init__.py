@@ -15,4 +15,5 @@ for it, and only when that module is imported. Never the public framework module
 (``xattn.torch``, ``xattn.flax``, ...), which sit above and import from here.
 """
 
-__all__ = ["flax_attention_fn", "flax_layer", "hf_cache", "hf_masks", "keras_layer", "layers", "torch_layer"]
+__all__ = ["flax_attention_fn", "flax_layer", "hf_cache", "hf_masks", "keras_layer", "layers",
+           "torch_layer"]

@@ -1,0 +1,226 @@
+"""Native fast paths of single operations, each beside its portable Array API form.
+
+As array-api-extra's delegation layer: a function here computes one thing (a QR
+factorization, the probes that find non-finite rows, a running maximum, exact attention by
+the library's fused kernel, ...) with the library's own function where it has one (torch,
+JAX, CuPy, Dask) and with the standard otherwise, and gives the same result either way.
+The estimators call these and never branch on the library themselves."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import math
+from typing import Any
+
+import array_api_compat
+import array_api_extra as xpx
+import numpy as np
+
+from xattn._core.array import Array, one_chunk_along
+from xattn._core.inputs import AttentionInputs
+
+__all__ = ["append_ones_column", "cumulative_max", "has_native_attention", "nan_to_num",
+           "native_attention", "nonfinite_probe", "nonfinite_rows", "qr", "stop_gradient"]
+
+
+def qr(xp: Any, a: Array) -> tuple[Array, Array]:
+    """Reduced QR of a stack of square matrices ``a`` (..., D, D).
+
+    Uses ``xp.linalg.qr`` where the namespace has it for square stacks; Dask (whose
+    QR is tall-and-skinny only) applies NumPy's QR lazily to these small matrices
+    (``array_api_extra.lazy_apply``), so no graph is computed here.
+    """
+    if array_api_compat.is_dask_namespace(xp):
+        return xpx.lazy_apply(np.linalg.qr, a, shape=(a.shape, a.shape),
+                              dtype=(a.dtype, a.dtype), as_numpy=True, xp=xp)
+    return xp.linalg.qr(a)
+
+def append_ones_column(x: Array) -> Array:
+    """``x`` (..., F) with a column of ones appended, (..., F + 1): torch's own ``pad`` on
+    torch (one operation, which ``torch.compile`` traces without a warning), elsewhere a
+    concatenation with ``ones_like`` of a column of ``x`` (on Dask chunked like ``x``;
+    :func:`array_api_extra.pad` builds one block there)."""
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        return torch.nn.functional.pad(x, (0, 1), value=1.0)
+    xp = array_api_compat.array_namespace(x)
+    return xp.concat([x, xp.ones_like(x[..., :1])], axis=-1)
+
+def stop_gradient(x: Array) -> Array:
+    """``x`` held constant by autograd (torch, JAX): a stabilizing shift, which cancels.
+    A torch tensor that autograd does not track is returned as it is (no operation)."""
+    if array_api_compat.is_jax_array(x):
+        import jax
+
+        return jax.lax.stop_gradient(x)
+    if array_api_compat.is_torch_array(x) and x.requires_grad:
+        return x.detach()
+    return x
+
+def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
+    """``x`` with NaN, ``+inf`` and ``-inf`` entries replaced by ``nan``, ``posinf`` and
+    ``neginf``: the library's ``nan_to_num`` where it has one (one operation, whose
+    gradient is zero at the replaced entries), ``where`` elsewhere."""
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+    if array_api_compat.is_jax_array(x):
+        import jax.numpy as jnp
+
+        return jnp.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+    if array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x):
+        module = np if array_api_compat.is_numpy_array(x) else importlib.import_module("cupy")
+        return module.nan_to_num(x, copy=True, nan=nan, posinf=posinf, neginf=neginf)
+    xp = array_api_compat.array_namespace(x)
+    x = xp.where(xp.isnan(x), nan, x)
+    return xp.where(x == xp.inf, posinf, xp.where(x == -xp.inf, neginf, x))
+
+def nonfinite_rows(*arrays: Array) -> Array:
+    """Boolean (..., L): whether row ``i`` of any of ``arrays`` (each (..., L, ·), their
+    leading dims broadcasting) holds a NaN or an infinity.
+
+    On torch and JAX: ``isnan`` of the sum over the arrays of ``sum(x * 0)`` along each
+    row (:func:`nonfinite_probe`: two operations per array, then one more per array and
+    one ``isnan``). Elsewhere ``not all(isfinite(x))``, whose only temporary is one
+    boolean per entry (NumPy would make ``x * 0`` a float copy of the input).
+    """
+    xp = array_api_compat.array_namespace(*arrays)
+    if all(array_api_compat.is_torch_array(x) or array_api_compat.is_jax_array(x)
+           for x in arrays):
+        probe = nonfinite_probe(arrays[0])
+        for x in arrays[1:]:
+            probe = probe + nonfinite_probe(x)
+        return xp.isnan(probe[..., 0])
+    bad = ~xp.all(xp.isfinite(arrays[0]), axis=-1)
+    for x in arrays[1:]:
+        bad = bad | ~xp.all(xp.isfinite(x), axis=-1)
+    return bad
+
+def cumulative_max(x: Array, axis: int) -> Array:
+    """The running maximum of ``x`` along ``axis``: ``max(x[..., :i + 1])`` at ``i``.
+
+    The standard has no cumulative maximum, so this delegates to the library's own where it
+    has one (``torch.cummax``, ``jax.lax.cummax``, ``numpy.maximum.accumulate``), one
+    operation; elsewhere (CuPy, whose ``maximum`` has no ``accumulate``; Dask,
+    array-api-strict) it doubles: ``ceil(log2(L))`` steps of shift and ``maximum``. NaN
+    propagates in every form.
+    """
+    axis = axis % x.ndim
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        return torch.cummax(x, dim=axis).values
+    if array_api_compat.is_jax_array(x):
+        import jax
+
+        return jax.lax.cummax(x, axis=axis)
+    if array_api_compat.is_numpy_array(x):
+        return np.maximum.accumulate(x, axis=axis)
+    xp = array_api_compat.array_namespace(x)
+    length, step = x.shape[axis], 1
+    while step < length:
+        shape = list(x.shape)
+        shape[axis] = step
+        fill = xp.full(tuple(shape), -xp.inf, dtype=x.dtype, device=array_api_compat.device(x))
+        kept = [slice(None)] * x.ndim
+        kept[axis] = slice(0, length - step)
+        x = xp.maximum(x, xp.concat([fill, x[tuple(kept)]], axis=axis))
+        step *= 2
+    return one_chunk_along(x, axis)  # Dask: not a chunk per step
+
+def has_native_attention(inputs: AttentionInputs, *, automatic: bool = False) -> bool:
+    """Whether :func:`native_attention` has a fused kernel for ``inputs``: torch tensors;
+    JAX arrays with ``Dv = D`` not in float64 (jax.nn's kernel forms float32 logits), and
+    with ``automatic`` not on a CPU backend."""
+    q = inputs.q
+    if array_api_compat.is_torch_array(q):
+        return True
+    if not (array_api_compat.is_jax_array(q) and inputs.v.shape[-1] == q.shape[-1]
+            and inputs.compute_dtype != inputs.xp.float64):
+        return False
+    if automatic:
+        import jax
+        return jax.default_backend() != "cpu"
+    return True
+
+def nonfinite_probe(x: Array) -> Array:
+    """(..., 1): 0 where the row ``x[..., i, :]`` is finite, NaN where one of its entries
+    is NaN or infinite: ``sum(x * 0)``, two operations (on NumPy without its warning
+    about ``inf * 0``)."""
+    xp = array_api_compat.array_namespace(x)
+    if array_api_compat.is_numpy_array(x):
+        with np.errstate(invalid="ignore"):
+            return np.sum(x * 0.0, axis=-1, keepdims=True)
+    if array_api_compat.is_dask_array(x) or array_api_compat.is_array_api_strict_namespace(xp):
+        # NumPy underneath, computed elsewhere: the same values without its warning
+        return xp.sum(xp.where(xp.isfinite(x), xp.zeros_like(x), xp.nan), axis=-1,
+                      keepdims=True)
+    return xp.sum(x * 0.0, axis=-1, keepdims=True)
+
+def native_attention(inputs: AttentionInputs, causal: bool, *, automatic: bool = False,
+                     every_query_has_a_key: bool = False) -> Array | None:
+    """Exact softmax attention by the array library's fused kernel, or None where it has
+    none: ``torch.nn.functional.scaled_dot_product_attention`` for torch tensors,
+    ``jax.nn.dot_product_attention`` for JAX arrays in float32 (it requires ``Dv = D`` and
+    forms float32 logits, so float64 stays on the portable path).
+
+    The contract of :func:`xattn.softmax_attention` holds: the masks combine (a
+    ``key_mask`` stays ``(..., 1, M)``; with ``causal`` too, one ``(..., N, M)`` boolean
+    mask is built), causal masking is top-left, and a query with no allowed key gets a
+    zero row whose gradient is finite (it attends every key inside the kernel, and its
+    row is then replaced by zeros). Half-precision inputs reach the kernel in their own
+    dtype (the fused kernels accumulate in float32 themselves, and only there do torch's
+    FlashAttention and cuDNN kernels run); the result is in the compute dtype.
+
+    ``automatic`` (the choice of ``implementation=None``) also returns None for JAX on a
+    CPU backend, where XLA's kernel forms the whole (N, M) score matrix and measured about
+    twice the time of the portable loop (``benchmarks/bench_native_softmax.py``).
+    ``every_query_has_a_key`` (the caller knows it from the shapes and options, such as
+    a decoding step whose own key is unmasked) leaves out the zero rows' operations.
+    """
+    if not has_native_attention(inputs, automatic=automatic):
+        return None
+    xp, q, k, v = inputs.xp, inputs.q, inputs.k, inputs.v
+    is_torch = array_api_compat.is_torch_array(q)
+    batch, num_queries, num_keys = inputs.batch_shape, q.shape[-2], k.shape[-2]
+    q, k, v = (x if tuple(x.shape[:-2]) == tuple(batch)
+               else xp.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    mask = None if inputs.key_mask is None else inputs.key_mask[..., None, :]  # (..., 1, M)
+    if causal and mask is not None:  # one (..., N, M) mask: the native kernels take one
+        queries = xp.arange(num_queries, device=inputs.device)[:, None]
+        mask = mask & (queries >= xp.arange(num_keys, device=inputs.device)[None, :])
+    has_keys = None  # per query (or per batch entry): any allowed key
+    if mask is not None and not every_query_has_a_key:
+        has_keys = xp.any(mask, axis=-1, keepdims=True)
+        mask = xp.broadcast_to(mask | ~has_keys, (*batch, mask.shape[-2], num_keys))
+    # both kernels take 4-D inputs, every leading dim flattened into one batch of one head:
+    # torch's fused CPU kernel runs only on 4-D inputs (other ranks fall back to forming
+    # the whole score matrix), and jax.nn wants (B, T, heads, H)
+    flat = math.prod(batch)
+    if inputs.dtype != inputs.compute_dtype:  # half precision: exact, back to the caller's
+        q, k, v = (xp.astype(x, inputs.dtype) for x in (q, k, v))
+    out: Array
+    # (B, H, ·, ·) is 4-D already: torch takes it as it is
+    four_d = is_torch and len(batch) == 2
+    flat_mask = mask if mask is None or four_d else xp.reshape(
+        mask, (flat, 1, *mask.shape[-2:]))
+    if is_torch:
+        import torch
+        if not four_d:
+            q, k, v = (xp.reshape(x, (flat, 1, *x.shape[-2:])) for x in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=flat_mask, is_causal=causal and mask is None,
+            scale=inputs.scale)
+    else:
+        import jax
+        q, k, v = (xp.reshape(x, (flat, x.shape[-2], 1, x.shape[-1])) for x in (q, k, v))
+        out = jax.nn.dot_product_attention(q, k, v, mask=flat_mask, scale=inputs.scale,
+                                           is_causal=causal and mask is None)
+    if not four_d:
+        out = xp.reshape(out, (*batch, num_queries, v.shape[-1]))
+    if out.dtype != inputs.compute_dtype:
+        out = xp.astype(out, inputs.compute_dtype)
+    return out if has_keys is None else xp.where(has_keys, out, xp.zeros_like(out))
