@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TorchMemory", "allocator_peak", "native_stderr_silenced", "torch_cpu_peak",
-           "torch_memory"]
+__all__ = ["TORCH_MEMORY_METHODS", "TorchMemory", "allocator_peak", "native_stderr_silenced",
+           "torch_cpu_peak", "torch_memory"]
 
 #: How :meth:`TorchMemory.peak_memory` measures, by device type (written to the JSON).
 TORCH_MEMORY_METHODS = {
