@@ -42,7 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from xattn.training.loop import RunSpec, attention_options, batches, learning_rate, train_run
+from xattn.training.loop import (
+    ModelConfig,
+    RunSpec,
+    attention_options,
+    batches,
+    learning_rate,
+    train_run,
+)
 from xattn.training.parity import (
     PARAMETER_GROUPS,
     flax_parameters,
@@ -69,9 +76,17 @@ ATTENTIONS = {
 }
 
 
-def make_spec(task_name: str, attention: str, seed: int, samples: int, **options: Any) -> RunSpec:
+#: ``--token-init framework``: each framework's token embeddings as xattn 0.1 drew them
+#: (PyTorch's ``nn.Embedding`` N(0, 1), Flax's ``nnx.Embed`` N(0, 1/width)), with which
+#: the runs of ``benchmarks/train_parity_mqar.json`` were made.
+FRAMEWORK_TOKEN_INITS = {"torch": "unit", "flax": "scaled"}
+
+
+def make_spec(task_name: str, attention: str, seed: int, samples: int,
+              token_init: str = "scaled", **options: Any) -> RunSpec:
     """The :class:`RunSpec` of ``xattn train`` for one run of ``attention`` (an
-    estimator or a name of :data:`ATTENTIONS`), with extra layer options."""
+    estimator or a name of :data:`ATTENTIONS`), with extra layer options and the token
+    embeddings' initialization ``token_init`` (see :class:`ModelConfig`)."""
     settings = SETTINGS[task_name]
     estimator, extra = ATTENTIONS.get(attention, (attention, {}))
     return RunSpec(
@@ -84,6 +99,7 @@ def make_spec(task_name: str, attention: str, seed: int, samples: int, **options
         settings.batch_size,
         settings.peak_lr,
         warmup_fraction=settings.warmup_fraction,
+        model=ModelConfig(token_init=token_init),
     )
 
 
@@ -140,14 +156,16 @@ def fix_noise(framework: str, trainer: Any, seed: int) -> None:
 
 
 def check_trajectories(
-    task_name: str, steps: int, samples: int, modules: dict[str, Any]
+    task_name: str, steps: int, samples: int, modules: dict[str, Any],
+    token_init: str = "scaled",
 ) -> list[dict[str, Any]]:
     """The first ``steps`` training losses of both frameworks from the same weights,
     batches and random numbers (see the module docstring), per estimator."""
     results = []
     for estimator in ("softmax", "rfa", "ra"):
         options = {"redraw_interval": None} if estimator == "rfa" else {}
-        spec = make_spec(task_name, estimator, 0, samples, **options)
+        init = FRAMEWORK_TOKEN_INITS["torch"] if token_init == "framework" else token_init
+        spec = make_spec(task_name, estimator, 0, samples, token_init=init, **options)
         train, _ = spec.task.datasets(SETTINGS[task_name].train_size, 1)
         trainers = {name: module.Trainer(spec) for name, module in modules.items()}
         set_torch_layer_norm_epsilon(trainers["torch"], FLAX_LAYER_NORM_EPSILON)
@@ -199,14 +217,20 @@ def parse_variant(text: str) -> tuple[str, str, str | None, tuple[str, ...]]:
 
 
 def run_variant(
-    text: str, task_name: str, seed: int, samples: int, modules: dict[str, Any]
+    text: str, task_name: str, seed: int, samples: int, modules: dict[str, Any],
+    token_init: str = "scaled",
 ) -> dict[str, Any]:
     """One training run of a variant (see the module docstring)."""
     framework, estimator, source, groups = parse_variant(text)
-    spec = make_spec(task_name, estimator, seed, samples)
+
+    def spec_of(name: str) -> RunSpec:  # the model of framework ``name``
+        init = FRAMEWORK_TOKEN_INITS[name] if token_init == "framework" else token_init
+        return make_spec(task_name, estimator, seed, samples, token_init=init)
+
+    spec = spec_of(framework)
     trainer = modules[framework].Trainer(spec)
     if source is not None and source != framework:
-        donor = modules[source].Trainer(spec)
+        donor = modules[source].Trainer(spec_of(source))
         set_trainer_parameters(framework, trainer, trainer_parameters(source, donor), groups)
     settings = SETTINGS[task_name]
     train, test = spec.task.datasets(settings.train_size, settings.test_size)
@@ -235,6 +259,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--check-steps", type=int, default=0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--token-init", default="scaled", choices=["scaled", "unit", "framework"],
+                        help="the token embeddings' start in both frameworks (as xattn "
+                        "train's --token-init), or framework: each framework's 0.1 default")
     args = parser.parse_args()
     modules = {
         "flax": load_framework("flax", 1),  # XLA's threads before torch
@@ -258,12 +285,14 @@ def main() -> None:
         }
     )
     if args.check_steps:
-        record["check"] = check_trajectories(args.task, args.check_steps, args.samples, modules)
+        record["check"] = check_trajectories(args.task, args.check_steps, args.samples, modules,
+                                             args.token_init)
         if path is not None:
             path.write_text(json.dumps(record, indent=1) + "\n")
     for text in filter(None, args.variants.split(",")):
         for seed in (int(item) for item in args.seeds.split(",")):
-            run = run_variant(text, args.task, seed, args.samples, modules)
+            run = run_variant(text, args.task, seed, args.samples, modules, args.token_init)
+            run["token_init"] = args.token_init
             record["runs"] = [
                 old for old in record["runs"] if (old["variant"], old["seed"]) != (text, seed)
             ] + [run]

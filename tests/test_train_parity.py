@@ -199,6 +199,30 @@ def test_both_frameworks_draw_the_token_embeddings_alike(token_init):
         assert abs(weights.std() / expected - 1) < 8 / np.sqrt(2 * weights.size)
 
 
+def test_the_unit_start_is_torchs_own_embedding_draw():
+    # "unit" draws nothing beyond nn.Embedding's own N(0, 1): the PyTorch model of 0.1,
+    # every later weight from the same global random stream
+    config = ModelConfig(dim=16, ffn=32, heads=2, layers=1, token_init="unit")
+    task = get_task("mqar", 64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = train_torch.Encoder(task, "softmax", {}, config=config,
+                                    generator=torch.Generator().manual_seed(3))
+        after_model = torch.rand(4)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        expected = [torch.nn.Embedding(size, 16).weight for size in task.vocabulary_sizes]
+    for embedding, weight in zip(model.embeddings, expected, strict=True):
+        torch.testing.assert_close(embedding.weight, weight, rtol=0, atol=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        scaled = train_torch.Encoder(task, "softmax", {}, config=ModelConfig(
+            dim=16, ffn=32, heads=2, layers=1), generator=torch.Generator().manual_seed(3))
+        after_scaled = torch.rand(4)
+    assert not torch.equal(scaled.embeddings[0].weight, model.embeddings[0].weight)
+    assert not torch.equal(after_model, after_scaled)  # the redraw takes numbers
+
+
 def test_an_unknown_token_init_is_refused():
     with pytest.raises(ValueError, match="token_init must be one of scaled, unit"):
         ModelConfig(token_init="xavier")

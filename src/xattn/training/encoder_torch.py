@@ -72,11 +72,12 @@ class Encoder(nn.Module):
         self.per_token = task.per_token
         self.embeddings = nn.ModuleList(nn.Embedding(size, config.dim, device=device)
                                         for size in task.vocabulary_sizes)
-        with torch.no_grad():  # ModelConfig.token_init, drawn from the global generator
-            for embedding in self.embeddings:  # as nn.Embedding's own N(0, 1) is
-                cast(nn.Embedding, embedding).weight.normal_(0.0, config.token_std)
-        # learned positions, initialized like the token embeddings (N(0, 1)); none where
-        # the order carries no information (mqar)
+        if config.token_init != "unit":  # "unit" is nn.Embedding's own N(0, 1) draw, as in 0.1
+            with torch.no_grad():  # ModelConfig.token_init, from the global generator
+                for embedding in self.embeddings:
+                    cast(nn.Embedding, embedding).weight.normal_(0.0, config.token_std)
+        # learned positions, initialized N(0, 1); none where the order carries no
+        # information (mqar)
         self.position = nn.Parameter(torch.randn(task.length, config.dim, generator=generator)
                                      .to(device)) if task.positional else None
         self.blocks = nn.ModuleList(_Block(config, estimator, options, generator, device)
