@@ -714,7 +714,9 @@ def test_resume_keeps_finished_runs_the_command_does_not_plan(tmp_path, monkeypa
     (["--task", "digits", "--steps", "2"], ["--task", "mqar", "--steps", "2"]),
     (["--task", "mqar", "--length", "64", "--steps", "2"],
      ["--task", "mqar", "--length", "128", "--steps", "2"]),
-], ids=["steps", "default-steps", "task", "length"])
+    (["--task", "digits", "--steps", "2"],
+     ["--task", "digits", "--steps", "2", "--token-init", "scaled"]),
+], ids=["steps", "default-steps", "task", "length", "token-init"])
 def test_resume_refuses_runs_of_other_steps_or_task_and_leaves_the_file(
         first, again, tmp_path, monkeypatch, capsys):
     """A finished run is never dropped: where the file holds runs that this command
@@ -735,6 +737,22 @@ def test_resume_refuses_runs_of_other_steps_or_task_and_leaves_the_file(
     err = capsys.readouterr().err
     assert code == 2 and trained == [], err
     assert len(err.strip().splitlines()) == 1 and "--resume" in err and "Traceback" not in err
-    option = next(item for item in ("--steps", "--task", "--length") if item in err)
+    option = next(item for item in ("--steps", "--task", "--length", "--token-init")
+                  if item in err)
     assert option in {item for item in [*first, *again] if item.startswith("--")}
     assert (tmp_path / "train.json").read_bytes() == before
+
+
+def test_each_task_starts_its_token_embeddings_as_its_settings_say():
+    """The token embeddings' start is a task setting, the same in both frameworks:
+    N(0, 1) beside learned N(0, 1) positions (digits, listops), N(0, 1/width) without
+    them (mqar); --token-init overrides it for every task."""
+    from xattn.cli import build_parser
+    from xattn.cli.train import plan_jobs
+    for task_name, expected in [("digits", "unit"), ("listops", "unit"), ("mqar", "scaled")]:
+        assert get_task(task_name).positional is (expected == "unit")
+        for option, init in [([], expected), (["--token-init", "scaled"], "scaled"),
+                             (["--token-init", "unit"], "unit")]:
+            args = build_parser().parse_args(["train", "--task", task_name, *option])
+            jobs = plan_jobs([get_task(task_name)], [0], args, has_grid=False)
+            assert {job.spec.model.token_init for job in jobs} == {init}

@@ -138,11 +138,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"fair comparison (default: {DEFAULT_SAMPLES}); RA draws 1 sample")
     parser.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
                         help="batch size (default: 32; shakespeare 12)")
-    parser.add_argument("--token-init", default="scaled", choices=TOKEN_INITS,
-                        help="initial token embeddings of the classification tasks, in "
-                        "both frameworks: scaled N(0, 1/width) (default; Flax's nnx.Embed) "
-                        "or unit N(0, 1) (PyTorch's nn.Embedding; the PyTorch default of "
-                        "xattn 0.1)")
+    parser.add_argument("--token-init", default=None, choices=TOKEN_INITS,
+                        help="initial token embeddings of the classification tasks, the "
+                        "same in both frameworks: scaled N(0, 1/width) or unit N(0, 1) "
+                        "(default: the task's, unit where learned N(0, 1) position "
+                        "embeddings are added to them (digits, listops), scaled where none "
+                        "are (mqar))")
     parser.add_argument("--quick", action="store_true",
                         help="one seed and fewer steps and examples (a few minutes)")
     parser.add_argument("--device", default="cpu", choices=DEVICES,
@@ -316,11 +317,14 @@ def run(args: argparse.Namespace) -> int:
         "framework": args.framework, "device": args.device, "threads": args.threads,
         "jobs": args.jobs,
         "tasks": {task.name: {"length": task.length, "description": task.description,
-                              "grid": task.grid, **dataclasses.asdict(SETTINGS[task.name])}
+                              "grid": task.grid, **dataclasses.asdict(SETTINGS[task.name]),
+                              "token_init": args.token_init or SETTINGS[task.name].token_init}
                   for task in tasks},
         "estimators": list(args.estimators), "seeds": seeds, "samples": args.samples,
         "quick": args.quick, "steps": args.steps, "batch_size": args.batch_size,
-        "model": dataclasses.asdict(jobs[0].spec.model) if jobs else None,
+        # the model every task shares; its token_init is a task setting (above)
+        "model": {key: value for key, value in dataclasses.asdict(jobs[0].spec.model).items()
+                  if key != "token_init"} if jobs else None,
         "lara_2d_segments": has_grid,
     }
     # JSON's view of the configuration (tuples become lists), as a resumed file holds it

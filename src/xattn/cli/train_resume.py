@@ -20,7 +20,7 @@ __all__ = ["RESUME_KEYS", "PreviousRuns", "previous_runs", "row_names"]
 #: Configuration entries that must match for ``--resume`` to take runs over, with the
 #: option that sets each (None: not an option, fixed by the version or the framework).
 RESUME_KEYS = {"framework": "--framework", "device": "--device", "samples": "--samples",
-               "quick": "--quick", "batch_size": "--batch-size", "model": "--token-init",
+               "quick": "--quick", "batch_size": "--batch-size", "model": None,
                "lara_2d_segments": None}
 
 
@@ -79,6 +79,11 @@ def previous_runs(path: Path, config: dict[str, Any], jobs: dict[int, RunSpec],
             if length != config["tasks"][result.task]["length"]:
                 raise CommandError(f"{where} at --length {length}, this command has "
                                    f"{config['tasks'][result.task]['length']}; {untouched}")
+            token_init = (settings or {}).get("token_init", "not recorded (xattn 0.1)")
+            if token_init != config["tasks"][result.task]["token_init"]:
+                raise CommandError(f"{where} with --token-init {token_init}, this command "
+                                   f"has {config['tasks'][result.task]['token_init']}; "
+                                   f"{untouched}")
             raise CommandError(f"{where} with other task settings ({settings!r:.60}); "
                                f"choose another --out; {untouched}")
         if result.steps != steps.get(result.task, result.steps):
