@@ -8,6 +8,7 @@ The estimators call these and never branch on the library themselves."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import math
@@ -41,12 +42,19 @@ def append_ones_column(x: Array) -> Array:
     torch (one operation, which ``torch.compile`` traces without a warning), elsewhere a
     concatenation with ``ones_like`` of a column of ``x`` (on Dask chunked like ``x``;
     :func:`array_api_extra.pad` builds one block there)."""
+    return append_column(x, 1.0)
+
+
+def append_column(x: Array, value: bool | float) -> Array:
+    """``x`` (..., F) with a column of ``value`` appended, (..., F + 1), in ``x``'s dtype
+    (a boolean ``x`` takes ``True``/``False``): as :func:`append_ones_column`."""
     if array_api_compat.is_torch_array(x):
         import torch
 
-        return torch.nn.functional.pad(x, (0, 1), value=1.0)
+        return torch.nn.functional.pad(x, (0, 1), value=float(value))
     xp = array_api_compat.array_namespace(x)
-    return xp.concat([x, xp.ones_like(x[..., :1])], axis=-1)
+    column = xp.zeros_like(x[..., :1]) if not value else xp.ones_like(x[..., :1])
+    return xp.concat([x, column], axis=-1)
 
 def stop_gradient(x: Array) -> Array:
     """``x`` held constant by autograd (torch, JAX): a stabilizing shift, which cancels.
@@ -145,6 +153,14 @@ def has_native_attention(inputs: AttentionInputs, *, automatic: bool = False) ->
         import jax
         return jax.default_backend() != "cpu"
     return True
+
+def ignore_invalid(xp: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which NumPy computes ``inf - inf`` and ``inf * 0`` as NaN without its
+    ``RuntimeWarning`` (how a non-finite input reaches its rows); no operation elsewhere."""
+    if array_api_compat.is_numpy_namespace(xp):
+        return np.errstate(invalid="ignore")
+    return contextlib.nullcontext()
+
 
 def nonfinite_probe(x: Array) -> Array:
     """(..., 1): 0 where the row ``x[..., i, :]`` is finite, NaN where one of its entries

@@ -26,9 +26,10 @@ traces once under :func:`jax.jit` and runs inside :func:`jax.lax.scan`. The keys
 leave the window (those of ``E`` before the last :math:`w`) join the sums; the sink
 slots take the new tokens at positions :math:`< K`; masked keys never enter the state.
 
-**One token** (:func:`step_rfa`, the decode step of generation): the same state update
-written for :math:`L = 1` as a short, fixed sequence of array operations, with no branch
-on array values and no pass over the window or the state beyond its fixed size.
+**One token** (:func:`xattn._estimators.step.step_rfa`, the decode step of generation):
+the same state update written for :math:`L = 1` as a short, fixed sequence of array
+operations, with no branch on array values and no pass over the window or the state
+beyond its fixed size.
 
 **Key-value caches** (:func:`extend_cache`): softmax attention and RA attend the cached
 keys and the new ones, query :math:`P + j` the keys :math:`m \le P + j`; the estimators
@@ -43,17 +44,15 @@ from collections.abc import Generator
 from typing import Any, TypeVar
 
 from xattn._core.array import Array
-from xattn._core.delegation import append_ones_column, nonfinite_probe, stop_gradient
+from xattn._core.delegation import append_column, nonfinite_probe
 from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
     finite_entries,
-    finite_shift,
     mark_tainted,
     quarantine,
 )
 from xattn._core.state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
-from xattn._estimators.feature_maps import PositiveMap
 from xattn._estimators.rf_scan import (
     FeatureMap,
     Partial,
@@ -63,9 +62,10 @@ from xattn._estimators.rf_scan import (
     scan_partials,
     state_over_keys,
 )
+from xattn._estimators.step import step_rfa
 from xattn._estimators.window import exact_partial
 
-__all__ = ["append_token", "continue_rfa", "extend_cache", "step_rfa"]
+__all__ = ["append_token", "continue_rfa", "extend_cache"]
 
 Cache = TypeVar("Cache", bound=_KeyValueCache)
 
@@ -199,133 +199,6 @@ def _to_batch(xp: Any, x: Array, batch: tuple[int, ...]) -> Array:
     return x if tuple(x.shape[:-2]) == batch else xp.broadcast_to(x, (*batch, *x.shape[-2:]))
 
 
-def _nonfinite_probe(xp: Any, *rows: Array) -> Array:
-    """(..., 1, 1): 0 where every entry of the rows (..., 1, ·) is finite, NaN where one is
-    not (:func:`~xattn._core.delegation.nonfinite_probe` of the rows side by side)."""
-    return nonfinite_probe(xp.concat(rows, axis=-1) if len(rows) > 1 else rows[0])
-
-
-def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFAState, *,
-             guard: bool) -> tuple[Array, Array | None, RFAState]:
-    r"""Causal RFA of one new token :math:`n = P` after the :math:`P` of ``state``: what
-    :func:`continue_rfa` computes, as a fixed sequence of array operations.
-
-    With ``window`` :math:`w \ge 1`, query :math:`n` reads the state's sums (keys
-    :math:`K \le m \le n - w - 1`) and, exactly, the band ``E`` = [the window buffer,
-    the new key] (positions :math:`n - w, \dots, n`) and the sink slots; then the oldest
-    key of ``E`` joins the sums and ``E`` without it is the new buffer. With :math:`w =
-    0` the new key joins the sums first (query :math:`n` attends :math:`m \le n`). A
-    non-finite key or value taints this row and the state (its maximum becomes NaN, so
-    every later row is NaN); a non-finite query taints its own row.
-    """
-    window, sinks = state.window, state.sinks
-    root_scale = math.sqrt(inputs.scale)
-    q, k, v = inputs.q, inputs.k, inputs.v  # (..., 1, D), (..., 1, D), (..., 1, Dv)
-    # (..., 1, 1): NaN when the new token is not finite
-    key_probe = _nonfinite_probe(xp, *(_to_batch(xp, x, tuple(inputs.batch_shape)) for x in (k, v)))
-    valid = None
-    if inputs.key_mask is not None:  # a masked token never enters the state
-        valid = inputs.key_mask  # (..., 1)
-        key_probe = xp.where(valid[..., None], key_probe, 0.0)
-        k, v = xp.where(valid[..., None], k, 0.0), xp.where(valid[..., None], v, 0.0)
-    row_probe = key_probe + _nonfinite_probe(xp, q)
-    # the state keeps finite entries (a non-finite token is in its maximum, as NaN); the
-    # query is read as it is: a non-finite one makes only its own row NaN, as its probe
-    k, v = finite_entries(xp, k), finite_entries(xp, v)
-    position = state.position
-    features = state.feature_state
-
-    def joined(key: Array, value: Array, key_valid: Array | None) -> tuple[Array, ...]:
-        """The sums after one key (..., 1, ·) joins them (``key_valid`` False: it does not);
-        for the positive maps the online-softmax merge of one logit per feature."""
-        logits = mapping.keys(root_scale * key, key_valid)
-        value = append_ones_column(value)  # [v, 1] (v is finite here)
-        if not isinstance(mapping, PositiveMap):
-            return mapping.merge_states(features, mapping.key_state(logits, value))
-        key_max, sums = features
-        logits = logits[0][..., 0, :]  # a_s of the key, (..., F)
-        new_max = xp.maximum(key_max, stop_gradient(logits))
-        shift = finite_shift(xp, new_max)
-        return new_max, (xp.exp(key_max - shift)[..., None] * sums
-                         + xp.exp(logits - shift)[..., None] * value)
-
-    sink_keys, sink_values, sink_valid = state.sink_keys, state.sink_values, state.sink_valid
-    if sinks:  # slot s takes the token at position s
-        lands = xp.arange(sinks, dtype=position.dtype, device=inputs.device) == position
-        sink_keys = xp.where(lands[:, None], k, sink_keys)
-        sink_values = xp.where(lands[:, None], v, sink_values)
-        sink_valid = xp.where(lands, True if valid is None else valid, sink_valid)
-    # the new key's place outside the sinks: positions >= K (and not masked)
-    new_valid = position >= sinks if sinks else valid
-    if sinks and valid is not None:
-        new_valid = new_valid & valid
-    queries = mapping.queries(root_scale * q)
-    if window:
-        batch = tuple(state.window_keys.shape[:-2])
-        band_keys = xp.concat([state.window_keys, _to_batch(xp, k, batch)], axis=-2)
-        band_values = xp.concat([state.window_values, _to_batch(xp, v, batch)], axis=-2)
-        band_valid = xp.concat([state.window_valid, xp.broadcast_to(
-            xp.asarray(True, device=inputs.device) if new_valid is None else new_valid,
-            (*batch, 1))], axis=-1)
-        read = features  # keys <= n - w - 1
-        features = joined(band_keys[..., :1, :], band_values[..., :1, :], band_valid[..., :1])
-    else:
-        features = joined(k, v, None if new_valid is None else
-                          xp.broadcast_to(new_valid, (*k.shape[:-2], 1)))
-        read = features  # keys <= n
-    invalid = None  # the clamped rows (trigonometric map)
-    if not (window or sinks):
-        if isinstance(mapping, PositiveMap):
-            out = _positive_row(xp, queries + read[0][..., None, :], read[1])
-        else:
-            out, invalid = finish_partial(xp, mapping.readout(queries, read), guard=guard)
-    else:  # exact terms e^{q.k} over the band and the sinks
-        keys = xp.concat([band_keys, sink_keys], axis=-2) if window and sinks else (
-            band_keys if window else sink_keys)
-        values = xp.concat([band_values, sink_values], axis=-2) if window and sinks else (
-            band_values if window else sink_values)
-        allowed = xp.concat([band_valid, sink_valid], axis=-1) if window and sinks else (
-            band_valid if window else sink_valid)
-        # one query: its scores as an elementwise product and a sum (no batched product)
-        scores = xp.where(allowed, xp.sum((inputs.scale * q) * keys, axis=-1),
-                          -xp.inf)[..., None, :]  # (..., 1, w + 1 + K)
-        constant = mapping.query_constant(root_scale * q)
-        if isinstance(mapping, PositiveMap):  # features and exact keys in one readout
-            logits = xp.concat([queries + read[0][..., None, :] + constant, scores], axis=-1)
-            out = _positive_row(xp, logits, xp.concat([read[1], append_ones_column(values)],
-                                                      axis=-2))
-        else:
-            random_part = mapping.readout(queries, read)
-            shift = stop_gradient(xp.max(scores, axis=-1, keepdims=True))
-            exact_sums = xp.exp(scores - finite_shift(xp, shift)) @ append_ones_column(values)
-            out, invalid = finish_partial(xp, combine_partials(
-                xp, [(random_part[0] + constant, *random_part[1:]),
-                     (shift, exact_sums, exact_sums[..., -1:])]), guard=guard)
-    # the state's maximum (..., F) or (..., 1, 1) carries the taint
-    tainted_max = features[0] + (key_probe if features[0].ndim == key_probe.ndim
-                                 else key_probe[..., 0])
-    new_state = dataclasses.replace(
-        state, feature_max=tainted_max, feature_sums=features[1],
-        feature_weight=features[2] if len(features) == 3 else None, position=position + 1,
-        window_keys=band_keys[..., 1:, :] if window else state.window_keys,
-        window_values=band_values[..., 1:, :] if window else state.window_values,
-        window_valid=band_valid[..., 1:] if window else state.window_valid,
-        sink_keys=sink_keys, sink_values=sink_values, sink_valid=sink_valid)
-    return out + row_probe, invalid, new_state
-
-
-def _positive_row(xp: Any, logits: Array, sums: Array) -> Array:
-    r"""One query's row from its logits (..., 1, F) over the columns of ``sums`` (..., F,
-    Dv + 1), the last one the denominator: :math:`\sum_f e^{c_f - c^*} A_f / \sum_f
-    e^{c_f - c^*} b_f` with :math:`c^* = \max_f c_f`, the products as one elementwise
-    product and one sum (a single row: a matrix product would add the views of a batched
-    product); 0 for a row without keys."""
-    shift = stop_gradient(xp.max(logits, axis=-1, keepdims=True))
-    weights = xp.exp(logits - finite_shift(xp, shift))
-    row = xp.sum(xp.matrix_transpose(weights) * sums, axis=-2, keepdims=True)
-    return finish_partial(xp, (None, row, None), guard=False)[0]
-
-
 def append_token(inputs: AttentionInputs, cache: Cache) -> tuple[AttentionInputs, Cache]:
     """The decoding step of a key-value cache (one new token): the inputs of the query
     against the cached keys and the new one, and the cache with the token appended, in a
@@ -338,17 +211,18 @@ def append_token(inputs: AttentionInputs, cache: Cache) -> tuple[AttentionInputs
     batch = tuple(cache.keys.shape[:-2])
     k, v = inputs.k, inputs.v
     # (..., 1, 1): NaN for a non-finite token
-    probe = _nonfinite_probe(xp, *(_to_batch(xp, x, tuple(inputs.batch_shape)) for x in (k, v)))
-    if inputs.key_mask is None:
-        valid = xp.ones((*batch, 1), dtype=xp.bool, device=inputs.device)
+    probe = nonfinite_probe(xp.concat([_to_batch(xp, x, tuple(inputs.batch_shape))
+                                       for x in (k, v)], axis=-1))
+    if inputs.key_mask is None:  # the validity grows by a True column (one operation)
+        valid = append_column(cache.valid, True)
     else:
-        valid = xp.broadcast_to(inputs.key_mask, (*batch, 1))
-        probe = xp.where(valid[..., None], probe, 0.0)
-        k, v = xp.where(valid[..., None], k, 0.0), xp.where(valid[..., None], v, 0.0)
+        mask = xp.broadcast_to(inputs.key_mask, (*batch, 1))
+        valid = xp.concat([cache.valid, mask], axis=-1)
+        probe = xp.where(mask[..., None], probe, 0.0)
+        k, v = xp.where(mask[..., None], k, 0.0), xp.where(mask[..., None], v, 0.0)
 
     cache = type(cache)(xp.concat([cache.keys, _to_batch(xp, k + probe, batch)], axis=-2),
-                        xp.concat([cache.values, _to_batch(xp, v, batch)], axis=-2),
-                        xp.concat([cache.valid, valid], axis=-1))
+                        xp.concat([cache.values, _to_batch(xp, v, batch)], axis=-2), valid)
     return dataclasses.replace(inputs, k=cache.keys, v=cache.values, key_mask=cache.valid,
                                batch_shape=batch), cache
 

@@ -7,6 +7,7 @@ maximum). Each implements :class:`~xattn._estimators.rf_scan.FeatureMap`, what
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -63,12 +64,27 @@ class PositiveMap:
     def __init__(self, xp: Any, omega: Array, pair_block: int = PAIR_BLOCK) -> None:
         self.xp = xp
         self.omega = omega
-        self.omega_t = xp.matrix_transpose(omega)
         self.num_samples = omega.shape[0]
         self.multiple = 1 << (pair_block.bit_length() - 1)  # a power of two, <= pair_block
 
+    @functools.cached_property
+    def omega_t(self) -> Array:
+        """The samples transposed, (..., D, S): made when first used (a decode step
+        does not)."""
+        return self.xp.matrix_transpose(self.omega)
+
     def queries(self, q_hat: Array) -> Array:
         return q_hat @ self.omega_t  # p_ns, (..., B, S)
+
+    @property
+    def log_mean(self) -> float:
+        """-log S: the log of the 1/S mean over the features (in :meth:`query_constant`)."""
+        return -math.log(self.num_samples)
+
+    def query_offset(self, q_hat: Array) -> Array | None:
+        r"""What the query logits add to :math:`\omega_s \cdot \hat q_n` besides
+        :meth:`query_constant`, (..., N, S); None: nothing (RFA's own map)."""
+        return None
 
     def query_constant(self, q_hat: Array) -> Array:
         """log of the factors left out of ``queries``: -|q_n|^2/2 - log S (the 1/S mean)."""

@@ -103,7 +103,14 @@ class ImportanceMap(PositiveMap):
         self.proposal_means, self.own_weight = proposal_means, own_weight[..., 0, :]
         self.weighting, self.beta = weighting, beta
 
+    log_mean = 0.0  # the weights alpha_nc are the mixture's normalization
+
     def queries(self, q_hat: Array) -> Array:
+        return q_hat @ self.omega_t + self.query_offset(q_hat)
+
+    def query_offset(self, q_hat: Array) -> Array:
+        r""":math:`\log \alpha_{nc} + \log N(\omega_c; 0, I) - \log q_c(\omega_c)`,
+        (..., N, C) (N = 1 for the balance heuristic, the same for every query)."""
         xp = self.xp
         affinity = None
         if self.weighting == "query_proposal":  # (r_nc, rho = 1): the decoupled formula
@@ -112,7 +119,7 @@ class ImportanceMap(PositiveMap):
         weights = importance_weights(xp, self.own_weight, affinity,
                                      "balance" if affinity is None else "decoupled", self.beta)
         # the weights are floored at WEIGHT_FLOOR > 0, so their logs are finite
-        return q_hat @ self.omega_t + self.log_ratio + xp.log(weights)
+        return self.log_ratio + xp.log(weights)
 
     def query_constant(self, q_hat: Array) -> Array:
         xp = self.xp
