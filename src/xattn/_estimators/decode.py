@@ -129,7 +129,12 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
     batch = tuple(state.sink_keys.shape[:-2])
     # a non-finite key or value taints every later row: the state carries it as a NaN
     # maximum, and the sums are computed without it (xattn._core.primitives.quarantine)
+    # (the decode step keeps a tainted key in the window or a sink slot, all NaN, until
+    # it joins the sums: xattn._estimators.step)
     seen_before = xp.any(xp.isnan(xp.reshape(state.feature_max, (*batch, -1))), axis=-1)
+    for buffer in (state.window_keys, state.sink_keys):
+        if buffer.shape[-2]:
+            seen_before = seen_before | xp.any(xp.isnan(buffer), axis=(-2, -1))
     state = dataclasses.replace(state, feature_max=xp.where(
         xp.isnan(state.feature_max), -xp.inf, state.feature_max))
     tainted, bad_keys = quarantine(inputs, causal=True)

@@ -86,6 +86,11 @@ class PositiveMap:
         :meth:`query_constant`, (..., N, S); None: nothing (RFA's own map)."""
         return None
 
+    def step_offset(self, q: Array, root_scale: float) -> Array | None:
+        """:meth:`query_offset` of one query ``q`` (..., 1, D) (unscaled: ``q_hat`` is
+        ``root_scale * q``) as a row (..., S), the decode step's form; None: nothing."""
+        return None
+
     def query_constant(self, q_hat: Array) -> Array:
         """log of the factors left out of ``queries``: -|q_n|^2/2 - log S (the 1/S mean)."""
         xp = self.xp

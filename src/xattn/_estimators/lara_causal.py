@@ -108,6 +108,14 @@ class ImportanceMap(PositiveMap):
     def queries(self, q_hat: Array) -> Array:
         return q_hat @ self.omega_t + self.query_offset(q_hat)
 
+    def step_offset(self, q: Array, root_scale: float) -> Array:
+        xp = self.xp
+        if self.weighting == "query_proposal":
+            return self.query_offset(root_scale * q)[..., 0, :]
+        # the balance heuristic: alpha_c = w_c, the same for every query, a row (..., C)
+        return self.log_ratio[..., 0, :] + xp.log(importance_weights(
+            xp, self.own_weight, None, "balance", self.beta, as_row=True))
+
     def query_offset(self, q_hat: Array) -> Array:
         r""":math:`\log \alpha_{nc} + \log N(\omega_c; 0, I) - \log q_c(\omega_c)`,
         (..., N, C) (N = 1 for the balance heuristic, the same for every query)."""

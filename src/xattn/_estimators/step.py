@@ -72,10 +72,10 @@ def step_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFASt
              guard: bool) -> tuple[Array, Array | None, RFAState]:
     """Causal RFA of one new token after the tokens of ``state``: the output (..., 1, Dv),
     the clamped rows (trigonometric map with ``guard``, else None) and the new state."""
-    if isinstance(mapping, PositiveMap):
-        with ignore_invalid(xp):  # NumPy: a non-finite token's inf - inf is NaN, quietly
+    with ignore_invalid(xp):  # NumPy: a non-finite token's inf - inf is NaN, quietly
+        if isinstance(mapping, PositiveMap):
             return positive_step(xp, inputs, mapping, state)
-    return general_step(xp, inputs, mapping, state, guard=guard)
+        return general_step(xp, inputs, mapping, state, guard=guard)
 
 
 def _to_batch(xp: Any, x: Array, batch: tuple[int, ...]) -> Array:
@@ -84,12 +84,11 @@ def _to_batch(xp: Any, x: Array, batch: tuple[int, ...]) -> Array:
 
 
 def _token(xp: Any, inputs: AttentionInputs, batch: tuple[int, ...]
-           ) -> tuple[Array, Array, Array, Array, Array | None]:
+           ) -> tuple[Array, Array, Array, Array | None]:
     """The query, key and value (..., 1, ·) at the state's leading dims ``batch``, the key
     carrying the token's non-finite probe (all NaN when an entry of the key or the value
-    is not finite), the probe (..., 1, 1) and the key's validity (..., 1) (None: no
-    ``key_mask``). A masked token is zeros and never NaN; with ``key_mask`` a non-finite
-    query has NaN entries."""
+    is not finite), and the key's validity (..., 1) (None: no ``key_mask``). A masked
+    token is zeros and never NaN; with ``key_mask`` a non-finite query has NaN entries."""
     q, k, v = (_to_batch(xp, x, batch) for x in (inputs.q, inputs.k, inputs.v))
     probe = nonfinite_probe(xp.concat([k, v], axis=-1))  # (..., 1, 1): 0 or NaN
     valid = None
@@ -98,7 +97,7 @@ def _token(xp: Any, inputs: AttentionInputs, batch: tuple[int, ...]
         probe = xp.where(valid[..., None], probe, 0.0)
         k, v = xp.where(valid[..., None], k, 0.0), xp.where(valid[..., None], v, 0.0)
         q = q + q * 0.0  # NaN entries where q is not finite: the guarded row is NaN then
-    return q, k + probe, v, probe, valid
+    return q, k + probe, v, valid
 
 
 def _joined(xp: Any, key_max: Array, sums: Array, logits: Array,
@@ -131,7 +130,7 @@ def positive_step(xp: Any, inputs: AttentionInputs, mapping: PositiveMap,
     """:func:`step_rfa` of the positive maps (module docstring): (out, None, new state)."""
     window, sinks, scale = state.window, state.sinks, inputs.scale
     batch = tuple(state.sink_keys.shape[:-2])
-    q, k, v, probe, valid = _token(xp, inputs, batch)
+    q, k, v, valid = _token(xp, inputs, batch)
     omega = math.sqrt(scale) * mapping.omega  # omega-hat (..., S, D)
 
     def key_logits(key: Array) -> Array:  # a_s = k . (omega-hat_s - s k / 2), (..., S)
@@ -152,7 +151,8 @@ def positive_step(xp: Any, inputs: AttentionInputs, mapping: PositiveMap,
     if valid is not None:
         outside = valid if outside is None else outside & valid
     guarded = valid is not None
-    neg_inf = xp.full((), -math.inf, dtype=state.feature_max.dtype, device=inputs.device)
+    if window or outside is not None:  # -inf logits for keys left out, one 0-d array
+        neg_inf = xp.full((), -math.inf, dtype=state.feature_max.dtype, device=inputs.device)
 
     if window:  # the exact band [window, new key] and the sinks; the oldest key joins
         new_valid = (xp.broadcast_to(outside, (*batch, 1)) if outside is not None
@@ -161,8 +161,9 @@ def positive_step(xp: Any, inputs: AttentionInputs, mapping: PositiveMap,
         values = xp.concat([state.window_values, v, sink_values], axis=-2)
         allowed = xp.concat([state.window_valid, new_valid, sink_valid], axis=-1)
         columns = append_ones_column(values)  # [v, 1] of the exact keys
-        # the oldest key joins the sums; the new key's probe taints them now
-        oldest = key_logits(keys[..., :1, :] + probe)
+        # the oldest key joins the sums (a tainted new key taints them when it joins:
+        # until then the rows attend it exactly)
+        oldest = key_logits(keys[..., :1, :])
         joined = _joined(xp, state.feature_max, state.feature_sums,
                          xp.where(allowed[..., :1], oldest, neg_inf), columns[..., :1, :])
         read = (state.feature_max, state.feature_sums)  # keys <= n - w - 1
@@ -174,9 +175,7 @@ def positive_step(xp: Any, inputs: AttentionInputs, mapping: PositiveMap,
                                 append_ones_column(v))
         if sinks:
             keys, columns, allowed = sink_keys, append_ones_column(sink_values), sink_valid
-    offset = mapping.query_offset(math.sqrt(scale) * q)  # LARA's log weights, else None
-    if offset is not None:
-        offset = offset[..., 0, :]
+    offset = mapping.step_offset(q, math.sqrt(scale))  # LARA's log weights, else None
     if window or sinks:  # the features with the query's constant, then the exact keys
         features = (xp.sum(q * (omega - (0.5 * scale) * q), axis=-1) + read[0]
                     + mapping.log_mean)
