@@ -34,13 +34,16 @@ keys (:math:`s\, q \cdot k_m`), :math:`c^*` their maximum.
 
 **Non-finite inputs** reach the rows as one causal call's do, without a branch: the
 token's probe :math:`\sum (k, v) \cdot 0` (NaN when an entry of the key or the value is
-not finite) is added to the key, which the row attends and the state keeps, so that
-this row, the state's maximum and every later row are NaN. Without ``key_mask`` the
-row's stabilizer is its largest logit as it is: a non-finite query makes every logit
-:math:`\pm\infty` or NaN and the row NaN (the new key is always attended, so the largest
-logit of a finite query is finite and the denominator at least 1). With ``key_mask``
-(a row may have no key: output 0) the query is probed too and the stabilizer and the
-denominator are guarded. A masked token never enters the state.
+not finite) is added to the key, which the row attends and the state keeps: in its sums
+(their maximum is then NaN) or, with a window or in a sink slot, as a key of NaN that
+every later row attends until it joins the sums (a longer piece,
+:func:`~xattn._estimators.decode.continue_rfa`, reads the taint there too). So this row
+and every later one are NaN. Without ``key_mask`` the row's stabilizer is its largest
+logit as it is: a non-finite query makes every logit :math:`\pm\infty` or NaN and the
+row NaN (the new key is always attended, so the largest logit of a finite query is
+finite and the denominator at least 1). With ``key_mask`` (a row may have no key:
+output 0) the query is probed too and the stabilizer and the denominator are guarded.
+A masked token never enters the state.
 
 **The trigonometric map** (:func:`general_step`) takes the same path through the feature
 map's own methods, with the floor of its denominator.
