@@ -186,7 +186,7 @@ def prepare_attention(
         raise ValueError(f"the leading (batch) dims do not broadcast: {described}") from None
 
     device = array_api_compat.device(q)
-    check_device(q, k=k, v=v, key_mask=key_mask, query_mask=query_mask)
+    check_device(q, k=k, v=v, key_mask=key_mask, query_mask=query_mask, device=device)
 
     dtype = xp.result_type(q, k, v)
     work = compute_dtype(xp, dtype)
@@ -197,16 +197,20 @@ def prepare_attention(
         device=device, batch_shape=batch_shape,
     )
 
-def check_device(q: Array, **arrays: Array | None) -> None:
+def check_device(q: Array, device: Any = None, **arrays: Array | None) -> None:
     """Raise a ValueError naming the first of ``arrays`` (skipping None) that is not on the
-    device of ``q``; traced JAX arrays have no device (None), so nothing is compared."""
-    device = array_api_compat.device(q)
+    device of ``q`` (``device``, when the caller has it); traced JAX arrays have no
+    device (None), so nothing is compared."""
+    device = array_api_compat.device(q) if device is None else device
+    if device is None:
+        return
     for name, x in arrays.items():
-        if x is None or device is None or array_api_compat.device(x) is None:
+        if x is None:
             continue
-        if array_api_compat.device(x) != device:
-            raise ValueError(f"{name} is on device {array_api_compat.device(x)} but q is on "
-                             f"{device}; move them to one device")
+        held = array_api_compat.device(x)
+        if held is not None and held != device:
+            raise ValueError(f"{name} is on device {held} but q is on {device}; move them "
+                             "to one device")
 
 def check_samples(xp: Any, q: Array, omega: Any, num_features: int | None, head_dim: int,
                   work: Any) -> Array:

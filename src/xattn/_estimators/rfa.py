@@ -428,7 +428,7 @@ def rfa(
     grouped = not (stateful or causal or window or sinks)  # keys, then queries, in groups
     mapping: Any = (TrigonometricMap(xp, omega, pair_block) if trigonometric
                     else None if grouped else PositiveMap(xp, omega, pair_block))
-    rows = rfa_group_rows(inputs, width, itemsize, working_memory, chunk_size)
+    chunk_size_given = chunk_size
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size  # causal chunks
 
     tainted = None
@@ -446,10 +446,10 @@ def rfa(
         elif causal:
             out, invalid = causal_scan(xp, inputs, mapping, block_size, chunk_size,
                                        trigonometric)
-        elif trigonometric:
-            out, invalid = trigonometric_rfa(xp, inputs, mapping, rows)
-        else:
-            out, invalid = positive_rfa(xp, inputs, omega, rows), None
+        else:  # non-causal: keys, then queries, in groups of this many rows
+            rows = rfa_group_rows(inputs, width, itemsize, working_memory, chunk_size_given)
+            out, invalid = (trigonometric_rfa(xp, inputs, mapping, rows) if trigonometric
+                             else (positive_rfa(xp, inputs, omega, rows), None))
         out = mark_tainted(xp, out, tainted)
     if invalid is not None:
         _warn_if_any(xp, invalid if tainted is None else invalid & ~tainted)
