@@ -21,8 +21,9 @@ import numpy as np
 from xattn._core.array import Array, one_chunk_along
 from xattn._core.inputs import AttentionInputs
 
-__all__ = ["append_ones_column", "cumulative_max", "has_native_attention", "nan_to_num",
-           "native_attention", "nonfinite_probe", "nonfinite_rows", "qr", "stop_gradient"]
+__all__ = ["append_column", "append_ones_column", "cumulative_max", "has_native_attention",
+           "ignore_invalid", "nan_to_num", "native_attention", "nonfinite_probe",
+           "nonfinite_rows", "qr", "stop_gradient"]
 
 
 def qr(xp: Any, a: Array) -> tuple[Array, Array]:
