@@ -81,14 +81,10 @@ class PositiveMap:
         """-log S: the log of the 1/S mean over the features (in :meth:`query_constant`)."""
         return -math.log(self.num_samples)
 
-    def query_offset(self, q_hat: Array) -> Array | None:
-        r"""What the query logits add to :math:`\omega_s \cdot \hat q_n` besides
-        :meth:`query_constant`, (..., N, S); None: nothing (RFA's own map)."""
-        return None
-
     def step_offset(self, q: Array, root_scale: float) -> Array | None:
-        """:meth:`query_offset` of one query ``q`` (..., 1, D) (unscaled: ``q_hat`` is
-        ``root_scale * q``) as a row (..., S), the decode step's form; None: nothing."""
+        r"""What the logits of one query ``q`` (..., 1, D) add to :math:`\omega_s \cdot
+        \hat q` (``q_hat`` is ``root_scale * q``) besides :meth:`query_constant`, as a row
+        (..., S): the decode step's form. None: nothing (RFA's own map)."""
         return None
 
     def query_constant(self, q_hat: Array) -> Array:
