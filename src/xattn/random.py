@@ -9,7 +9,9 @@ The ``rng`` argument of the estimators accepts:
   NumPy in float64 and moves the numbers to the arrays' device, so **the same seed gives
   the same numbers on every backend** (exactly in float64, up to the rounding of the cast
   in lower precision);
-* an xattn :class:`Generator` (for example from :func:`default_rng`);
+* an xattn :class:`Generator` (for example from :func:`default_rng`, or
+  :class:`TorchDefaultGenerator`, torch's global generator: the way to draw inside
+  ``torch.compile(fullgraph=True)``);
 * a native generator, which draws where it lives: a :class:`numpy.random.Generator`, a
   :class:`torch.Generator` (on its device), a JAX PRNG key (split for every draw; the way
   to draw inside :func:`jax.jit`), a ``cupy.random.Generator``, or a Dask
@@ -35,6 +37,7 @@ __all__ = [
     "Generator",
     "HostGenerator",
     "JaxGenerator",
+    "TorchDefaultGenerator",
     "TorchGenerator",
     "as_generator",
     "default_rng",
@@ -127,6 +130,43 @@ class TorchGenerator(Generator):
 
     def __repr__(self) -> str:
         return f"TorchGenerator(device={self.generator.device})"
+
+
+class TorchDefaultGenerator(Generator):
+    """Draws with torch's default generator of the target device (the global generator
+    that :func:`torch.manual_seed` seeds): each draw advances it, and so changes
+    ``torch.get_rng_state()`` (or the CUDA generator's state), as ``torch.nn.Dropout``
+    does. The torch layers draw with it.
+
+    It is the way to draw inside ``torch.compile(fullgraph=True)``: dynamo traces draws
+    from the global generator, but not from a :class:`torch.Generator` object or NumPy.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import xattn
+    >>> q = k = v = torch.ones(1, 8, 4)
+    >>> attend = torch.compile(lambda q, k, v: xattn.ra(
+    ...     q, k, v, rng=xattn.random.TorchDefaultGenerator()), fullgraph=True,
+    ...     backend="aot_eager")
+    >>> tuple(attend(q, k, v).shape)
+    (1, 8, 4)
+    """
+
+    def normal(self, xp, shape, *, dtype, device=None):
+        import torch
+
+        self._require(xp, "torch", array_api_compat.is_torch_namespace)
+        return torch.randn(tuple(shape), dtype=dtype, device=device)
+
+    def uniform(self, xp, shape, *, dtype, device=None):
+        import torch
+
+        self._require(xp, "torch", array_api_compat.is_torch_namespace)
+        return torch.rand(tuple(shape), dtype=dtype, device=device)
+
+    def __repr__(self) -> str:
+        return "TorchDefaultGenerator()"
 
 
 class JaxGenerator(Generator):

@@ -34,8 +34,8 @@ from xattn._integrations.layers import (
     learned_proposal_means,
     module_docstring,
 )
-from xattn._integrations.torch_layer import DefaultTorchGenerator, Projections, is_causal_mask
-from xattn.random import Generator, TorchGenerator
+from xattn._integrations.torch_layer import Projections, is_causal_mask
+from xattn.random import Generator, TorchDefaultGenerator, TorchGenerator
 
 __all__ = ["DEFAULT_LARA_SAMPLES", "ESTIMATORS", "MultiheadAttention"]
 
@@ -216,7 +216,7 @@ class MultiheadAttention(LayerCore, Projections):
     def _random(self) -> Generator:
         if self.generator is not None:
             return TorchGenerator(self.generator)
-        return DefaultTorchGenerator()
+        return TorchDefaultGenerator()
 
     def _estimator_features(self) -> torch.Tensor | None:
         """What reaches the estimator as ``omega``: RFA's features, or LARA's learned

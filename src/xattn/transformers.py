@@ -105,8 +105,7 @@ from xattn._estimators.lara_causal import check_lara_causal_options
 from xattn._integrations.hf_cache import StateLayer, XattnCache, continue_state, take_pending
 from xattn._integrations.hf_masks import AttentionMask, attention_mask, mask_from_tensor
 from xattn._integrations.layers import LayerCore, attend, draw_features, learned_proposal_means
-from xattn._integrations.torch_layer import DefaultTorchGenerator
-from xattn.random import Generator, TorchGenerator
+from xattn.random import Generator, TorchDefaultGenerator, TorchGenerator
 
 _active_collector: Any
 try:  # the per-forward record of the outputs a model collects through hooks (transformers 5)
@@ -183,7 +182,7 @@ class XattnAttention:
     def _random(self) -> Generator:
         if self.generator is not None:
             return TorchGenerator(self.generator)
-        return DefaultTorchGenerator()
+        return TorchDefaultGenerator()
 
     def module_seed(self, module: Any) -> int:
         """The integer seed of ``module``'s evaluation-mode RFA features:

@@ -245,10 +245,13 @@ def sequence_positions(x: Array, axis: int = -2) -> Array:
 def concrete_count(xp: Any, flags: Array) -> int | None:
     """Number of True entries of ``flags`` if it can be read without extra work.
 
-    Returns None for a lazy Dask array (reading it would compute the graph again) and for
-    a traced JAX array (inside :func:`jax.jit` values do not exist yet).
+    Returns None for a lazy Dask array (reading it would compute the graph again), for
+    a traced JAX array (inside :func:`jax.jit` values do not exist yet) and for a torch
+    tensor while :func:`torch.compile` traces (reading a value would break the graph).
     """
     if array_api_compat.is_dask_array(flags):
+        return None
+    if array_api_compat.is_torch_array(flags) and sys.modules["torch"].compiler.is_compiling():
         return None
     try:
         return int(xp.sum(xp.astype(flags, xp.int32)))

@@ -7,7 +7,6 @@ maximum). Each implements :class:`~xattn._estimators.rf_scan.FeatureMap`, what
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -66,12 +65,16 @@ class PositiveMap:
         self.omega = omega
         self.num_samples = omega.shape[0]
         self.multiple = 1 << (pair_block.bit_length() - 1)  # a power of two, <= pair_block
+        self._omega_t: Array | None = None
 
-    @functools.cached_property
+    @property
     def omega_t(self) -> Array:
         """The samples transposed, (..., D, S): made when first used (a decode step
-        does not)."""
-        return self.xp.matrix_transpose(self.omega)
+        does not). A plain attribute, not ``functools.cached_property``, whose lock on
+        Python 3.11 ``torch.compile(fullgraph=True)`` cannot trace."""
+        if self._omega_t is None:
+            self._omega_t = self.xp.matrix_transpose(self.omega)
+        return self._omega_t
 
     def queries(self, q_hat: Array) -> Array:
         return q_hat @ self.omega_t  # p_ns, (..., B, S)

@@ -7,7 +7,6 @@
 * **Input conventions**: the layouts of ``query``, ``key`` and ``value`` (batched or not,
   ``batch_first`` or not), ``key_padding_mask`` (True or -inf = ignore) and the one
   ``attn_mask`` the layer takes, the causal mask.
-* **The default random source** (:class:`DefaultTorchGenerator`).
 
 Framework code (it imports torch), kept apart from ``xattn/torch.py`` so that the layer
 module stays short; loaded with :mod:`xattn.torch`.
@@ -21,23 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from xattn.random import Generator
-
-__all__ = ["DefaultTorchGenerator", "Projections", "check_layout", "is_causal_mask",
+__all__ = ["Projections", "check_layout", "is_causal_mask",
            "key_mask"]
-
-
-class DefaultTorchGenerator(Generator):
-    """Draws with torch's default generator of the target device (the global generator
-    that :func:`torch.manual_seed` seeds): each draw advances it, and so changes
-    ``torch.get_rng_state()`` (or the CUDA generator's state), as ``torch.nn.Dropout``
-    does."""
-
-    def normal(self, xp, shape, *, dtype, device=None):
-        return torch.randn(tuple(shape), dtype=dtype, device=device)
-
-    def uniform(self, xp, shape, *, dtype, device=None):
-        return torch.rand(tuple(shape), dtype=dtype, device=device)
 
 
 def _same_view(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
