@@ -167,3 +167,39 @@ def test_gradients_of_earlier_rows_are_untouched_by_a_later_nan(backend, name, w
         assert np.all(np.isfinite(got)), (name, label)
         np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12, err_msg=label)
     assert np.all(corrupted[0][:, LOSS_ROWS:] == 0)
+
+
+#: The cases of a key whose squared norm overflows float32 (the trigonometric map is left
+#: out: its estimate for one key of norm 1e19 is noise of the size of exp(|k|^2 / 2) in any
+#: dtype, a property of the map, not of its arithmetic)
+HUGE_KEY_CASES = [name for name in CAUSAL_CASES if name != "rfa-trigonometric"]
+
+
+@pytest.mark.parametrize("factor", [1e19, 3e37])
+@pytest.mark.parametrize("name", HUGE_KEY_CASES)
+def test_a_finite_key_whose_squared_norm_overflows_is_still_attended(backend, name, factor):
+    """A float32 key scaled by 1e19 (its squared norm overflows) or 3e37 (its products
+    with the samples too) is finite: a row that attends only it gives its value, causal
+    or not, whole or in a decoding step (float64 and softmax do), and every row is
+    finite. Before, the causal row was 0 and the non-causal one NaN."""
+    q, k, v = (x.astype(np.float32) for x in inputs(backend))
+    k[0, 0] *= factor
+    value = v[0, 0]
+
+    causal = backend.to_numpy(call(backend, name, q, k, v, causal=True))
+    assert np.all(np.isfinite(causal))
+    np.testing.assert_allclose(causal[0, 0], value, rtol=1e-5, atol=1e-6)
+
+    only_first = np.zeros((1, NUM_TOKENS), dtype=bool)
+    only_first[0, 0] = True
+    masked = backend.to_numpy(call(backend, name, q, k, v,
+                                   key_mask=backend.asarray(only_first)))
+    np.testing.assert_allclose(masked[0], np.broadcast_to(value, masked[0].shape),
+                               rtol=1e-5, atol=1e-6)
+
+    # a decoding step whose new key is the only one allowed
+    _, state = call(backend, name, q[:, 1:4], k[:, 1:4], v[:, 1:4], causal=True,
+                    key_mask=backend.asarray(np.zeros((1, 3), dtype=bool)), return_state=True)
+    step = backend.to_numpy(call(backend, name, q[:, :1], k[:, :1], v[:, :1], causal=True,
+                                 key_mask=backend.asarray(only_first[:, :1]), state=state))
+    np.testing.assert_allclose(step[0, 0], value, rtol=1e-5, atol=1e-6)

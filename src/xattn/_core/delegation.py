@@ -161,10 +161,12 @@ def has_native_attention(inputs: AttentionInputs, *, automatic: bool = False) ->
     return True
 
 def ignore_invalid(xp: Any) -> contextlib.AbstractContextManager[Any]:
-    """A context in which NumPy computes ``inf - inf`` and ``inf * 0`` as NaN without its
-    ``RuntimeWarning`` (how a non-finite input reaches its rows); no operation elsewhere."""
+    """A context in which NumPy computes ``inf - inf`` and ``inf * 0`` as NaN, and an
+    overflow as ``inf``, without its ``RuntimeWarning`` (how a non-finite input reaches
+    its rows, and how a finite key's overflowing squared norm reaches
+    :func:`~xattn._core.primitives.key_logits_in_range`); no operation elsewhere."""
     if array_api_compat.is_numpy_namespace(xp):
-        return np.errstate(invalid="ignore")
+        return np.errstate(invalid="ignore", over="ignore")
     return contextlib.nullcontext()
 
 

@@ -20,10 +20,27 @@ from xattn._core.array import Array, chunked_like, one_chunk_along, split_rows, 
 from xattn._core.delegation import append_ones_column, nan_to_num, nonfinite_rows
 from xattn._core.inputs import AttentionInputs
 
-__all__ = ["MergedMaxima", "RowBlocks", "RowPieces", "causal_allowed", "finite_entries",
-           "finite_inputs", "finite_shift", "group_rows", "join", "logsumexp",
-           "mark_tainted", "masked_softmax", "merge_maxima", "nonzero_divisor", "pad_rows",
-           "quarantine", "running_max", "value_columns"]
+__all__ = [
+    "MergedMaxima",
+    "RowBlocks",
+    "RowPieces",
+    "causal_allowed",
+    "finite_entries",
+    "finite_inputs",
+    "finite_shift",
+    "group_rows",
+    "join",
+    "key_logits_in_range",
+    "logsumexp",
+    "mark_tainted",
+    "masked_softmax",
+    "merge_maxima",
+    "nonzero_divisor",
+    "pad_rows",
+    "quarantine",
+    "running_max",
+    "value_columns",
+]
 
 
 def finite_shift(xp: Any, maxima: Array) -> Array:
@@ -33,6 +50,24 @@ def finite_shift(xp: Any, maxima: Array) -> Array:
     ``exp(logit - shift)`` at ``exp(-inf) = 0`` for those entries instead of NaN.
     """
     return nan_to_num(maxima, nan=math.nan, posinf=math.inf, neginf=0.0)
+
+
+def key_logits_in_range(xp: Any, logits: Array) -> Array:
+    r"""Random-feature key logits :math:`a_{ms} = \omega_s \cdot \hat k_m - \lVert \hat
+    k_m \rVert^2/2` with every non-finite entry replaced by the floor ``-max / 4`` of
+    their dtype (``max`` its largest finite number).
+
+    A finite key's logit is at most :math:`\lVert \omega_s \rVert^2/2`; it is non-finite
+    only when the key's squared norm (or its product with a sample) overflows, e.g. a
+    float32 key of norm 1e19, whose true logit lies below the dtype's range. At the floor
+    the key stays a key: alone in a row it gives its value, beside any key of ordinary
+    norm it weighs nothing (:math:`e^{-\max/4}` relative), as in float64 and exact
+    softmax; several such keys alone in a row weigh alike. The floor leaves room for
+    the sums and differences of logits and shifts that the estimators form. NaN
+    inputs never get here (they are read as 0 and their rows marked NaN at the end).
+    """
+    floor = -xp.finfo(logits.dtype).max / 4
+    return nan_to_num(logits, nan=floor, posinf=floor, neginf=floor)
 
 
 class MergedMaxima(NamedTuple):

@@ -13,11 +13,8 @@ from typing import Any
 import array_api_compat
 
 from xattn._core.array import Array
-from xattn._core.delegation import cumulative_max, nan_to_num, stop_gradient
-from xattn._core.primitives import (
-    finite_shift,
-    merge_maxima,
-)
+from xattn._core.delegation import cumulative_max, ignore_invalid, stop_gradient
+from xattn._core.primitives import finite_shift, key_logits_in_range, merge_maxima
 from xattn._estimators.chunks import PAIR_BLOCK, exclusive_prefix, pair_kernel
 from xattn._estimators.rf_scan import Partial, State
 
@@ -97,14 +94,14 @@ class PositiveMap:
 
     def keys(self, k_hat: Array, valid: Array | None) -> tuple[Array, ...]:
         r"""The key logits :math:`a_{ms}`, ``-inf`` for a dropped key. A key whose squared
-        norm overflows gets ``-inf`` too (the limit of :math:`\omega_s \cdot \hat k_m -
-        \lVert \hat k_m \rVert^2/2`), never ``inf - inf``: no logit is ever NaN or
-        ``+inf`` (:math:`a_{ms} \le \lVert \omega_s \rVert^2/2`)."""
+        norm overflows gets the dtype's floor (:func:`~xattn._core.primitives.
+        key_logits_in_range`), never ``-inf`` or ``inf - inf``: it is still attended, and
+        no logit is ever NaN or ``+inf`` (:math:`a_{ms} \le \lVert \omega_s
+        \rVert^2/2`)."""
         xp = self.xp
-        half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True)
-        # a_ms; an overflowing norm makes it finite - inf = -inf or inf - inf = NaN: -inf
-        logits = nan_to_num(k_hat @ self.omega_t - half_sq_norm, nan=-math.inf,
-                            posinf=math.inf, neginf=-math.inf)
+        with ignore_invalid(xp):  # NumPy: an overflowing norm is inf, quietly
+            half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True)
+            logits = key_logits_in_range(xp, k_hat @ self.omega_t - half_sq_norm)  # a_ms
         return (logits if valid is None else xp.where(valid[..., None], logits, -xp.inf),)
 
     def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import array_api_compat
-
 from xattn._core.array import Array, array_namespace
 from xattn._core.options import check_choice, check_finite_real
 from xattn._core.primitives import finite_shift, masked_softmax, merge_maxima, nonzero_divisor
@@ -242,15 +240,13 @@ def importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array]
     weighting (eq. 38) :math:`\beta r_{nc}` is :math:`e_{nc} (\beta \rho_c)` and its mean
     over proposals :math:`\frac1C \sum_c e_{nc} \beta \rho_c`.
     """
-    floor = xp.asarray(WEIGHT_FLOOR, dtype=own_weight.dtype,
-                       device=array_api_compat.device(own_weight))  # 0-d: no N x C array
     weights = own_weight if as_row else own_weight[..., None, :]  # w_c, (..., 1, C)
     if affinity is None:  # "balance": alpha_nc = w_c for every query
-        return xp.maximum(weights, floor)
+        return xp.clip(weights, min=WEIGHT_FLOOR)
     exponential, rho = affinity
     if weighting == "decoupled":  # w_c + beta (r_nc - mean_c' r_nc')
         correction = exponential * (beta * rho)  # beta r_nc, (..., B, C)
         mean = xp.sum(correction, axis=-1, keepdims=True) * (1.0 / correction.shape[-1])
-        return xp.maximum(correction + (weights - mean), floor)
-    return xp.maximum(lara_weights(weights[..., 0, :], exponential * rho,
-                                   weighting=weighting, beta=beta), floor)
+        return xp.clip(correction + (weights - mean), min=WEIGHT_FLOOR)
+    return xp.clip(lara_weights(weights[..., 0, :], exponential * rho, weighting=weighting,
+                                beta=beta), min=WEIGHT_FLOOR)

@@ -10,11 +10,9 @@ import math
 from typing import Any, NamedTuple
 
 from xattn._core.array import Array, sequence_positions, take_rows
+from xattn._core.delegation import ignore_invalid
 from xattn._core.inputs import AttentionInputs
-from xattn._core.primitives import (
-    finite_shift,
-    nonzero_divisor,
-)
+from xattn._core.primitives import finite_shift, key_logits_in_range, nonzero_divisor
 
 __all__ = ["Keys", "Mixture", "build_mixture", "draw_randomness", "key_side",
            "proposal_samples", "sample_estimates"]
@@ -114,7 +112,8 @@ def key_side(inputs: AttentionInputs, *, biased: bool) -> Keys:
     root_scale = math.sqrt(inputs.scale)
     k_hat = inputs.k * root_scale
     k_hat_t = xp.matrix_transpose(k_hat)
-    key_half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1)[..., None, :]  # (..., 1, M)
+    with ignore_invalid(xp):  # NumPy: an overflowing norm is inf, quietly
+        key_half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1)[..., None, :]  # (..., 1, M)
     stacked_keys = key_offsets = block_sums = None
     num_keys = k_hat.shape[-2]
     if not biased and hasattr(xp, "take_along_axis"):  # the namespace gathers (not Dask)
@@ -214,6 +213,8 @@ def sample_estimates(keys: Keys, omega: Array, mixture: Mixture,
                                    (size * group,))
         row_allowed = _allowed_keys(xp, keys.key_mask, row_positions, keys.key_positions)
     omega_extended = xp.concat([omega, xp.ones_like(omega[..., :1])], axis=-1)
-    key_terms, key_total = _softmax_terms(keys, omega_extended @ keys.k_hat_t_extended,
-                                          row_allowed)  # (..., B G, M), (..., B G, 1)
+    # a key whose squared norm overflows: the dtype's floor, still attended
+    with ignore_invalid(xp):
+        logits = key_logits_in_range(xp, omega_extended @ keys.k_hat_t_extended)
+    key_terms, key_total = _softmax_terms(keys, logits, row_allowed)  # (..., B G, M), (.., 1)
     return _normalized(keys, key_terms @ keys.v, key_total)  # (..., B G, Dv)

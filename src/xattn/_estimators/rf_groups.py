@@ -34,11 +34,13 @@ import math
 from typing import Any
 
 from xattn._core.array import Array, stream_bounds
+from xattn._core.delegation import ignore_invalid
 from xattn._core.primitives import (
     RowPieces,
     finite_entries,
     finite_shift,
     group_rows,
+    key_logits_in_range,
     merge_maxima,
     value_columns,
 )
@@ -97,8 +99,12 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
     sums = None
     for start, stop in stream_bounds(k, -2, rows):
         keys = finite_entries(xp, rows_of(k, start, stop))  # non-finite rows: marked NaN
-        minus_half_sq_norm = -half_scale * xp.sum(keys * keys, axis=-1, keepdims=True)
-        logits = affine_logits(xp, keys, minus_half_sq_norm, omega_t, ones_row)  # a_ms
+        # a_ms (a key whose squared norm overflows: the dtype's floor, still attended;
+        # NumPy computes the overflow quietly)
+        with ignore_invalid(xp):
+            minus_half_sq_norm = -half_scale * xp.sum(keys * keys, axis=-1, keepdims=True)
+            logits = key_logits_in_range(
+                xp, affine_logits(xp, keys, minus_half_sq_norm, omega_t, ones_row))
         if key_mask is not None:
             logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
             key_max = finite_shift(xp, xp.max(logits, axis=-2, keepdims=True))

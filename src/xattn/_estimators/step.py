@@ -136,8 +136,16 @@ def positive_step(xp: Any, inputs: AttentionInputs, mapping: PositiveMap,
     q, k, v, valid = _token(xp, inputs, batch)
     omega = math.sqrt(scale) * mapping.omega  # omega-hat (..., S, D)
 
-    def key_logits(key: Array) -> Array:  # a_s = k . (omega-hat_s - s k / 2), (..., S)
-        return xp.sum(key * (omega - (0.5 * scale) * key), axis=-1)
+    floor = -xp.finfo(q.dtype).max / 4  # key_logits_in_range's, for a finite key
+
+    def logits_of(x: Array) -> Array:  # x . (omega-hat_s - s x / 2), (..., S)
+        return xp.sum(x * (omega - (0.5 * scale) * x), axis=-1)
+
+    def in_range(key_logits: Array) -> Array:
+        # each term k_i (omega_i - s k_i / 2) is finite or -inf for a finite key (never
+        # inf - inf): an overflowing norm is -inf, taken up to the floor; NaN (a tainted
+        # key's probe) stays NaN
+        return xp.clip(key_logits, min=floor)
 
     position = state.position
     sink_keys, sink_values, sink_valid = state.sink_keys, state.sink_values, state.sink_valid
@@ -165,13 +173,15 @@ def positive_step(xp: Any, inputs: AttentionInputs, mapping: PositiveMap,
         allowed = xp.concat([state.window_valid, new_valid, sink_valid], axis=-1)
         columns = append_ones_column(values)  # [v, 1] of the exact keys
         # the oldest key joins the sums (a tainted new key taints them when it joins:
-        # until then the rows attend it exactly)
-        oldest = key_logits(keys[..., :1, :])
+        # until then the rows attend it exactly); its logits a_s and the query's
+        # q . (omega-hat_s - s q / 2) by one stacked product
+        both = logits_of(xp.stack([keys[..., :1, :], q], axis=-3))  # (..., 2, S)
+        oldest, query_logits = in_range(both[..., 0, :]), both[..., 1, :]
         joined = _joined(xp, state.feature_max, state.feature_sums,
                          xp.where(allowed[..., :1], oldest, neg_inf), columns[..., :1, :])
         read = (state.feature_max, state.feature_sums)  # keys <= n - w - 1
     else:  # the new key joins first (query n attends m <= n); the sinks are exact
-        logits = key_logits(k)
+        logits = in_range(logits_of(k))
         if outside is not None:
             logits = xp.where(outside, logits, neg_inf)
         joined = read = _joined(xp, state.feature_max, state.feature_sums, logits,
@@ -180,7 +190,7 @@ def positive_step(xp: Any, inputs: AttentionInputs, mapping: PositiveMap,
             keys, columns, allowed = sink_keys, append_ones_column(sink_values), sink_valid
     offset = mapping.step_offset(q, math.sqrt(scale))  # LARA's log weights, else None
     if window or sinks:  # the features with the query's constant, then the exact keys
-        features = (xp.sum(q * (omega - (0.5 * scale) * q), axis=-1) + read[0]
+        features = ((query_logits if window else logits_of(q)) + read[0]
                     + mapping.log_mean)
         scores = xp.where(allowed, xp.sum((scale * q) * keys, axis=-1), neg_inf)
         out = _row(xp, xp.concat([features if offset is None else features + offset,

@@ -12,15 +12,12 @@ import math
 from xattn.cli.common import DEFAULT_OUT
 from xattn.cli.measure import BACKENDS, DEVICES
 from xattn.cli.registry import ESTIMATOR_SPECS, SOFTMAX
+from xattn.training.runs import MAX_SEED
 
 __all__ = ["MAX_SEED", "add_common_options", "add_out_option", "add_progress_options",
            "estimator_names", "int_at_least", "int_list", "name_list", "nonnegative_float",
            "nonnegative_int", "positive_int", "seed", "seed_list"]
 
-#: Largest seed any sub-command accepts: seeds are 32-bit unsigned ints, the range that
-#: every generator the commands seed keeps apart (a JAX key keeps only the low 32 bits
-#: of a Python int, so larger seeds would silently repeat smaller ones under Flax).
-MAX_SEED = 2**32 - 1
 
 
 def int_list(text: str) -> list[int]:

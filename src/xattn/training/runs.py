@@ -10,6 +10,12 @@ import os
 import sys
 from typing import Any
 
+from xattn._core.options import (
+    check_bool,
+    check_choice,
+    check_nonnegative_int,
+    check_positive_int,
+)
 from xattn.training.lm import (
     LM_QUICK_STEPS,
     RFA_SINKS,
@@ -33,11 +39,44 @@ from xattn.training.loop import (
 )
 from xattn.training.tasks import Task, get_task
 
-__all__ = ["DEFAULT_SAMPLES", "FRAMEWORKS", "LM_QUICK_EVAL_ITERS", "SETTINGS", "TaskSettings",
-           "attention_variants", "dataset_sizes", "grid_pools", "lm_spec", "load_framework",
-           "run_spec", "train", "train_spec"]
+__all__ = [
+    "DEFAULT_SAMPLES",
+    "DEVICES",
+    "FRAMEWORKS",
+    "LM_QUICK_EVAL_ITERS",
+    "MAX_SEED",
+    "SETTINGS",
+    "TaskSettings",
+    "attention_variants",
+    "dataset_sizes",
+    "grid_pools",
+    "lm_spec",
+    "load_framework",
+    "run_spec",
+    "train",
+    "train_spec",
+]
 
 FRAMEWORKS = ("torch", "flax")  # each also the name of the extra that installs it
+DEVICES = ("cpu", "cuda")
+#: Largest seed a run accepts: seeds are 32-bit unsigned ints, the range that every
+#: generator a run seeds keeps apart (a JAX key keeps only the low 32 bits of a Python
+#: int, so larger seeds would silently repeat smaller ones under Flax).
+MAX_SEED = 2**32 - 1
+TOKEN_INITS = ("scaled", "unit")
+
+
+def check_seed(seed: Any) -> int:
+    """A run's seed: an int from 0 to :data:`MAX_SEED` (TypeError, ValueError)."""
+    seed = check_nonnegative_int(seed, "seed")
+    if seed > MAX_SEED:
+        raise ValueError(f"seed must be <= {MAX_SEED} (a 32-bit unsigned int), got {seed}")
+    return seed
+
+
+def _optional_size(value: Any, name: str) -> int | None:
+    """None (the task's default) or an int >= 1."""
+    return None if value is None else check_positive_int(value, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +199,15 @@ def run_spec(task: Task, name: str, estimator: str, options: dict[str, Any], see
     (default: the task's), ``token_init`` (default: the task's), the peak learning rate
     and warm-up of the task."""
     settings = SETTINGS[task.name]
-    steps = steps or (settings.quick_steps if quick else settings.steps)
-    return RunSpec(task, name, estimator, options, seed, steps,
-                   batch_size or settings.batch_size, settings.peak_lr,
+    seed, steps, batch_size = (check_seed(seed), _optional_size(steps, "steps"),
+                               _optional_size(batch_size, "batch_size"))
+    if check_bool(quick, "quick") and steps is None:
+        steps = settings.quick_steps
+    if token_init is not None:
+        check_choice(token_init, "token_init", TOKEN_INITS)
+    return RunSpec(task, name, estimator, options, seed,
+                   settings.steps if steps is None else steps,
+                   settings.batch_size if batch_size is None else batch_size, settings.peak_lr,
                    warmup_fraction=settings.warmup_fraction,
                    model=ModelConfig(token_init=token_init or settings.token_init))
 
@@ -201,9 +246,14 @@ def lm_spec(name: str, estimator: str, options: dict[str, Any], seed: int, *,
     """The language-model run of one row: ``steps`` (default 2,000, with ``quick``
     :data:`~xattn.training.lm.LM_QUICK_STEPS`), warm-up over 5 % of them, eight loss
     estimates along the way and a shorter final estimate with ``quick``."""
-    steps = steps or (LM_QUICK_STEPS if quick else LMSpec.steps)
+    seed, steps, length, batch_size = (
+        check_seed(seed), _optional_size(steps, "steps"), _optional_size(length, "length"),
+        _optional_size(batch_size, "batch_size"))
+    if steps is None:
+        steps = LM_QUICK_STEPS if check_bool(quick, "quick") else LMSpec.steps
     return LMSpec(name, estimator, options, seed, steps=steps,
-                  length=length or LMSpec.length, batch_size=batch_size or LMSpec.batch_size,
+                  length=LMSpec.length if length is None else length,
+                  batch_size=LMSpec.batch_size if batch_size is None else batch_size,
                   warmup=max(1, round(0.05 * steps)), eval_interval=max(1, steps // 8),
                   final_eval_iters=LM_QUICK_EVAL_ITERS if quick else LMSpec.final_eval_iters)
 
@@ -276,7 +326,11 @@ def train(task: str, attention: str, framework: str = "torch", seed: int = 0,
     Raises
     ------
     ValueError
-        An unknown task, attention, framework or device, or a length the task cannot use.
+        An unknown task, attention, framework or device, a length the task cannot use,
+        or a number out of its range (``steps``, ``length``, ``samples`` and
+        ``batch_size`` >= 1, ``seed`` from 0 to :data:`MAX_SEED`, ``threads`` >= 0).
+    TypeError
+        A number that is not an int (a float or a bool), a flag that is not a bool.
     ImportError
         The framework is not installed.
 
@@ -291,6 +345,16 @@ def train(task: str, attention: str, framework: str = "torch", seed: int = 0,
     >>> 0.0 <= result.test_accuracy <= 1.0
     True
     """
+    # every argument checked before any data is loaded or a framework imported
+    check_seed(seed)
+    for value, name in ((steps, "steps"), (length, "length"), (batch_size, "batch_size")):
+        _optional_size(value, name)
+    check_positive_int(samples, "samples")
+    check_nonnegative_int(threads, "threads")
+    check_bool(quick, "quick")
+    check_choice(device, "device", DEVICES)
+    if token_init is not None:
+        check_choice(token_init, "token_init", TOKEN_INITS)
     task_object = get_task(task, length)
     module = load_framework(framework, threads)
     if task_object.causal:
