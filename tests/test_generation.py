@@ -638,3 +638,37 @@ def test_a_state_made_before_jax_is_imported_is_a_pytree():
                             text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
+
+
+STARTS = {
+    "rfa-positive": lambda *a, **o: xattn.rfa(*a, num_features=8, rng=0, **o),
+    "rfa-trigonometric": lambda *a, **o: xattn.rfa(*a, num_features=8, rng=0,
+                                                   feature_map="trigonometric", **o),
+    "rfa-window-sinks": lambda *a, **o: xattn.rfa(*a, num_features=8, rng=0, window=2,
+                                                  sinks=1, **o),
+    "softmax": xattn.softmax_attention,
+    "ra": lambda *a, **o: xattn.ra(*a, rng=0, **o),
+    "lara": lambda *a, **o: xattn.lara(*a, num_samples=3, rng=0, weighting="balance",
+                                       proposal_means=np.zeros((3, 4)), **o),
+}
+CONTINUE = {"rfa-positive": xattn.rfa, "rfa-trigonometric": xattn.rfa,
+            "rfa-window-sinks": xattn.rfa, "softmax": xattn.softmax_attention,
+            "ra": xattn.ra, "lara": xattn.lara}
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("name", STARTS)
+def test_a_state_continued_by_another_array_library_is_named(name, tokens):
+    """A NumPy state continued with torch tensors of the same dtype: before, the dtype
+    check ran first and said "float64 ... torch.float64; continue a sequence in one dtype"
+    (the trigonometric map failed in torch's ``swapaxes``, built before the check)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, 5, 4)) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TrigonometricDenominatorWarning)
+        _, state = STARTS[name](q, k, v, causal=True, return_state=True)
+    new = [torch.asarray(x[:, :tokens]) for x in (q, k, v)]
+    with pytest.raises(ValueError, match=r"state holds arrays of numpy but q, k and v are "
+                                         r"arrays of torch"):
+        CONTINUE[name](*new, causal=True, state=state)

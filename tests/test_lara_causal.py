@@ -170,3 +170,18 @@ def test_state_misuse_names_it(rng):
     _, rfa_state = xattn.rfa(q, k, v, num_features=4, causal=True, return_state=True, rng=0)
     with pytest.raises(TypeError, match=r"state must be an xattn.LARAState"):
         xattn.lara(q, k, v, num_samples=NUM_SAMPLES, state=rfa_state, **options)
+
+
+def test_a_continued_call_takes_c_from_the_state(rng):
+    """``lara(state=)`` needs no ``num_samples`` (it required it before, although the
+    state holds C), as ``rfa(state=)`` needs no ``num_features``; without a state it is
+    still required."""
+    q, k, v, means = causal_inputs(rng, batch=(), length=6)
+    options = dict(proposal_means=means, weighting="balance", causal=True, rng=0)
+    whole = xattn.lara(q, k, v, num_samples=NUM_SAMPLES, **options)
+    _, state = xattn.lara(q[:4], k[:4], v[:4], num_samples=NUM_SAMPLES, return_state=True,
+                          **options)
+    rest = xattn.lara(q[4:], k[4:], v[4:], state=state, causal=True)
+    np.testing.assert_allclose(rest, whole[4:], rtol=1e-10)
+    with pytest.raises(TypeError, match=r"lara\(\) needs num_samples"):
+        xattn.lara(q, k, v, **options)

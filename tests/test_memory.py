@@ -145,3 +145,17 @@ def test_softmax_working_set_independent_of_both_lengths(causal):
             f"MiB at N = {num_queries}, M = {num_keys}")
         assert grown <= 24 * MiB, f"W = {grown / MiB:.2f} MiB"
     assert base <= 24 * MiB, f"W = {base / MiB:.2f} MiB"
+
+
+@pytest.mark.parametrize("value", [None, [0.0, 1.0], "64 MiB", 1.5, 3, True, np.float64(2.0)])
+def test_default_working_memory_takes_arrays_only(value):
+    """Before, ``None``, a list, a string and a number all gave 64 MiB."""
+    with pytest.raises(TypeError, match=r"x must be an array .*, got "):
+        xattn.default_working_memory(value)
+
+
+def test_default_working_memory_counts_torch_s_meta_device_as_a_cpu():
+    """A tensor on torch's ``meta`` device (no data) counted as a GPU's 1 GiB before."""
+    torch = pytest.importorskip("torch")
+    assert xattn.default_working_memory(torch.zeros(3, device="meta")) == 64 * 2**20
+    assert xattn.default_working_memory(torch.zeros(3)) == 64 * 2**20

@@ -280,6 +280,10 @@ GPU_WORKING_MEMORY = 2**30
 that calls are a fixed, small number of kernel launches up to long sequences)."""
 
 
+#: torch device types that are GPUs (ROCm's is "cuda" too)
+TORCH_GPU_DEVICES = ("cuda", "xpu", "mps")
+
+
 def default_working_memory(x: Array) -> int:
     """The working memory, in bytes, that an estimator call may use when the caller does
     not say (``working_memory=None``).
@@ -298,8 +302,14 @@ def default_working_memory(x: Array) -> int:
     Returns
     -------
     int
-        1 GiB on a GPU (torch CUDA or ROCm, CuPy, JAX on a GPU), 64 MiB elsewhere (a
-        CPU: intermediates near the caches, and room under the estimators' memory bars).
+        1 GiB on a GPU (torch CUDA or ROCm, XPU or MPS; CuPy; JAX on a GPU), 64 MiB
+        elsewhere (a CPU: intermediates near the caches, and room under the estimators'
+        memory bars; torch's ``meta`` device, which holds no data, counts as a CPU).
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not an array of an Array API library (``None``, a list, a number).
 
     Examples
     --------
@@ -308,10 +318,13 @@ def default_working_memory(x: Array) -> int:
     >>> xattn.default_working_memory(np.zeros(3)) // 2**20
     64
     """
+    if isinstance(x, int | float | complex | bool) or not array_api_compat.is_array_api_obj(x):
+        raise TypeError("x must be an array (NumPy, torch, JAX, CuPy, Dask or any Array API "
+                        f"library's), got {type(x).__module__}.{type(x).__qualname__}")
     if array_api_compat.is_cupy_array(x):
         return GPU_WORKING_MEMORY
     if array_api_compat.is_torch_array(x):
-        return CPU_WORKING_MEMORY if x.device.type == "cpu" else GPU_WORKING_MEMORY
+        return GPU_WORKING_MEMORY if x.device.type in TORCH_GPU_DEVICES else CPU_WORKING_MEMORY
     if array_api_compat.is_jax_array(x):
         import jax
 

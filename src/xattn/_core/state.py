@@ -333,11 +333,17 @@ def check_state_call(state: Any, return_state: Any, causal: bool, cls: type) -> 
 
 
 def check_state_inputs(state: RFAState | _KeyValueCache, inputs: AttentionInputs) -> None:
-    """``ValueError`` (naming ``state``) unless the new tokens fit the state: the same head
-    dims ``D`` and ``Dv``, leading dims that broadcast to the state's, the same compute
-    dtype and library."""
+    """``ValueError`` (naming ``state``) unless the new tokens fit the state: the same
+    array library (checked first: the other checks compare its shapes and dtypes), head
+    dims ``D`` and ``Dv``, leading dims that broadcast to the state's, and compute
+    dtype."""
     keys = state.sink_keys if isinstance(state, RFAState) else state.keys
     values = state.sink_values if isinstance(state, RFAState) else state.values
+    held_library = _namespace(keys)
+    if held_library is not inputs.xp:
+        raise ValueError(f"state holds arrays of {_library_name(held_library)} but q, k and "
+                         f"v are arrays of {_library_name(inputs.xp)}; continue a sequence "
+                         "with the array library that started it")
     batch = tuple(keys.shape[:-2])
     head_dim, value_dim = keys.shape[-1], values.shape[-1]
     new = (inputs.q.shape[-1], inputs.v.shape[-1])
@@ -354,8 +360,6 @@ def check_state_inputs(state: RFAState | _KeyValueCache, inputs: AttentionInputs
     if keys.dtype != inputs.compute_dtype:
         raise ValueError(f"state holds {keys.dtype} arrays but the new tokens compute in "
                          f"{inputs.compute_dtype}; continue a sequence in one dtype")
-    if _namespace(keys) is not inputs.xp:
-        raise ValueError("state holds arrays of another array library than q, k and v")
 
 
 def rfa_state_options(state: RFAState, *, num_features: Any, feature_map: Any, omega: Any,
@@ -414,6 +418,12 @@ def _namespace(x: Array) -> Any:
     import array_api_compat
 
     return array_api_compat.array_namespace(x)
+
+
+def _library_name(xp: Any) -> str:
+    """The array library of a namespace, as users know it (``array_api_compat.torch``:
+    ``torch``)."""
+    return xp.__name__.removeprefix("array_api_compat.")
 
 
 def empty_rfa_state(inputs: AttentionInputs, mapping: Any, omega: Array, feature_map: str,

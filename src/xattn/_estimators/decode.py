@@ -122,7 +122,6 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
     Returns the output (..., L, Dv), the clamped rows (trigonometric ``guard``, else None)
     and the state after the new tokens.
     """
-    check_state_inputs(state, inputs)
     if inputs.num_queries == 1:  # generation's decode step
         return step_rfa(xp, inputs, mapping, state, guard=guard)
     window, sinks = state.window, state.sinks

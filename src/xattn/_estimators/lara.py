@@ -41,7 +41,12 @@ from xattn._core.primitives import (
     mark_tainted,
     quarantine,
 )
-from xattn._core.state import LARAState, check_state_array, check_state_call
+from xattn._core.state import (
+    LARAState,
+    check_state_array,
+    check_state_call,
+    check_state_inputs,
+)
 from xattn._estimators.importance import (
     WEIGHTINGS,
 )
@@ -68,7 +73,7 @@ def lara(
     k: Array,
     v: Array,
     *,
-    num_samples: int | tuple[int, int],
+    num_samples: int | tuple[int, int] | None = None,
     grid: tuple[int, int] | None = None,
     proposal: str = "segment",
     proposal_means: Array | None = None,
@@ -130,7 +135,8 @@ def lara(
         Queries, keys, values; leading dims broadcast. Half precision is computed in
         float32 and returned in the input dtype.
     num_samples : int or (int, int)
-        C, the number of proposals (one sample each), 1 <= C <= N. C may exceed M:
+        C, the number of proposals (one sample each), 1 <= C <= N. Required, except with
+        ``state=``, which holds it (given, it must equal the state's). C may exceed M:
         key segments without keys then have a zero mean. With N = 0 queries the result
         is empty, whatever C. With ``grid``, a pair ``(c_h, c_w)`` (1 <= c_h <= H,
         1 <= c_w <= W) and C = c_h c_w.
@@ -316,6 +322,13 @@ def lara(
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
                                check_finite=check_finite, continuing=stateful)
     causal = check_bool(causal, "causal")
+    if state is not None:  # the state's library, sizes and dtype; C is the state's
+        check_state_inputs(state.features, inputs)
+        if num_samples is None:
+            num_samples = state.features.omega.shape[-2]
+    elif num_samples is None:
+        raise TypeError("lara() needs num_samples (C, the number of proposals), unless "
+                        "state= continues a sequence, whose C it takes")
     pools, segmentless = None, causal or (proposal_means is not None
                                           and weighting in CAUSAL_WEIGHTINGS)
     if segmentless:  # no segments (nor landmarks): C may exceed N (a token at a time)

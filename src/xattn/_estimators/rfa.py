@@ -44,6 +44,7 @@ from xattn._core.primitives import RowPieces, mark_tainted, quarantine
 from xattn._core.state import (
     RFAState,
     check_state_call,
+    check_state_inputs,
     empty_rfa_state,
     rfa_state_options,
 )
@@ -386,6 +387,8 @@ def rfa(
         omega = state.omega
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
                                check_finite=check_finite, continuing=stateful)
+    if state is not None:  # before the samples and the feature map are built from it
+        check_state_inputs(state, inputs)
     feature_map = check_choice("positive" if feature_map is None else feature_map,
                                "feature_map", FEATURE_MAPS)
     check_choice(sample_norm, "sample_norm", SAMPLE_NORMS)
