@@ -26,7 +26,7 @@ call ends with ``torch.cuda.synchronize()``::
 
     python benchmarks/bench_causal_rfa.py --device cuda --dtypes float32,bfloat16 \
         --shape 4,8,64 --features 64 --lengths 1024,4096,16384 --runs 1 \
-        --output gpu_causal_rfa.json
+        --output benchmarks/results/gpu_causal_rfa.json
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from _common import interleaved_best_wall_and_cpu_times
 
 import xattn
 
-RESULTS = Path(__file__).with_name("causal_rfa_results.json")
+RESULTS = Path(__file__).parent / "results" / "causal_rfa_results.json"
 TARGETS = {1024: 0.6, 2048: 0.35}  # causal RFA / SDPA causal
 NONCAUSAL_TARGET = 2.0  # causal RFA / non-causal RFA
 

@@ -34,7 +34,7 @@ heavily loaded CPU cores for the committed results).
 
 Run::
 
-    python benchmarks/bench_conversion.py            # writes benchmarks/conversion_minilm.json
+    python benchmarks/bench_conversion.py            # benchmarks/results/conversion_minilm.json
     python benchmarks/bench_conversion.py --quick    # a smoke test (few speeches, 5 steps)
     python benchmarks/bench_conversion.py --table    # print the tables of the JSON file
 """
@@ -59,7 +59,7 @@ import xattn.transformers
 from xattn.training.tasks import shakespeare
 
 HERE = Path(__file__).resolve().parent
-OUTPUT = HERE / "conversion_minilm.json"
+OUTPUT = HERE / "results" / "conversion_minilm.json"
 SAMPLES = (16, 64, 256)
 WINDOW, SINKS = 8, 1
 MAX_TOKENS = 128  # every text is truncated to 128 tokens, for the exact model too

@@ -12,7 +12,7 @@ disk (the cumulative counters of the worker's spill buffer)::
     python benchmarks/bench_dask_lara.py                      # N = 4 Mi tokens, 2 GiB/worker
     python benchmarks/bench_dask_lara.py --length 262144 --chunk 32768 --memory-limit 1GiB
 
-Writes ``benchmarks/dask_lara_results.json`` (``--output`` to change). The machine's load
+Writes ``benchmarks/results/dask_lara_results.json`` (``--output`` to change). The machine's load
 matters: on a shared machine the wall time is an upper bound.
 """
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--memory-limit", default="2GiB", help="per worker")
     parser.add_argument("--output", type=Path,
-                        default=Path(__file__).parent / "dask_lara_results.json")
+                        default=Path(__file__).parent / "results" / "dask_lara_results.json")
     args = parser.parse_args(argv)
 
     cluster = distributed.LocalCluster(

@@ -18,9 +18,11 @@ from which RFA is faster per token than softmax's cache, on each backend.
 
     python benchmarks/bench_decode.py                      # a few minutes
     python benchmarks/bench_decode.py --positions 1024,4096 --backends numpy
-    python benchmarks/bench_decode.py --backends torch --device cuda --out gpu_decode.json
+    python benchmarks/bench_decode.py --backends torch --device cuda \
+        --out benchmarks/results/gpu_decode.json
 
-Writes ``benchmarks/decode_results.json`` and ``benchmarks/decode_results.png``.
+Writes ``benchmarks/results/decode_results.json`` and ``benchmarks/results/decode_results.png``
+(``--out`` to change).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def main() -> None:
     parser.add_argument("--sinks", type=int, default=1)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=HERE / "decode_results.json")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "decode_results.json")
     parser.add_argument("--device", default="cpu",
                         help="the device of every backend (cpu, or cuda on a GPU)")
     parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",

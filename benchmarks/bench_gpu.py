@@ -23,11 +23,12 @@ JAX's ``memory_analysis()`` of the compiled call (temp + output bytes). A method
 longer lengths once one call takes more than ``--time-limit`` seconds or fails (out of
 memory, an unsupported dtype); the failure is recorded, not hidden::
 
-    python benchmarks/bench_gpu.py --backends torch-cuda,cupy,jax-gpu --out gpu_results.json
+    python benchmarks/bench_gpu.py --backends torch-cuda,cupy,jax-gpu
 
 Each backend runs in its own process (JAX's and CuPy's allocators would otherwise hold
 memory the others need). Writes the JSON given by ``--out`` (one entry per backend and
-dtype, with the GPU, driver and package versions).
+dtype, with the GPU, driver and package versions; default
+``benchmarks/results/gpu_results.json``) and its figure beside it (``.png``).
 """
 
 from __future__ import annotations
@@ -282,7 +283,8 @@ def main() -> None:
                         help="comma-separated methods among: " + ", ".join(METHODS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--time-limit", type=float, default=2.0)
-    parser.add_argument("--out", type=Path, default=Path("gpu_results.json"))
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "gpu_results.json")
     parser.add_argument("--plot", type=Path, metavar="JSON",
                         help="only draw JSON's figure (JSON with the suffix .png)")
     parser.add_argument("--backend", help=argparse.SUPPRESS)  # one backend, in a child

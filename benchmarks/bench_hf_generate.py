@@ -25,21 +25,23 @@ longer than ``--max-softmax-length`` (default 8192). One torch thread by default
 (``--threads``). The default sizes run in under a minute on two cores; the issue's
 lengths::
 
-    python benchmarks/bench_hf_generate.py --recompute --repeats 3   # hf_generate_results.json
+    python benchmarks/bench_hf_generate.py --recompute --repeats 3   # the default --output,
+    #   benchmarks/results/hf_generate_results.json
     python benchmarks/bench_hf_generate.py --lengths 256,2048,8192 --output \
-        benchmarks/hf_generate_long.json
+        benchmarks/results/hf_generate_long.json
     python benchmarks/bench_hf_generate.py --lengths 32768 --repeats 1 \
-        --attentions sdpa,rfa_S64,rfa_S64_window64_sink1 --output benchmarks/hf_generate_32k.json
+        --attentions sdpa,rfa_S64,rfa_S64_window64_sink1 \
+        --output benchmarks/results/hf_generate_32k.json
 
 Each run also draws its figure beside the JSON (``.png``: tokens/s and cache bytes against
 the prompt length; ``--plot JSON`` draws it again from a JSON). On a GPU, a 4-layer,
 512-wide GPT-2 (head size 64); ``--time-budget`` stops starting rows after 150 s, so that
-the run stays near two minutes (``benchmarks/gpu_2026-11-27b/hf_generate_h100.json``: 32 s
-on an H100)::
+the run stays near two minutes
+(``benchmarks/results/gpu/2026-11-27b/hf_generate_h100.json``: 32 s on an H100)::
 
     python benchmarks/bench_hf_generate.py --device cuda --width 512 --layers 4 \
         --heads 8 --lengths 256,2048,8192,32768 --new-tokens 256 --repeats 1 \
-        --time-budget 150 --output benchmarks/hf_generate_cuda.json
+        --time-budget 150 --output benchmarks/results/hf_generate_cuda.json
 
 The decoding rates of a tiny model are mostly Python overhead per step and move by up to
 2x from run to run on a loaded machine; the cache bytes are exact.
@@ -54,7 +56,7 @@ import platform
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).with_name("hf_generate_results.json")
+RESULTS = Path(__file__).parent / "results" / "hf_generate_results.json"
 ATTENTIONS = ("sdpa", "xattn_softmax", "rfa_S64", "rfa_S64_window64_sink1")
 
 

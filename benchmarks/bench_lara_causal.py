@@ -6,7 +6,7 @@ with its orthogonal features. Best CPU time (:func:`time.process_time`, which le
 waiting for a core on a shared machine) of ``--repeats`` interleaved rounds after a
 warm-up. The target: the time for 8 N at most 10 times that for N (linear cost)::
 
-    python benchmarks/bench_lara_causal.py      # writes benchmarks/lara_causal_results.json
+    python benchmarks/bench_lara_causal.py      # writes benchmarks/results/lara_causal_results.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,2048,4096,8192")
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=HERE / "lara_causal_results.json")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "lara_causal_results.json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     head_dim, samples = 64, args.samples

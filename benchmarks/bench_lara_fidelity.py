@@ -20,7 +20,7 @@ baseline (every query gets the mean of the values, causal: of the values up to i
 
 The LARA rows that need no segments are run both ways. Run::
 
-    python benchmarks/bench_lara_fidelity.py    # writes benchmarks/lara_fidelity_results.json
+    python benchmarks/bench_lara_fidelity.py    # benchmarks/results/lara_fidelity_results.json
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--samples", default="16,64,256")
     parser.add_argument("--draws", type=int, default=4)
     parser.add_argument("--fit-steps", type=int, default=150)
-    parser.add_argument("--out", type=Path, default=HERE / "lara_fidelity_results.json")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "lara_fidelity_results.json")
     args = parser.parse_args()
     q, k, v = (np.asarray(a, dtype=np.float64) for a in structured_attention_inputs())
     heads, _, head_dim = q.shape

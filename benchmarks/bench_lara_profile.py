@@ -17,7 +17,7 @@ and then profiles each estimator with :mod:`cProfile` (time spent inside each fu
 per call, so the GEMMs and elementwise operators are charged to the function that runs
 them), and times the primitive operations on one (1024, 64) piece of queries: a GEMM
 against (64, 64), ``exp``, a reduction over either axis, an elementwise operation with a
-row or a column vector. Writes ``benchmarks/lara_profile_results.json``::
+row or a column vector. Writes ``benchmarks/results/lara_profile_results.json``::
 
     python benchmarks/bench_lara_profile.py            # about a minute
 """
@@ -42,7 +42,7 @@ from _common import interleaved_best_wall_and_cpu_times  # noqa: E402
 
 import xattn  # noqa: E402
 
-OUT = Path(__file__).with_name("lara_profile_results.json")
+OUT = Path(__file__).parent / "results" / "lara_profile_results.json"
 LENGTH, SAMPLES, DIM = 32768, 64, 64
 
 

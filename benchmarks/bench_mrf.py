@@ -12,7 +12,7 @@ sequential method and orthogonal samples) with ``samples="per_edge"`` and with
 - ``mean_ratio_minus_1`` and ``ratio_standard_error``: mean of Z_rf / Z - 1 over chains and
   its standard error (0 in expectation for an unbiased estimate of Z).
 
-Writes ``benchmarks/mrf_results.json`` and prints a Markdown table::
+Writes ``benchmarks/results/mrf_results.json`` and prints a Markdown table::
 
     python benchmarks/bench_mrf.py                  # 400 chains, d = 16 .. 4096, ~1 min
     python benchmarks/bench_mrf.py --chains 50      # quick look
@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from xattn.mrf import SAMPLES, log_partition, log_partition_rf  # noqa: E402
 
-OUT = Path(__file__).with_name("mrf_results.json")
+OUT = Path(__file__).parent / "results" / "mrf_results.json"
 NUM_STEPS, NUM_STATES, EMBED_DIM, SPREAD = 5, 3, 4, 0.5
 FEATURES = (16, 64, 256, 1024, 4096)
 

@@ -37,7 +37,7 @@ from _common import interleaved_best_times
 
 import xattn
 
-RESULTS = Path(__file__).with_name("native_softmax_results.json")
+RESULTS = Path(__file__).parent / "results" / "native_softmax_results.json"
 
 
 def torch_rows(lengths, repeats, batch, heads, head_dim):

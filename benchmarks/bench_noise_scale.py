@@ -21,7 +21,7 @@ out slightly negative where the bias is zero):
 
 Estimators: ``lara`` (C = 64, defaults: segment proposals, decoupled weights), ``ra``
 (S = 1, unbiased) and ``ra-biased`` (S = 1, ``biased=True``). Writes
-``benchmarks/noise_scale_results.json`` and prints a Markdown table::
+``benchmarks/results/noise_scale_results.json`` and prints a Markdown table::
 
     python benchmarks/bench_noise_scale.py              # 32 draws, about 3 min on 1 core
     python benchmarks/bench_noise_scale.py --draws 4    # quick look
@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import xattn  # noqa: E402
 from xattn.diagnostics import estimator_error, structured_attention_inputs  # noqa: E402
 
-OUT = Path(__file__).with_name("noise_scale_results.json")
+OUT = Path(__file__).parent / "results" / "noise_scale_results.json"
 HEAD_DIM = 64
 NOISE_SCALES = (0.0, HEAD_DIM ** -0.25, 0.5, 0.75, 1.0)
 ESTIMATORS = {

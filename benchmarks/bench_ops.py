@@ -42,7 +42,7 @@ call, inductor's caches disabled: compile and run, or the error it raises)::
     python benchmarks/bench_ops.py --jax-compile --torch-compile
     python benchmarks/bench_ops.py --lengths 1024 --out /tmp/ops.json
 
-Writes ``benchmarks/ops_results.json`` (after each row, so an interrupted run keeps what
+Writes ``benchmarks/results/ops_results.json`` (after each row, so an interrupted run keeps what
 it finished).
 """
 
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="bytes the causal calls may hold (working_memory=); 'device': "
                              "each device's default. Default: a GPU's default (1 GiB), so "
                              "that the counts are a GPU's kernel launches")
-    parser.add_argument("--out", type=Path, default=HERE / "ops_results.json")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "ops_results.json")
     args = parser.parse_args(argv)
     working_memory = None if args.working_memory == "device" else int(args.working_memory)
     from bench_scaling import source_state  # here: this module imports without benchmarks/

@@ -16,7 +16,7 @@ excluded) for S = 64 samples at N = M = 512, 12 heads, D = 64, float32 (the case
 issue on RA's memory), for a few ``chunk_size`` values.
 
 Each library runs on one thread (``BENCH_THREADS`` to change); read ratios, not absolute
-times, on a shared machine. Writes ``benchmarks/ra_results.json``::
+times, on a shared machine. Writes ``benchmarks/results/ra_results.json``::
 
     python benchmarks/bench_ra.py                # about 3 minutes
     python benchmarks/bench_ra.py --repeats 3 --no-memory
@@ -40,7 +40,7 @@ from _common import interleaved_best_wall_and_cpu_times  # noqa: E402
 import xattn  # noqa: E402
 from xattn.cli.measure import tracemalloc_peak  # noqa: E402
 
-OUT = Path(__file__).with_name("ra_results.json")
+OUT = Path(__file__).parent / "results" / "ra_results.json"
 TIME_SHAPE = (64, 2, 256, 32)  # batch, heads, N = M, D
 MEMORY_SHAPE = (12, 512, 64)  # heads, N = M, D; S = 64
 MEMORY_SAMPLES = 64

@@ -29,7 +29,7 @@ recorded; on one thread the CPU time leaves out the time the process waited for 
 Peak memory: tracemalloc on NumPy, ``torch.profiler`` (``profile_memory=True``, the CPU
 allocator's peak) on torch, both above the level before the call, inputs excluded.
 
-Writes ``benchmarks/scaling_results.json`` and ``benchmarks/scaling_results.png``::
+Writes ``benchmarks/results/scaling_results.json`` and ``benchmarks/results/scaling_results.png``::
 
     nice -n 5 python benchmarks/bench_scaling.py            # about 4 minutes here
     python benchmarks/bench_scaling.py --quick              # a smoke run, seconds
@@ -411,7 +411,7 @@ def main() -> None:
                         help="lengths of the JAX memory_analysis figures ('' skips them; "
                         "compiling at N = 131072 takes a minute or two)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(HERE / "scaling_results.json"))
+    parser.add_argument("--out", default=str(HERE / "results" / "scaling_results.json"))
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: N = 1024, 2048, one round, ratio at N = 4096")
     parser.add_argument("--tables", metavar="JSON",

@@ -21,7 +21,8 @@ Single-threaded by default (``--threads``), like ``xattn train``. The full torch
     python benchmarks/bench_train.py                       # torch, lengths 256 ... 2048
     python benchmarks/bench_train.py --framework flax --lengths 256,1024
 
-Writes ``<out>.json`` and ``<out>.png`` (default ``benchmarks/train_step_times_<framework>``).
+Writes ``<out>.json`` and ``<out>.png`` (default
+``benchmarks/results/train_step_times_<framework>``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from xattn.training.loop import ATTENTIONS, NATIVE, NATIVE_LAYERS, RunSpec, batc
 from xattn.training.runs import attention_variants, load_framework
 from xattn.training.tasks import get_task
 
+RESULTS = Path(__file__).parent / "results"
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,7 +59,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    out = Path(args.out or f"benchmarks/train_step_times_{args.framework}")
+    out = Path(args.out or RESULTS / f"train_step_times_{args.framework}")
     estimators = list(dict.fromkeys(args.estimators.split(",")))
     unknown = [name for name in estimators if name not in ATTENTIONS]
     if unknown:

@@ -13,7 +13,7 @@ alone costs at test time.
     python benchmarks/bench_train_ablation.py --task mqar --jobs 2
     python benchmarks/bench_train_ablation.py --task listops --variants lara,lara-s64
 
-Writes ``benchmarks/train_ablation_<task>.json`` (every figure, the curves) and prints a
+Writes ``benchmarks/results/train_ablation_<task>.json`` (every figure, the curves) and prints a
 table.
 """
 
@@ -35,6 +35,7 @@ from xattn.training.runs import DEFAULT_SAMPLES, SETTINGS, dataset_sizes
 from xattn.training.tasks import get_task
 
 HEAD_DIM = 32  # the model's embedding 64 over 2 heads
+RESULTS = Path(__file__).parent / "results"
 
 
 def variants(samples: int) -> dict[str, tuple[str, dict]]:
@@ -108,7 +109,7 @@ def main() -> None:
         print(f"{name:<15} eval {np.mean(evaluation):.3f} (+- {np.std(evaluation):.3f})  "
               f"sampled {sampled_mean}  train loss "
               f"{np.mean(rows[-1]['final_train_loss']):.3f}", flush=True)
-    out = Path(args.out or f"benchmarks/train_ablation_{task.name}.json")
+    out = Path(args.out or RESULTS / f"train_ablation_{task.name}.json")
     payload = {"benchmark": "bench_train_ablation.py", "task": task.name,
                "framework": args.framework, "peak_lr": settings.peak_lr,
                "command": " ".join(sys.argv), "samples": args.samples,

@@ -9,9 +9,9 @@ Flax with a truncated normal of ``--variance``, PyTorch with a normal of ``--var
 (the input and output projections). One process, one thread.
 
     python benchmarks/bench_train_init.py --framework flax --variance 0.0078125 \
-        --out benchmarks/train_init_flax_var128.json
+        --out benchmarks/results/train_init_flax_var128.json
     python benchmarks/bench_train_init.py --framework torch --variance 0.015625 \
-        --out benchmarks/train_init_torch_var64.json
+        --out benchmarks/results/train_init_torch_var64.json
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ batch, schedule, data, seeds):
   time, one thread.
 
     python benchmarks/bench_train_parity.py --check-steps 30 --variants '' \\
-        --out benchmarks/train_parity_mqar.json
+        --out benchmarks/results/train_parity_mqar.json
     python benchmarks/bench_train_parity.py --seeds 0,1,2 \\
-        --variants torch:rfa:flax,flax:rfa:torch --out benchmarks/train_parity_mqar.json
+        --variants torch:rfa:flax,flax:rfa:torch --out benchmarks/results/train_parity_mqar.json
 
-(every command of ``benchmarks/train_parity_mqar.json`` is in its ``commands``; the
+(every command of ``benchmarks/results/train_parity_mqar.json`` is in its ``commands``; the
 results are in ``docs/guide/09_training.md``, "PyTorch against Flax on mqar")
 
 With ``--out`` of an existing file, its runs are kept and the new ones added (a run of
@@ -78,7 +78,7 @@ ATTENTIONS = {
 
 #: ``--token-init framework``: each framework's token embeddings as xattn 0.1 drew them
 #: (PyTorch's ``nn.Embedding`` N(0, 1), Flax's ``nnx.Embed`` N(0, 1/width)), with which
-#: the runs of ``benchmarks/train_parity_mqar.json`` were made.
+#: the runs of ``benchmarks/results/train_parity_mqar.json`` were made.
 FRAMEWORK_TOKEN_INITS = {"torch": "unit", "flax": "scaled"}
 
 

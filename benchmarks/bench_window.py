@@ -31,7 +31,7 @@ even on a shared machine.
 
 Run (about 10 minutes on one core)::
 
-    python benchmarks/bench_window.py                # writes benchmarks/window_results.json
+    python benchmarks/bench_window.py                # writes benchmarks/results/window_results.json
     python benchmarks/bench_window.py --quick        # a smaller grid, for a smoke test
     python benchmarks/bench_window.py --time-only    # only the time growth
 """
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a small grid (smoke test)")
     parser.add_argument("--draws", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=HERE / "window_results.json")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "window_results.json")
     parser.add_argument("--time-only", action="store_true",
                         help="measure the time growth only, keeping the errors of --out")
     args = parser.parse_args(argv)

@@ -149,8 +149,8 @@ if [ "$OPS_S" -gt 10 ] && [ -f benchmarks/bench_ops.py ]; then
         ${ops_args[@]+"${ops_args[@]}"}
 fi
 
-# results that a script wrote next to itself rather than to OUT
-find benchmarks -maxdepth 1 -type f \( -name '*.json' -o -name '*.png' \) -newer "$STAMP" \
+# results that a script wrote to its default place (benchmarks/results/) rather than to OUT
+find benchmarks/results -maxdepth 1 -type f \( -name '*.json' -o -name '*.png' \) -newer "$STAMP" \
     -exec cp {} "$OUT/" \;
 rm -rf "$STAMP" "$SITE"
 

@@ -2,10 +2,10 @@
 # The one device call of this run (a lent GPU, no network): the GPU test selection
 # (CuPy, torch CUDA) and the decode benchmark through benchmarks/run_gpu.sh, then the
 # non-causal forward against performer-pytorch and generation in a Hugging Face model.
-#     benchmarks/gpu_2026-11-27b/run.sh OUTDIR      (carry benchmarks/wheels)
+#     benchmarks/results/gpu/2026-11-27b/run.sh OUTDIR      (carry benchmarks/wheels)
 set -uo pipefail
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../../.."
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONDONTWRITEBYTECODE=1
 TEST_BACKENDS=cupy,torch-cuda TESTS_S=${TESTS_S:-100} WORKERS=16 BENCH_TORCH_S=0 CAUSAL_S=0 \
     BENCH_CUPY_S=0 BENCH_JAX_S=0 DECODE_S=${DECODE_S:-60} OPS_S=0 \

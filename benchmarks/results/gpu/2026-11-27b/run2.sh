@@ -3,10 +3,10 @@
 # installed transformers' name), the Hugging Face tests under the machine's transformers,
 # the decode benchmark again (torch.compile without warnings) and a kernel profile of
 # the non-causal forward against performer-pytorch.
-#     benchmarks/gpu_2026-11-27b/run2.sh OUTDIR      (carry benchmarks/wheels)
+#     benchmarks/results/gpu/2026-11-27b/run2.sh OUTDIR      (carry benchmarks/wheels)
 set -uo pipefail
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../../.."
 export PYTHONDONTWRITEBYTECODE=1
 SITE=$(mktemp -d)
 python3 -m pip install -q --no-deps --no-index --target "$SITE" benchmarks/wheels/*.whl \
@@ -24,5 +24,5 @@ timeout 60 python3 benchmarks/bench_decode.py --backends torch --device cuda \
     --positions 1024,4096,16384,65536 --steps 15 --out "$OUT/decode_torch-cuda.json" \
     > "$OUT/decode_torch-cuda.txt" 2>&1
 grep -c Warning "$OUT/decode_torch-cuda.txt"; tail -9 "$OUT/decode_torch-cuda.txt"
-timeout 60 python3 benchmarks/gpu_2026-11-27b/profile_noncausal.py > "$OUT/profile.txt" 2>&1
+timeout 60 python3 benchmarks/results/gpu/2026-11-27b/profile_noncausal.py > "$OUT/profile.txt" 2>&1
 grep -v "^-" "$OUT/profile.txt" | cut -c1-150 | head -70
