@@ -22,6 +22,7 @@ counts the lines per backend).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import time
@@ -32,6 +33,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 import pytest
+from array_api_extra._lib import _helpers as _xpx_helpers
 from array_api_extra.testing import lazy_xp_function, patch_lazy_xp_functions
 
 import xattn
@@ -173,6 +175,12 @@ def _make_backend(name: str) -> Backend:
 for _estimator in (xattn.softmax_attention, xattn.rfa, xattn.ra, xattn.lara):
     lazy_xp_function(_estimator)
 
+# array-api-extra wraps a tagged function in a new ``jax.jit`` for every test, so every
+# test compiled again what an earlier one had compiled (the same function, static options
+# and shapes): one wrapper per function for the whole session lets JAX's cache serve them
+# (it compiles for each new set of static options and shapes as before)
+_xpx_helpers.jax_autojit = functools.cache(_xpx_helpers.jax_autojit)
+
 
 def is_gpu_case(item: pytest.Item) -> bool:
     """Whether a collected test exercises a GPU: one of its parameters names a GPU
@@ -185,9 +193,38 @@ def is_gpu_case(item: pytest.Item) -> bool:
     return any(isinstance(value, str) and value in GPU_BACKENDS for value in params)
 
 
+#: Backends whose every call is costly (JAX compiles, Dask builds and runs a graph) and
+#: whose path is NumPy's own code: a test marked ``thin`` runs there with fewer values
+#: of its other parameters (see :func:`thinned`)
+THIN_BACKENDS = ("jax", "dask")
+
+
+def thinned(item: pytest.Item) -> bool:
+    """Whether ``item`` is left out as a redundant case on a costly backend.
+
+    ``@pytest.mark.thin(length=(17, 100))`` keeps, on :data:`THIN_BACKENDS`, only the
+    cases whose ``length`` is one of those (every value still runs on NumPy,
+    array-api-strict and torch, and on the GPU backends): the parameters it names test
+    the same lines of xattn on every backend (block sizes, shapes, kinds of bad value),
+    while what differs between backends (compiling, laziness, chunks) is exercised by the
+    values kept. A selection with ``XATTN_FULL=1`` keeps every case."""
+    marker = item.get_closest_marker("thin")
+    callspec = getattr(item, "callspec", None)
+    if marker is None or callspec is None or os.environ.get("XATTN_FULL") == "1":
+        return False
+    if callspec.params.get("backend") not in THIN_BACKENDS:
+        return False
+    return any(callspec.params.get(name) not in kept for name, kept in marker.kwargs.items())
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A GPU-only selection (``XATTN_BACKENDS`` names GPU backends only) runs the GPU
-    cases only: every other test runs the same on the CPU backends' runs."""
+    cases only: every other test runs the same on the CPU backends' runs. The cases that
+    :func:`thinned` leaves out are deselected."""
+    lean = [item for item in items if not thinned(item)]
+    if len(lean) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if thinned(item)])
+        items[:] = lean
     if not set(selected_backends()) <= set(GPU_BACKENDS):
         return
     kept: list[pytest.Item] = []

@@ -33,6 +33,7 @@ def sequential_prefix(carried, part_max, part_sums):
     return np.stack(before_max, -1), np.stack(before_sums, -2), (maximum, sums)
 
 
+@pytest.mark.thin(num_parts=(7, 65, 4097))
 @pytest.mark.parametrize("num_parts", [1, 7, 8, 9, 64, 65, 300, 4097])
 @pytest.mark.parametrize("with_carried", [False, True])
 def test_exclusive_prefix_equals_the_sequential_merge(backend, rng, num_parts, with_carried):
@@ -92,6 +93,7 @@ def prefix_reference(q, k, v, omega, feature_map, key_mask):
     return np.stack(rows, axis=-2)
 
 
+@pytest.mark.thin(length=(17, 100))
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic", "trigonometric"])
 @pytest.mark.parametrize("length", [1, 5, 16, 17, 100])
 @pytest.mark.filterwarnings("ignore::xattn.TrigonometricDenominatorWarning")
@@ -113,8 +115,12 @@ def test_causal_rfa_is_the_formula_on_every_prefix_whatever_the_block(
         backend.check(out, expected, dtype=xp.float64, atol=1e-10 * scale)
 
 
-@pytest.mark.parametrize("shapes", [((2, 1), (1, 3), (1, 3)), ((1, 1), (1, 1), (1, 3)),
-                                    ((2, 1), (1, 1), (1, 1)), ((1, 3), (2, 1), (2, 3))])
+LEAD_SHAPES = [((2, 1), (1, 3), (1, 3)), ((1, 1), (1, 1), (1, 3)),
+               ((2, 1), (1, 1), (1, 1)), ((1, 3), (2, 1), (2, 3))]
+
+
+@pytest.mark.thin(shapes=(LEAD_SHAPES[0], LEAD_SHAPES[3]))
+@pytest.mark.parametrize("shapes", LEAD_SHAPES)
 @pytest.mark.parametrize("feature_map", ["positive", "trigonometric"])
 @pytest.mark.parametrize(("causal", "window"), [(True, 0), (True, 3), (False, 3)])
 @pytest.mark.filterwarnings("ignore::xattn.TrigonometricDenominatorWarning")

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from xattn._core.array import Array, concrete_count, register_pytree
+from xattn._core.array import Array, concrete_count, library_name, register_pytree
 from xattn._core.inputs import AttentionInputs
 from xattn._core.options import check_bool
 
@@ -339,11 +339,10 @@ def check_state_inputs(state: RFAState | _KeyValueCache, inputs: AttentionInputs
     dtype."""
     keys = state.sink_keys if isinstance(state, RFAState) else state.keys
     values = state.sink_values if isinstance(state, RFAState) else state.values
-    held_library = _namespace(keys)
-    if held_library is not inputs.xp:
-        raise ValueError(f"state holds arrays of {_library_name(held_library)} but q, k and "
-                         f"v are arrays of {_library_name(inputs.xp)}; continue a sequence "
-                         "with the array library that started it")
+    if _namespace(keys) is not inputs.xp:
+        raise ValueError(f"state holds arrays of {library_name(keys)} but q, k and v are "
+                         f"arrays of {library_name(inputs.q)}; continue a sequence with the "
+                         "array library that started it")
     batch = tuple(keys.shape[:-2])
     head_dim, value_dim = keys.shape[-1], values.shape[-1]
     new = (inputs.q.shape[-1], inputs.v.shape[-1])
@@ -418,12 +417,6 @@ def _namespace(x: Array) -> Any:
     import array_api_compat
 
     return array_api_compat.array_namespace(x)
-
-
-def _library_name(xp: Any) -> str:
-    """The array library of a namespace, as users know it (``array_api_compat.torch``:
-    ``torch``)."""
-    return xp.__name__.removeprefix("array_api_compat.")
 
 
 def empty_rfa_state(inputs: AttentionInputs, mapping: Any, omega: Array, feature_map: str,

@@ -5,7 +5,7 @@ training step (optax)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 import flax
 import jax
@@ -18,7 +18,10 @@ import xattn.flax as xflax
 from xattn.training.loop import NATIVE, ModelConfig, RunSpec, accuracy_counts
 from xattn.training.tasks import Dataset, Task
 
-__all__ = ["Encoder", "FlaxTrainer", "Trainer", "schedule", "supports_grid", "versions"]
+__all__ = ["Encoder", "FlaxTrainer", "FlaxTrainerBase", "Trainer", "attention_layer",
+           "schedule", "supports_grid", "versions"]
+
+_Model = TypeVar("_Model", bound=nnx.Module)
 
 
 def versions() -> dict[str, str]:
@@ -35,28 +38,33 @@ def supports_grid() -> bool:
     return True
 
 
+def attention_layer(dim: int, heads: int, estimator: str, options: dict[str, Any],
+                    rngs: nnx.Rngs) -> xflax.MultiHeadAttention | nnx.MultiHeadAttention:
+    """The attention of a block, its parameters drawn from the ``params`` stream of
+    ``rngs``: :class:`flax.nnx.MultiHeadAttention` for
+    :data:`~xattn.training.loop.NATIVE`, else :class:`xattn.flax.MultiHeadAttention` with
+    ``estimator`` and its ``options`` (``redraw_interval`` 1000 unless they give one),
+    drawing from the ``attention`` stream."""
+    if estimator == NATIVE:
+        # Flax's own layer: the submodules and initializers of the xattn layer, drawn from
+        # the same ``params`` stream (the xattn layer's ``attention`` stream is not used for
+        # parameters), so the same seed gives the same parameters
+        return nnx.MultiHeadAttention(heads, dim, decode=False, rngs=rngs)
+    layer_options = dict(options)
+    redraw = layer_options.pop("redraw_interval", 1000)
+    return xflax.MultiHeadAttention(heads, dim, estimator=estimator, redraw_interval=redraw,
+                                    rngs=rngs, **layer_options)
+
+
 class _Block(nnx.Module):
     """Pre-norm Transformer layer: x + attention(norm(x)), then x + FFN(norm(x))."""
 
     def __init__(self, config: ModelConfig, estimator: str, options: dict[str, Any],
                  rngs: nnx.Rngs) -> None:
-        layer_options = dict(options)
-        redraw = layer_options.pop("redraw_interval", 1000)
         self.attention_norm = nnx.LayerNorm(config.dim, rngs=rngs)
-        self.attention: xflax.MultiHeadAttention | nnx.MultiHeadAttention
-        if estimator == NATIVE:
-            # Flax's own layer: the submodules and initializers of the xattn layer, drawn
-            # from the same ``params`` stream (the xattn layer's ``attention`` stream is not
-            # used for parameters), so the same seed gives the same parameters; its mask
-            # convention (True = attend, broadcast to (batch, heads, q, kv)) takes the key
-            # mask (batch, 1, 1, kv) of the xattn layer as it is
-            self.attention = nnx.MultiHeadAttention(config.heads, config.dim, decode=False,
-                                                    rngs=rngs)
-        else:
-            self.attention = xflax.MultiHeadAttention(config.heads, config.dim,
-                                                      estimator=estimator,
-                                                      redraw_interval=redraw, rngs=rngs,
-                                                      **layer_options)
+        # Flax's own layer (NATIVE) takes the key mask (batch, 1, 1, kv) of the xattn layer
+        # as it is: True = attend, broadcast to (batch, heads, q, kv)
+        self.attention = attention_layer(config.dim, config.heads, estimator, options, rngs)
         if config.equal_query_key_init:  # see ModelConfig
             # a copy: two parameters sharing one buffer cannot both be donated to the step
             self.attention.key.kernel[...] = jnp.array(self.attention.query.kernel[...],
@@ -134,55 +142,49 @@ def _loss(model: Encoder, tokens: jax.Array, mask: jax.Array | None,
     return jnp.sum(jnp.where(counted, losses, 0.0)) / jnp.maximum(jnp.sum(counted), 1)
 
 
-class FlaxTrainer:
-    """AdamW steps and evaluation of an :class:`Encoder` (see ``Trainer``).
+class FlaxTrainerBase(Generic[_Model]):
+    """What the Flax trainers of a model (an ``nnx.Module`` of type ``_Model``) share: the
+    JAX device and the training step.
 
     The step is a pure function of the model and optimizer state (Flax's functional API,
     :func:`flax.nnx.split` / :func:`flax.nnx.merge`) under :func:`jax.jit`, compiled once
-    ahead of time; its XLA memory analysis gives the peak memory. The learning rate
-    follows :func:`schedule` inside optax, so ``step`` ignores its ``lr`` argument (the
-    same values).
+    ahead of time; its XLA memory analysis gives the peak memory. A subclass builds its
+    model under ``jax.default_device(self.device)`` and hands it to
+    :meth:`_prepare_step`; its ``step`` calls :meth:`_update`.
     """
 
     memory_method = ("XLA memory_analysis() of the compiled training step: temp + output "
                      "bytes (as xattn bench on JAX)")
 
-    def __init__(self, spec: RunSpec, device: str = "cpu", *,
-                 compiler_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, device: str, compiler_options: dict[str, Any] | None) -> None:
         self.compiler_options = compiler_options  # XLA options, e.g. for faster compiles
         try:
             self.device = jax.devices("gpu" if device == "cuda" else "cpu")[0]
         except RuntimeError:
             raise ValueError(f"device {device}: JAX sees no such device") from None
-        with jax.default_device(self.device):
-            model = Encoder(spec.task, spec.estimator, spec.options, config=spec.model,
-                            rngs=nnx.Rngs(params=spec.seed, attention=spec.seed + 1))
-            transform = optax.chain(
-                optax.clip_by_global_norm(spec.clip_norm),
-                optax.adamw(schedule(spec), weight_decay=spec.weight_decay))
-            optimizer = nnx.Optimizer(model, transform, wrt=nnx.Param)
-        self.graphdef, self.state = nnx.split((model, optimizer))
         self._compiled: Any = None
-        self._logits: Any = None
 
-        def train_step(state: Any, tokens: jax.Array, mask: jax.Array | None,
-                       targets: jax.Array) -> tuple[Any, jax.Array]:
+    def _prepare_step(self, model: _Model, transform: Any,
+                      loss: Callable[..., jax.Array]) -> None:
+        """Keep ``model`` and its optimizer (the optax ``transform``) as the split state
+        ``graphdef, state``, and jit the step on ``loss(model, *batch)``. Call it on the
+        device (under ``jax.default_device``): the optimizer's state is created here."""
+        optimizer = nnx.Optimizer(model, transform, wrt=nnx.Param)
+        self.graphdef, self.state = nnx.split((model, optimizer))
+
+        def train_step(state: Any, *batch: jax.Array | None) -> tuple[Any, jax.Array]:
             model, optimizer = nnx.merge(self.graphdef, state)
-            loss, grads = nnx.value_and_grad(_loss)(model, tokens, mask, targets)
+            value, grads = nnx.value_and_grad(loss)(model, *batch)
             optimizer.update(model, grads)
-            return nnx.state((model, optimizer)), loss
+            return nnx.state((model, optimizer)), value
 
         self._train_step = jax.jit(train_step, donate_argnums=0)
 
-    def _inputs(self, data: Dataset) -> tuple[jax.Array, jax.Array | None]:
-        tokens = jax.device_put(data.tokens, self.device)
-        mask = None if data.mask is None else jax.device_put(data.mask, self.device)
-        return tokens, mask
-
-    def step(self, batch: Dataset, lr: float, *,
-             measure_memory: bool = False) -> tuple[float, int | None]:
-        arguments = (self.state, *self._inputs(batch),
-                     jax.device_put(batch.targets, self.device))
+    def _update(self, *batch: jax.Array | None,
+                measure_memory: bool) -> tuple[float, int | None]:
+        """One step on ``batch`` (compiled at the first call); waits for it and returns
+        its loss and, if ``measure_memory``, its peak memory in bytes (else None)."""
+        arguments = (self.state, *batch)
         if self._compiled is None:
             self._compiled = self._train_step.lower(*arguments).compile(
                 compiler_options=self.compiler_options)
@@ -193,6 +195,35 @@ class FlaxTrainer:
             if analysis is not None:
                 peak = int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
         return float(loss), peak  # float() waits for the device
+
+
+class FlaxTrainer(FlaxTrainerBase[Encoder]):
+    """AdamW steps and evaluation of an :class:`Encoder` (see ``Trainer`` and
+    :class:`FlaxTrainerBase`). The learning rate follows :func:`schedule` inside optax, so
+    ``step`` ignores its ``lr`` argument (the same values).
+    """
+
+    def __init__(self, spec: RunSpec, device: str = "cpu", *,
+                 compiler_options: dict[str, Any] | None = None) -> None:
+        super().__init__(device, compiler_options)
+        with jax.default_device(self.device):
+            model = Encoder(spec.task, spec.estimator, spec.options, config=spec.model,
+                            rngs=nnx.Rngs(params=spec.seed, attention=spec.seed + 1))
+            transform = optax.chain(
+                optax.clip_by_global_norm(spec.clip_norm),
+                optax.adamw(schedule(spec), weight_decay=spec.weight_decay))
+            self._prepare_step(model, transform, _loss)
+        self._logits: Any = None
+
+    def _inputs(self, data: Dataset) -> tuple[jax.Array, jax.Array | None]:
+        tokens = jax.device_put(data.tokens, self.device)
+        mask = None if data.mask is None else jax.device_put(data.mask, self.device)
+        return tokens, mask
+
+    def step(self, batch: Dataset, lr: float, *,
+             measure_memory: bool = False) -> tuple[float, int | None]:
+        return self._update(*self._inputs(batch), jax.device_put(batch.targets, self.device),
+                            measure_memory=measure_memory)
 
     def accuracy(self, data: Dataset, batch_size: int = 128, *,
                  sampled: bool = False) -> float:

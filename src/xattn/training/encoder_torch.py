@@ -4,7 +4,8 @@ step."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -15,7 +16,10 @@ from xattn.training.loop import NATIVE, ModelConfig, RunSpec, accuracy_counts
 from xattn.training.peak import native_stderr_silenced, torch_memory
 from xattn.training.tasks import Dataset, Task
 
-__all__ = ["Encoder", "TorchTrainer", "Trainer", "supports_grid", "versions"]
+__all__ = ["Encoder", "TorchTrainer", "TorchTrainerBase", "Trainer", "attention_layer",
+           "supports_grid", "versions"]
+
+_Model = TypeVar("_Model", bound=nn.Module)
 
 
 def versions() -> dict[str, str]:
@@ -31,23 +35,32 @@ def supports_grid() -> bool:
     return True
 
 
+def attention_layer(dim: int, heads: int, estimator: str, options: dict[str, Any],
+                    generator: torch.Generator, device: Any
+                    ) -> nn.MultiheadAttention | xtorch.MultiheadAttention:
+    """The attention of a block, batch first: :class:`torch.nn.MultiheadAttention` for
+    :data:`~xattn.training.loop.NATIVE` (the xattn layer's parameters, drawn alike from
+    torch's global generator), else :class:`xattn.torch.MultiheadAttention` with
+    ``estimator``, its ``options`` (``redraw_interval`` 1000 unless they give one) and
+    ``generator`` as its random stream."""
+    if estimator == NATIVE:
+        return nn.MultiheadAttention(dim, heads, batch_first=True, device=device)
+    layer_options = dict(options)
+    redraw = layer_options.pop("redraw_interval", 1000)
+    return xtorch.MultiheadAttention(dim, heads, estimator=estimator, redraw_interval=redraw,
+                                     batch_first=True, generator=generator, device=device,
+                                     **layer_options)
+
+
 class _Block(nn.Module):
     """Pre-norm Transformer layer: x + attention(norm(x)), then x + FFN(norm(x))."""
 
     def __init__(self, config: ModelConfig, estimator: str, options: dict[str, Any],
                  generator: torch.Generator, device: Any) -> None:
         super().__init__()
-        layer_options = dict(options)
-        redraw = layer_options.pop("redraw_interval", 1000)
         self.attention_norm = nn.LayerNorm(config.dim, device=device)
-        self.attention: nn.Module
-        if estimator == NATIVE:  # torch's own layer: the same parameters, drawn alike
-            self.attention = nn.MultiheadAttention(config.dim, config.heads, batch_first=True,
-                                                   device=device)
-        else:
-            self.attention = xtorch.MultiheadAttention(
-                config.dim, config.heads, estimator=estimator, redraw_interval=redraw,
-                batch_first=True, generator=generator, device=device, **layer_options)
+        self.attention = attention_layer(config.dim, config.heads, estimator, options,
+                                         generator, device)
         if config.equal_query_key_init:  # see ModelConfig
             with torch.no_grad():
                 weight = self.attention.in_proj_weight  # packed [W_q; W_k; W_v]
@@ -105,21 +118,67 @@ class Encoder(nn.Module):
         return self.classifier(pooled)  # (B, classes)
 
 
-class TorchTrainer:
-    """AdamW steps and evaluation of an :class:`Encoder` (see ``Trainer``)."""
+class TorchTrainerBase:
+    """What the PyTorch trainers share: the device and its peak-memory probe, the model
+    drawn from the run's seed (:meth:`_seeded`), and the AdamW step (:meth:`_update`).
 
-    def __init__(self, spec: RunSpec, device: str = "cpu") -> None:
+    A subclass sets ``model``, ``optimizer`` and ``clip_norm``.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    clip_norm: float
+
+    def __init__(self, device: str) -> None:
         # peak memory as xattn bench measures it: torch's CPU allocator (profiler) or CUDA
         self.backend = torch_memory(device)
         self.memory_method = self.backend.memory_method + " (one training step)"
         self.device = torch.device(self.backend.device)
-        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
+
+    def _seeded(self, build: Callable[[torch.Generator], _Model], seed: int) -> _Model:
+        """``build(generator)``, a model drawn from ``seed``: ``generator`` on the device
+        and torch's global generator both seeded with it, the caller's global state kept."""
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         # nn.Linear / nn.Embedding draw their initialization from torch's global generator:
         # seed it inside fork_rng, which restores the caller's global state afterwards
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed)
-            self.model = Encoder(spec.task, spec.estimator, spec.options, config=spec.model,
-                                 generator=generator, device=self.device)
+            torch.manual_seed(seed)
+            return build(generator)
+
+    def _update(self, loss: Callable[[], torch.Tensor], lr: float,
+                measure_memory: bool) -> tuple[float, int | None]:
+        """One AdamW step at learning rate ``lr`` on ``loss()`` (the model in training
+        mode, the gradient norm clipped at ``clip_norm``); waits for it and returns its
+        loss and, if ``measure_memory``, its peak memory in bytes (else None)."""
+        self.model.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        def update() -> float:
+            value = loss()
+            self.optimizer.zero_grad(set_to_none=True)
+            value.backward()
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+            self.optimizer.step()
+            return float(value.detach())  # waits for the device
+
+        if measure_memory:  # silenced: the profiler's notes on blocks allocated before it
+            with native_stderr_silenced():
+                return self.backend.peak_memory(update)
+        return update(), None
+
+
+class TorchTrainer(TorchTrainerBase):
+    """AdamW steps and evaluation of an :class:`Encoder` (see ``Trainer``)."""
+
+    model: Encoder
+
+    def __init__(self, spec: RunSpec, device: str = "cpu") -> None:
+        super().__init__(device)
+        self.model = self._seeded(
+            lambda generator: Encoder(spec.task, spec.estimator, spec.options,
+                                      config=spec.model, generator=generator,
+                                      device=self.device), spec.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.peak_lr,
                                            weight_decay=spec.weight_decay)
         self.clip_norm = spec.clip_norm
@@ -131,26 +190,15 @@ class TorchTrainer:
 
     def step(self, batch: Dataset, lr: float, *,
              measure_memory: bool = False) -> tuple[float, int | None]:
-        self.model.train()
         tokens, mask = self._inputs(batch)
         targets = torch.as_tensor(batch.targets, device=self.device)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
-        def update() -> float:
+        def loss() -> torch.Tensor:
             logits = self.model(tokens, mask)
-            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                targets.reshape(-1), ignore_index=-1)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
-            self.optimizer.step()
-            return float(loss.detach())  # waits for the device
 
-        if measure_memory:  # silenced: the profiler's notes on blocks allocated before it
-            with native_stderr_silenced():
-                return self.backend.peak_memory(update)
-        return update(), None
+        return self._update(loss, lr, measure_memory)
 
     @torch.no_grad()
     def accuracy(self, data: Dataset, batch_size: int = 128, *,

@@ -21,10 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from xattn.training.loop import (
-    WARMUP_STEPS,  # steps not timed; the last measures memory
-    advance,
-)
+from xattn.training.loop import RunIdentity, StepLog
 from xattn.training.tasks import shakespeare
 
 __all__ = ["EVAL_SEED", "LM_QUICK_STEPS", "RFA_SINKS", "RFA_WINDOW", "RFA_WINDOW_ROW",
@@ -193,15 +190,9 @@ def generate(trainer: LMTrainer, prompt: np.ndarray, count: int, context: int, *
 
 
 @dataclass
-class LMResult:
+class LMResult(RunIdentity):
     """Every figure of one language-model run (losses in nats per character)."""
 
-    task: str
-    name: str
-    estimator: str
-    options: dict[str, Any]
-    seed: int
-    steps: int
     val_loss: float
     train_loss: float
     final_train_loss: float
@@ -232,22 +223,14 @@ def train_lm_run(spec: LMSpec, trainer: LMTrainer, progress: Any = None) -> LMRe
     train, val = shakespeare.split()
     rng = np.random.default_rng(spec.seed)
     curve: list[dict[str, float]] = []
-    losses: list[float] = []
-    step_times: list[float] = []
-    peak = None
-    memory_step = min(WARMUP_STEPS, spec.steps) - 1
+    log = StepLog(spec.steps)
     started = time.perf_counter()
     for step in range(spec.steps):
         batch = random_windows(train, spec.length, spec.batch_size, rng)
         tic = time.perf_counter()
-        loss, measured = trainer.step(*batch, lm_learning_rate(step, spec),
-                                      measure_memory=step == memory_step)
-        step_times.append(time.perf_counter() - tic)
-        peak = measured if step == memory_step else peak
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"training loss is {loss} at step {step + 1}")
-        losses.append(loss)
-        advance(progress, f"loss {loss:.3f}")
+        loss, peak = trainer.step(*batch, lm_learning_rate(step, spec),
+                                  measure_memory=log.measures_memory(step))
+        log.record(step, loss, peak, time.perf_counter() - tic, progress)
         if (step + 1) % spec.eval_interval == 0 and step + 1 < spec.steps:
             curve.append({"step": step + 1,
                           "train_loss": estimate_loss(trainer, train, spec, spec.eval_iters),
@@ -272,12 +255,11 @@ def train_lm_run(spec: LMSpec, trainer: LMTrainer, progress: Any = None) -> LMRe
     if trainer.state_sampler() is not None:
         with_state, state_speed = sample_twice(use_state=True)
         same = bool(np.array_equal(with_state, sample))
-    timed = step_times[WARMUP_STEPS:] or step_times
     return LMResult(task="shakespeare", name=spec.name, estimator=spec.estimator,
                     options=spec.options, seed=spec.seed, steps=spec.steps,
                     val_loss=val_loss, train_loss=train_loss,
-                    final_train_loss=statistics.fmean(losses[-max(1, len(losses) // 10):]),
-                    ms_per_step=1000 * statistics.median(timed), peak_memory_bytes=peak,
+                    final_train_loss=log.final_train_loss, ms_per_step=log.ms_per_step,
+                    peak_memory_bytes=log.peak_memory_bytes,
                     peak_memory_method=trainer.memory_method, wall_s=wall_s, curve=curve,
                     sample=spec.prompt + shakespeare.decode(sample),
                     sample_tokens_per_s_recompute=speed,

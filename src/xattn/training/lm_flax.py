@@ -15,8 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-import xattn.flax as xflax
-from xattn.training.encoder_flax import versions
+from xattn.training.encoder_flax import FlaxTrainerBase, attention_layer, versions
 from xattn.training.lm import GPTConfig, LMSpec, Sampler
 from xattn.training.loop import NATIVE
 
@@ -28,19 +27,9 @@ class _Block(nnx.Module):
 
     def __init__(self, config: GPTConfig, estimator: str, options: dict[str, Any],
                  rngs: nnx.Rngs) -> None:
-        layer_options = dict(options)
-        redraw = layer_options.pop("redraw_interval", 1000)
         self.native = estimator == NATIVE
         self.attention_norm = nnx.LayerNorm(config.dim, use_bias=False, rngs=rngs)
-        self.attention: xflax.MultiHeadAttention | nnx.MultiHeadAttention
-        if self.native:
-            self.attention = nnx.MultiHeadAttention(config.heads, config.dim, decode=False,
-                                                    rngs=rngs)
-        else:
-            self.attention = xflax.MultiHeadAttention(config.heads, config.dim,
-                                                      estimator=estimator,
-                                                      redraw_interval=redraw, rngs=rngs,
-                                                      **layer_options)
+        self.attention = attention_layer(config.dim, config.heads, estimator, options, rngs)
         self.ffn_norm = nnx.LayerNorm(config.dim, use_bias=False, rngs=rngs)
         self.ffn_in = nnx.Linear(config.dim, config.ffn, use_bias=False, rngs=rngs)
         self.ffn_out = nnx.Linear(config.ffn, config.dim, use_bias=False, rngs=rngs)
@@ -156,19 +145,13 @@ def _loss(model: GPT, inputs: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
 
 
-class FlaxLMTrainer:
-    """nanoGPT's AdamW steps, loss estimate and sampling of a :class:`GPT` (jitted)."""
-
-    memory_method = ("XLA memory_analysis() of the compiled training step: temp + output "
-                     "bytes (as xattn bench on JAX)")
+class FlaxLMTrainer(FlaxTrainerBase[GPT]):
+    """nanoGPT's AdamW steps, loss estimate and sampling of a :class:`GPT` (jitted; see
+    :class:`~xattn.training.encoder_flax.FlaxTrainerBase`)."""
 
     def __init__(self, spec: LMSpec, device: str = "cpu", *,
                  compiler_options: dict[str, Any] | None = None) -> None:
-        self.compiler_options = compiler_options  # XLA options, e.g. for faster compiles
-        try:
-            self.device = jax.devices("gpu" if device == "cuda" else "cpu")[0]
-        except RuntimeError:
-            raise ValueError(f"device {device}: JAX sees no such device") from None
+        super().__init__(device, compiler_options)
         self.length, self.dim, self.native = spec.length, spec.model.dim, spec.estimator == NATIVE
         self._sampler_compiled: dict[str, Any] = {}
         with jax.default_device(self.device):
@@ -180,35 +163,17 @@ class FlaxLMTrainer:
                 optax.adamw(lm_schedule(spec), b1=spec.betas[0], b2=spec.betas[1],
                             weight_decay=spec.weight_decay,
                             mask=lambda tree: jax.tree.map(lambda p: jnp.ndim(p) >= 2, tree)))
-            optimizer = nnx.Optimizer(model, transform, wrt=nnx.Param)
-        self.graphdef, self.state = nnx.split((model, optimizer))
-        self._compiled: Any = None
+            self._prepare_step(model, transform, _loss)
         self._eval: Any = None
         self._eval_state: Any = None  # the evaluation-mode state of the current parameters
 
-        def train_step(state: Any, inputs: jax.Array, targets: jax.Array) -> Any:
-            model, optimizer = nnx.merge(self.graphdef, state)
-            loss, grads = nnx.value_and_grad(_loss)(model, inputs, targets)
-            optimizer.update(model, grads)
-            return nnx.state((model, optimizer)), loss
-
-        self._train_step = jax.jit(train_step, donate_argnums=0)
-
     def step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, *,
              measure_memory: bool = False) -> tuple[float, int | None]:
-        arguments = (self.state, jax.device_put(inputs.astype(np.int32), self.device),
-                     jax.device_put(targets.astype(np.int32), self.device))
-        if self._compiled is None:
-            self._compiled = self._train_step.lower(*arguments).compile(
-                compiler_options=self.compiler_options)
-        self.state, loss = self._compiled(*arguments)
+        result = self._update(jax.device_put(inputs.astype(np.int32), self.device),
+                              jax.device_put(targets.astype(np.int32), self.device),
+                              measure_memory=measure_memory)
         self._eval_state = None
-        peak = None
-        if measure_memory:
-            analysis = self._compiled.memory_analysis()
-            if analysis is not None:
-                peak = int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
-        return float(loss), peak
+        return result
 
     def _evaluation(self) -> tuple[Any, Any]:
         """The model's state in evaluation mode and the jitted forward (logits)."""

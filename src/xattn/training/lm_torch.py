@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 import xattn.torch as xtorch
-from xattn.training.encoder_torch import versions
+from xattn.training.encoder_torch import TorchTrainerBase, attention_layer, versions
 from xattn.training.lm import GPTConfig, LMSpec, Sampler
 from xattn.training.loop import NATIVE
-from xattn.training.peak import native_stderr_silenced, torch_memory
 
 __all__ = ["GPT", "TorchLMTrainer", "Trainer", "versions"]
 
@@ -29,17 +28,9 @@ class _Block(nn.Module):
     def __init__(self, config: GPTConfig, estimator: str, options: dict[str, Any],
                  generator: torch.Generator, device: Any) -> None:
         super().__init__()
-        layer_options = dict(options)
-        redraw = layer_options.pop("redraw_interval", 1000)
         self.attention_norm = nn.LayerNorm(config.dim, bias=False, device=device)
-        self.attention: nn.Module
-        if estimator == NATIVE:
-            self.attention = nn.MultiheadAttention(config.dim, config.heads, batch_first=True,
-                                                   device=device)
-        else:
-            self.attention = xtorch.MultiheadAttention(
-                config.dim, config.heads, estimator=estimator, redraw_interval=redraw,
-                batch_first=True, generator=generator, device=device, **layer_options)
+        self.attention = attention_layer(config.dim, config.heads, estimator, options,
+                                         generator, device)
         self.ffn_norm = nn.LayerNorm(config.dim, bias=False, device=device)
         self.ffn_in = nn.Linear(config.dim, config.ffn, bias=False, device=device)
         self.ffn_out = nn.Linear(config.ffn, config.dim, bias=False, device=device)
@@ -138,19 +129,17 @@ class _StateSampler:
         return self._run(np.asarray([token]))
 
 
-class TorchLMTrainer:
+class TorchLMTrainer(TorchTrainerBase):
     """nanoGPT's AdamW steps, loss estimate and sampling of a :class:`GPT`."""
 
+    model: GPT
+
     def __init__(self, spec: LMSpec, device: str = "cpu") -> None:
-        self.backend = torch_memory(device)
-        self.memory_method = self.backend.memory_method + " (one training step)"
-        self.device = torch.device(self.backend.device)
+        super().__init__(device)
         self.estimator = spec.estimator
-        generator = torch.Generator(device=self.device).manual_seed(spec.seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.seed)
-            self.model = GPT(spec.model, spec.length, spec.estimator, spec.options,
-                             generator=generator, device=self.device)
+        self.model = self._seeded(
+            lambda generator: GPT(spec.model, spec.length, spec.estimator, spec.options,
+                                  generator=generator, device=self.device), spec.seed)
         # nanoGPT: weight decay on every parameter of 2 or more dimensions only
         decay = [p for p in self.model.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.model.parameters() if p.ndim < 2]
@@ -169,22 +158,7 @@ class TorchLMTrainer:
 
     def step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, *,
              measure_memory: bool = False) -> tuple[float, int | None]:
-        self.model.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-        def update() -> float:
-            loss = self._loss(inputs, targets)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
-            self.optimizer.step()
-            return float(loss.detach())
-
-        if measure_memory:
-            with native_stderr_silenced():
-                return self.backend.peak_memory(update)
-        return update(), None
+        return self._update(lambda: self._loss(inputs, targets), lr, measure_memory)
 
     @torch.no_grad()
     def loss(self, inputs: np.ndarray, targets: np.ndarray) -> float:

@@ -30,8 +30,10 @@ __all__ = [
     "TOKEN_INITS",
     "WARMUP_STEPS",
     "ModelConfig",
+    "RunIdentity",
     "RunResult",
     "RunSpec",
+    "StepLog",
     "Trainer",
     "accuracy_counts",
     "advance",
@@ -137,9 +139,10 @@ class RunSpec:
 
 
 @dataclass
-class RunResult:
-    """Every figure of one run (``curve``: test accuracy and mean training loss at the
-    evaluation points; the last point uses the whole test set)."""
+class RunIdentity:
+    """Which run a result is of: the task, the row name, the layer's estimator and its
+    options, the seed and the number of training steps (the first fields of
+    :class:`RunResult` and :class:`~xattn.training.lm.LMResult`)."""
 
     task: str
     name: str
@@ -147,6 +150,13 @@ class RunResult:
     options: dict[str, Any]
     seed: int
     steps: int
+
+
+@dataclass
+class RunResult(RunIdentity):
+    """Every figure of one run (``curve``: test accuracy and mean training loss at the
+    evaluation points; the last point uses the whole test set)."""
+
     test_accuracy: float
     final_train_loss: float
     ms_per_step: float
@@ -246,6 +256,58 @@ def advance(bar: Any, label: str) -> None:
         bar.update(1)
 
 
+class StepLog:
+    """The training losses, the wall time of each step and the peak memory of a run, as
+    :func:`train_run` and :func:`~xattn.training.lm.train_lm_run` record them.
+
+    Parameters
+    ----------
+    steps : int
+        The run's number of steps: the last of the first :data:`WARMUP_STEPS` (or of all
+        steps, if fewer) measures the peak memory.
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.peak_memory_bytes: int | None = None
+        self._memory_step = min(WARMUP_STEPS, steps) - 1
+
+    def measures_memory(self, step: int) -> bool:
+        """Whether step ``step`` (from 0) measures the peak memory."""
+        return step == self._memory_step
+
+    def record(self, step: int, loss: float, peak: int | None, seconds: float,
+               progress: Any = None) -> None:
+        """Log step ``step`` (from 0): its training ``loss``, its ``peak`` memory (kept
+        where :meth:`measures_memory`) and its wall time; advance ``progress`` (a tqdm
+        bar, or None).
+
+        Raises
+        ------
+        FloatingPointError
+            ``loss`` is not finite.
+        """
+        self.step_times.append(seconds)
+        if self.measures_memory(step):
+            self.peak_memory_bytes = peak
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss} at step {step + 1}")
+        self.losses.append(loss)
+        advance(progress, f"loss {loss:.3f}")
+
+    @property
+    def ms_per_step(self) -> float:
+        """The median wall time in ms of the steps after the first :data:`WARMUP_STEPS`
+        (of every step, if there are no more)."""
+        return 1000 * statistics.median(self.step_times[WARMUP_STEPS:] or self.step_times)
+
+    @property
+    def final_train_loss(self) -> float:
+        """The mean training loss of the last tenth of the steps (at least the last)."""
+        return statistics.fmean(self.losses[-max(1, len(self.losses) // 10):])
+
+
 class Trainer(Protocol):
     """What a framework module gives :func:`train_run`."""
 
@@ -277,25 +339,17 @@ def train_run(spec: RunSpec, trainer: Trainer, train: Dataset, test: Dataset,
     eval_at = {max(1, round(spec.steps * (point + 1) / spec.eval_points))
                for point in range(spec.eval_points)}
     eval_at.add(spec.steps)
-    step_times: list[float] = []
-    losses: list[float] = []
     since_eval: list[float] = []
     curve: list[dict[str, float]] = []
     source = batches(train, spec.batch_size, spec.seed)
     started = time.perf_counter()
-    peak = None
-    memory_step = min(WARMUP_STEPS, spec.steps) - 1
+    log = StepLog(spec.steps)
     for step in range(spec.steps):
         tic = time.perf_counter()
-        loss, measured = trainer.step(next(source), learning_rate(step, spec),
-                                      measure_memory=step == memory_step)
-        step_times.append(time.perf_counter() - tic)
-        peak = measured if step == memory_step else peak
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"training loss is {loss} at step {step + 1}")
-        losses.append(loss)
+        loss, peak = trainer.step(next(source), learning_rate(step, spec),
+                                  measure_memory=log.measures_memory(step))
+        log.record(step, loss, peak, time.perf_counter() - tic, progress)
         since_eval.append(loss)
-        advance(progress, f"loss {loss:.3f}")
         if step + 1 in eval_at:
             last = step + 1 == spec.steps
             accuracy = trainer.accuracy(test if last else curve_test)
@@ -303,13 +357,10 @@ def train_run(spec: RunSpec, trainer: Trainer, train: Dataset, test: Dataset,
                           "train_loss": statistics.fmean(since_eval)})
             since_eval = []
     sampled = trainer.accuracy(test, sampled=True) if spec.evaluate_sampled else None
-    timed = step_times[WARMUP_STEPS:] or step_times
-    tail = losses[-max(1, len(losses) // 10):]
     return RunResult(task=spec.task.name, name=spec.name, estimator=spec.estimator,
                      options=spec.options, seed=spec.seed, steps=spec.steps,
                      test_accuracy=curve[-1]["test_accuracy"],
-                     final_train_loss=statistics.fmean(tail),
-                     ms_per_step=1000 * statistics.median(timed), peak_memory_bytes=peak,
+                     final_train_loss=log.final_train_loss, ms_per_step=log.ms_per_step,
+                     peak_memory_bytes=log.peak_memory_bytes,
                      peak_memory_method=trainer.memory_method, wall_s=time.perf_counter() - started,
                      curve=curve, sampled_test_accuracy=sampled)
-

@@ -51,6 +51,11 @@ def group_of(name: str) -> str:
     return "ffn"
 
 
+#: What the loaders write into: (name, where the model holds the entry, its shape there,
+#: from the Flax layout to it)
+_Target = tuple[str, Any, tuple[int, ...], Callable[[np.ndarray], np.ndarray]]
+
+
 # -- PyTorch -----------------------------------------------------------------------------
 
 #: (name, torch tensor, rows of it or None for all, to Flax layout, from Flax layout)
@@ -110,27 +115,12 @@ def _torch_slots(model: Any) -> Iterator[_Slot]:
         heads = attention.num_heads
         for row, name in enumerate(("query", "key", "value")):
             rows = slice(row * dim, (row + 1) * dim)  # of the packed [W_q; W_k; W_v]
-            yield (
-                f"{prefix}attention.{name}.kernel",
-                attention.in_proj_weight,
-                rows,
-                functools.partial(_input_kernel, heads=heads),
-                _input_weight,
-            )
-            yield (
-                f"{prefix}attention.{name}.bias",
-                attention.in_proj_bias,
-                rows,
-                functools.partial(_heads_bias, heads=heads),
-                _flattened,
-            )
-        yield (
-            f"{prefix}attention.out.kernel",
-            attention.out_proj.weight,
-            None,
-            functools.partial(_output_kernel, heads=heads),
-            _output_weight,
-        )
+            yield (f"{prefix}attention.{name}.kernel", attention.in_proj_weight, rows,
+                   functools.partial(_input_kernel, heads=heads), _input_weight)
+            yield (f"{prefix}attention.{name}.bias", attention.in_proj_bias, rows,
+                   functools.partial(_heads_bias, heads=heads), _flattened)
+        yield (f"{prefix}attention.out.kernel", attention.out_proj.weight, None,
+               functools.partial(_output_kernel, heads=heads), _output_weight)
         yield f"{prefix}attention.out.bias", attention.out_proj.bias, None, _same, _same
         if getattr(attention, "features", None) is not None:
             yield f"{prefix}attention.features", attention.features, None, _same, _same
@@ -205,18 +195,20 @@ def load_torch_parameters(
     """
     import torch
 
-    chosen = _chosen_groups(groups)
-    copied = []
+    def write(tensor: Any, value: np.ndarray) -> None:
+        tensor.copy_(torch.tensor(value, dtype=tensor.dtype, device=tensor.device))
+
     with torch.no_grad():
-        for name, tensor, rows, _, from_flax in _torch_slots(model):
-            if rows is not None:
-                tensor = tensor[rows]  # a view: copy_ writes into the packed parameter
-            value = _entry(parameters, name, chosen, tuple(tensor.shape), from_flax)
-            if value is None:
-                continue
-            tensor.copy_(torch.tensor(value, dtype=tensor.dtype, device=tensor.device))
-            copied.append(name)
-    return copied
+        return _load(parameters, groups, _torch_targets(model), write)
+
+
+def _torch_targets(model: Any) -> Iterator[_Target]:
+    """Every entry of a PyTorch ``Encoder`` as a :data:`_Target` (the packed input
+    projection's rows as views: a write goes into the packed parameter)."""
+    for name, tensor, rows, _, from_flax in _torch_slots(model):
+        if rows is not None:
+            tensor = tensor[rows]
+        yield name, tensor, tuple(tensor.shape), from_flax
 
 
 # -- Flax ---------------------------------------------------------------------------------
@@ -266,35 +258,32 @@ def load_flax_parameters(
     model: Any, parameters: dict[str, np.ndarray], groups: Iterable[str] | None = None
 ) -> list[str]:
     """Copy ``parameters`` (:func:`torch_parameters` or :func:`flax_parameters`) into a
-    Flax ``Encoder``, in place.
-
-    Parameters
-    ----------
-    model : xattn.training.encoder_flax.Encoder
-    parameters : dict of str to numpy.ndarray
-    groups : iterable of str, optional
-        Copy only the entries of these :data:`PARAMETER_GROUPS` (default: all).
-
-    Returns
-    -------
-    list of str
-        The names of the entries copied.
-
-    Raises
-    ------
-    ValueError
-        An unknown group, or an entry of the model missing from ``parameters`` or of
-        another shape.
-    """
+    Flax ``Encoder`` (:class:`xattn.training.encoder_flax.Encoder`), in place: as
+    :func:`load_torch_parameters` does into a PyTorch one (the same ``groups``, result and
+    errors)."""
     import jax.numpy as jnp
 
+    def write(variable: Any, value: np.ndarray) -> None:
+        variable[...] = jnp.array(value, dtype=variable[...].dtype, copy=True)
+
+    targets = ((name, variable, tuple(variable[...].shape), _same)
+               for name, variable in _flax_variables(model).items())
+    return _load(parameters, groups, targets, write)
+
+
+# -- both ---------------------------------------------------------------------------------
+
+def _load(parameters: dict[str, np.ndarray], groups: Iterable[str] | None,
+          targets: Iterable[_Target], write: Callable[[Any, np.ndarray], None]) -> list[str]:
+    """Copy ``parameters`` into a model: ``write(place, value)`` for each target of
+    ``targets`` in ``groups`` (see :func:`load_torch_parameters`); the names copied."""
     chosen = _chosen_groups(groups)
     copied = []
-    for name, variable in _flax_variables(model).items():
-        value = _entry(parameters, name, chosen, tuple(variable[...].shape), _same)
+    for name, place, shape, convert in targets:
+        value = _entry(parameters, name, chosen, shape, convert)
         if value is None:
             continue
-        variable[...] = jnp.array(value, dtype=variable[...].dtype, copy=True)
+        write(place, value)
         copied.append(name)
     return copied
 
