@@ -21,7 +21,8 @@ import array_api_compat
 import numpy as np
 
 __all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "TORCH_GPU_DEVICES", "array_namespace",
-           "chunked_like", "compute_dtype", "concrete_count", "default_working_memory", "host_namespace",
+           "chunked_like", "compute_dtype", "concrete_count", "default_working_memory",
+           "host_namespace",
            "host_to_device", "index_sizes", "is_real_floating", "library_name",
            "one_chunk_along", "register_pytree", "sequence_positions", "split_rows",
            "stream_bounds", "take", "take_rows", "written_in_place"]
