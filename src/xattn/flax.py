@@ -31,15 +31,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from xattn._core.docstrings import fill_docstring
 from xattn._core.options import check_bool, check_sizes, lara_num_samples
 from xattn._integrations.flax_attention_fn import AttentionFunction, attention_fn
 from xattn._integrations.flax_layer import Decoding, FeatureState, constructor_signature
 from xattn._integrations.flax_layer import key_mask as flax_key_mask
 from xattn._integrations.layers import (
     DEFAULT_LARA_SAMPLES,
+    ESTIMATOR_OPTIONS_DOC,
     ESTIMATORS,
+    RFA_ONLY_RAISES,
     draw_features,
-    fill_docstring,
     learned_proposal_means,
     module_docstring,
 )
@@ -55,7 +57,7 @@ default_kernel_init = nnx.initializers.lecun_normal()  # Flax's default for proj
 default_bias_init = nnx.initializers.zeros_init()
 
 
-@fill_docstring
+@fill_docstring(estimator_options=ESTIMATOR_OPTIONS_DOC)
 class MultiHeadAttention(Decoding, nnx.Module):
     r"""Multi-head attention with an xattn estimator, shaped after
     :class:`flax.nnx.MultiHeadAttention`.
@@ -128,7 +130,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
         Name of the RNG stream the random draws come from.
     rngs : flax.nnx.Rngs
         Parameter initialization and the random stream.
-    {estimator_options}
+    {{estimator_options}}
 
     Raises
     ------
@@ -238,6 +240,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
         return draw_features(key, self.num_features, self.head_dim, self.estimator_options,
                              xp=jnp, dtype=jnp.float32)
 
+    @fill_docstring(raises=RFA_ONLY_RAISES)
     def redraw_features(self, rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None
                         ) -> None:
         """Draw new RFA samples ``features`` in place of the old and restart the count.
@@ -253,10 +256,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
             Source of the draw (the ``rng_collection`` stream of an :class:`flax.nnx.Rngs`);
             default: the layer's own stream.
 
-        Raises
-        ------
-        ValueError
-            If the layer's estimator is not ``"rfa"``.
+        {{raises}}
 
         Examples
         --------

@@ -42,6 +42,7 @@ except ModuleNotFoundError as error:  # the configured backend's library is miss
         "KERAS_BACKEND=torch before importing keras"
     ) from error
 
+from xattn._core.docstrings import fill_docstring
 from xattn._core.options import check_bool, check_nonnegative_int, check_sizes, lara_num_samples
 from xattn._integrations.keras_layer import (
     SUPPORTED_BACKENDS,
@@ -55,10 +56,10 @@ from xattn._integrations.keras_layer import (
 from xattn._integrations.layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATOR_OPTIONS,
+    ESTIMATOR_OPTIONS_DOC,
     ESTIMATORS,
     LayerCore,
     draw_features,
-    fill_docstring,
     module_docstring,
 )
 
@@ -72,7 +73,7 @@ _OPTION_NAMES = frozenset(name for names in ESTIMATOR_OPTIONS.values() for name 
 
 
 @keras.saving.register_keras_serializable(package="xattn")
-@fill_docstring
+@fill_docstring(estimator_options=ESTIMATOR_OPTIONS_DOC)
 class MultiHeadAttention(LayerCore, keras.layers.Layer):
     r"""Multi-head attention with an xattn estimator, shaped after
     ``keras.layers.MultiHeadAttention``.
@@ -151,7 +152,7 @@ class MultiHeadAttention(LayerCore, keras.layers.Layer):
     **kwargs
         The estimator's options (below), and the keyword arguments of
         ``keras.layers.Layer`` (``name``, ``dtype``, ``trainable``).
-    {estimator_options}
+    {{estimator_options}}
 
     Raises
     ------

@@ -24,13 +24,15 @@ import array_api_compat
 import torch
 
 from xattn._core.array import compute_dtype
+from xattn._core.docstrings import fill_docstring
 from xattn._core.options import check_bool, check_sizes, lara_num_samples
 from xattn._integrations.layers import (
     DEFAULT_LARA_SAMPLES,
+    ESTIMATOR_OPTIONS_DOC,
     ESTIMATORS,
+    RFA_ONLY_RAISES,
     LayerCore,
     draw_features,
-    fill_docstring,
     learned_proposal_means,
     module_docstring,
 )
@@ -43,7 +45,7 @@ __doc__ = module_docstring(__doc__, features_home="the buffer ``features`` (save
                                                   "``state_dict``)")
 
 
-@fill_docstring
+@fill_docstring(estimator_options=ESTIMATOR_OPTIONS_DOC)
 class MultiheadAttention(LayerCore, Projections):
     r"""Multi-head attention with an xattn estimator, a drop-in for
     :class:`torch.nn.MultiheadAttention`.
@@ -111,7 +113,7 @@ class MultiheadAttention(LayerCore, Projections):
         ``nn.TransformerEncoder`` makes of its layer) copy the generator too, so the
         copies draw the same numbers; leave ``generator=None`` or give each copy its own
         generator if that matters.
-    {estimator_options}
+    {{estimator_options}}
 
     Raises
     ------
@@ -224,6 +226,7 @@ class MultiheadAttention(LayerCore, Projections):
         return self.proposal_means if self.learned_proposals else self.features
 
     @torch.no_grad()
+    @fill_docstring(raises=RFA_ONLY_RAISES)
     def redraw_features(self) -> None:
         """Draw new RFA samples ``features`` in place of the old; ``steps_since_redraw``
         restarts at 0. Training-mode :meth:`forward` calls it every ``redraw_interval``
@@ -231,10 +234,7 @@ class MultiheadAttention(LayerCore, Projections):
         torch's default generator) with the construction's feature options, on the device
         and in the dtype of the buffer (drawn in float32 at least).
 
-        Raises
-        ------
-        ValueError
-            If the layer's estimator is not ``"rfa"``.
+        {{raises}}
 
         Examples
         --------

@@ -6,6 +6,8 @@
   (:func:`~xattn._core.inputs.prepare_attention`) and of samples and proposal means;
 - :mod:`~xattn._core.delegation`: native fast paths of single operations (QR, the
   non-finite probes, the fused softmax kernels), each with its portable form;
+- :mod:`~xattn._core.docstrings`: docstring text that several functions share, filled in
+  at import;
 - :mod:`~xattn._core.options`: the checks of every scalar option and the shared defaults;
 - :mod:`~xattn._core.primitives`: stable shifts, the online-softmax merge, quarantine of
   non-finite rows;
@@ -17,4 +19,4 @@ nothing else of xattn. Backend-specific branches (torch, JAX, Dask, CuPy) live h
 is only ever reached through the arrays it is given.
 """
 
-__all__ = ["array", "delegation", "inputs", "options", "primitives", "state"]
+__all__ = ["array", "delegation", "docstrings", "inputs", "options", "primitives", "state"]

@@ -33,6 +33,7 @@ import math
 from typing import Any
 
 from xattn._core.array import Array, default_working_memory
+from xattn._core.docstrings import QKV_PARAMETERS, fill_docstring, returns_with_state
 from xattn._core.inputs import AttentionInputs, prepare_attention
 from xattn._core.options import check_bool, check_noise_scale, check_positive_int
 from xattn._core.primitives import (
@@ -75,6 +76,7 @@ def _part(x: Array | None, axis: int, start: int, stop: int) -> Array | None:
     return x[(..., slice(start, stop), *(slice(None),) * (-1 - axis))]
 
 
+@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(RAState))
 def ra(
     q: Array,
     k: Array,
@@ -146,12 +148,7 @@ def ra(
 
     Parameters
     ----------
-    q : array, shape (..., N, D)
-        Queries. Real floating dtype; half precision is computed in float32.
-    k : array, shape (..., M, D)
-        Keys.
-    v : array, shape (..., M, Dv)
-        Values.
+    {{qkv}}
     num_samples : int
         Samples :math:`S` per query (>= 1), averaged; the variance falls as ``1/S``.
     biased : bool
@@ -206,11 +203,7 @@ def ra(
         ``chunk_size``. None: 1 GiB on a GPU, 64 MiB on a CPU
         (:func:`xattn.default_working_memory`).
 
-    Returns
-    -------
-    array, shape (..., N, Dv), or (array, RAState)
-        In the namespace, device and dtype of the inputs; leading dims broadcast. With
-        ``return_state``, the pair ``(out, state)``.
+    {{returns}}
 
     Raises
     ------

@@ -31,6 +31,7 @@ import warnings
 from typing import Any
 
 from xattn._core.array import Array, concrete_count, default_working_memory
+from xattn._core.docstrings import QKV_PARAMETERS, fill_docstring, returns_with_state
 from xattn._core.inputs import check_samples, prepare_attention
 from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
@@ -90,6 +91,7 @@ class TrigonometricDenominatorWarning(RuntimeWarning):
     """
 
 
+@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(RFAState))
 def rfa(
     q: Array,
     k: Array,
@@ -232,12 +234,7 @@ def rfa(
 
     Parameters
     ----------
-    q : array, shape (..., N, D)
-        Queries. Real floating dtype; half precision is computed in float32.
-    k : array, shape (..., M, D)
-        Keys.
-    v : array, shape (..., M, Dv)
-        Values.
+    {{qkv}}
     num_features : int, optional
         Number of samples ``S`` (>= 1). Default: ``omega.shape[0]`` if ``omega`` is given,
         else ``max(D, int(D ln D))``.
@@ -298,11 +295,7 @@ def rfa(
         Return ``(out, state)``, the :class:`~xattn.RFAState` after these tokens
         (``causal=True``; ``N = M``).
 
-    Returns
-    -------
-    array, shape (..., N, Dv), or (array, RFAState)
-        In the namespace, device and dtype of the inputs; leading dims broadcast. With
-        ``return_state``, the pair ``(out, state)``.
+    {{returns}}
 
     Raises
     ------

@@ -6,6 +6,7 @@ from typing import Any
 
 from xattn._core.array import Array, sequence_positions, stream_bounds
 from xattn._core.delegation import has_native_attention, native_attention
+from xattn._core.docstrings import QKV_PARAMETERS, fill_docstring, returns_with_state
 from xattn._core.inputs import AttentionInputs, prepare_attention
 from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
@@ -32,6 +33,7 @@ __all__ = ["softmax_attention"]
 
 
 
+@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(SoftmaxState))
 def softmax_attention(
     q: Array,
     k: Array,
@@ -63,12 +65,7 @@ def softmax_attention(
 
     Parameters
     ----------
-    q : array, shape (..., N, D)
-        Queries. Real floating dtype; half precision is computed in float32.
-    k : array, shape (..., M, D)
-        Keys.
-    v : array, shape (..., M, Dv)
-        Values.
+    {{qkv}}
     scale : float, optional
         Score scale; ``None`` means ``1/sqrt(D)``.
     key_mask : bool array, shape broadcastable to (..., M), optional
@@ -104,11 +101,7 @@ def softmax_attention(
         (``causal=True``; ``N = M``). A sequence given in pieces then gets the outputs of
         one causal call on all of it, up to rounding.
 
-    Returns
-    -------
-    array, shape (..., N, Dv), or (array, SoftmaxState)
-        In the namespace, device and dtype of the inputs; leading dims broadcast. With
-        ``return_state``, the pair ``(out, state)``.
+    {{returns}}
 
     See Also
     --------

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -49,13 +48,14 @@ __all__ = [
     "DEFAULT_LARA_SAMPLES",
     "ESTIMATORS",
     "ESTIMATOR_OPTIONS",
+    "ESTIMATOR_OPTIONS_DOC",
     "FIXED_SIZE_STATES",
     "PROBE_LENGTH",
+    "RFA_ONLY_RAISES",
     "STATE_CLASSES",
     "LayerCore",
     "attend",
     "draw_features",
-    "fill_docstring",
     "learned_proposal_means",
     "module_docstring",
 ]
@@ -415,7 +415,9 @@ when the layer is constructed (a short probe of the estimator on a tiny input, w
 nothing from the layer's random source).
 """
 
-_ESTIMATOR_OPTIONS_DOC = """\
+#: The layers' ``**estimator_options`` parameter (the marker ``{{estimator_options}}`` of
+#: their docstrings, :func:`xattn._core.docstrings.fill_docstring`).
+ESTIMATOR_OPTIONS_DOC = """\
 **estimator_options
     Passed to the estimator (see its page for each option):
 
@@ -440,16 +442,15 @@ _ESTIMATOR_OPTIONS_DOC = """\
     ``noise_scale`` (default 1, the paper's estimator) acts in training mode only:
     evaluation mode draws no noise."""
 
+#: The Raises section of the methods that only an ``"rfa"`` layer has
+#: (:meth:`LayerCore._require_rfa`; the marker ``{{raises}}``).
+RFA_ONLY_RAISES = """\
+Raises
+------
+ValueError
+    If the layer's estimator is not ``"rfa"``."""
+
 
 def module_docstring(intro: str, *, features_home: str) -> str:
     """A layer module's docstring: ``intro`` and the shared list of estimators."""
     return (intro or "").rstrip() + "\n" + _ESTIMATORS_DOC.format(features_home=features_home)
-
-
-def fill_docstring(cls: type) -> type:
-    """Class decorator: replace the marker ``{estimator_options}`` in the docstring (a
-    line of its Parameters section) by the shared description of the options."""
-    if cls.__doc__:
-        cls.__doc__ = cls.__doc__.replace(
-            "    {estimator_options}", textwrap.indent(_ESTIMATOR_OPTIONS_DOC, "    "))
-    return cls

@@ -1,0 +1,89 @@
+"""Docstring text that several functions share, and the decorator that fills it in.
+
+A docstring names a shared fragment by a line that holds only the marker ``{{name}}``,
+indented as the text it stands for; :func:`fill_docstring` replaces that line by the
+fragment, each of its lines indented alike, when the module is imported. ``__doc__``, which
+:func:`help`, Sphinx and the doctests read, therefore holds the whole text. The double
+braces on a line of their own cannot be mistaken for the LaTeX groups of the raw
+docstrings, and the text is replaced as it is (no :meth:`str.format`), so braces, ``%`` and
+backslashes in the fragments stay as they are.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["QKV_PARAMETERS", "fill_docstring", "returns_with_state"]
+
+_Documented = TypeVar("_Documented")
+
+_MARKER = re.compile(r"^(?P<indent> *)\{\{(?P<name>\w+)\}\}$", re.MULTILINE)
+
+#: The ``q``, ``k``, ``v`` entries of an estimator's Parameters section.
+QKV_PARAMETERS = """\
+q : array, shape (..., N, D)
+    Queries. Real floating dtype; half precision is computed in float32.
+k : array, shape (..., M, D)
+    Keys.
+v : array, shape (..., M, Dv)
+    Values."""
+
+
+def returns_with_state(state_class: type) -> str:
+    """The Returns section of an estimator whose ``return_state=True`` adds its state, of
+    ``state_class``, to the output."""
+    return f"""\
+Returns
+-------
+array, shape (..., N, Dv), or (array, {state_class.__name__})
+    In the namespace, device and dtype of the inputs; leading dims broadcast. With
+    ``return_state``, the pair ``(out, state)``."""
+
+
+def fill_docstring(**fragments: str) -> Callable[[_Documented], _Documented]:
+    """Decorator: replace each marker line ``{{name}}`` of the docstring by
+    ``fragments[name]``, indented as the marker.
+
+    A marker without a fragment, or a fragment without a marker, is a ``ValueError`` at
+    import. A missing docstring (``python -OO``) is left alone.
+
+    Examples
+    --------
+    >>> from xattn._core.docstrings import fill_docstring
+    >>> @fill_docstring(more="Second line.\\nThird line.")
+    ... def f():
+    ...     '''First line.
+    ...
+    ...     {{more}}
+    ...     '''
+    >>> print(f.__doc__.rstrip())
+    First line.
+    <BLANKLINE>
+        Second line.
+        Third line.
+    """
+    def fill(documented: _Documented) -> _Documented:
+        text = documented.__doc__
+        if text is None:
+            return documented
+        where = getattr(documented, "__qualname__", repr(documented))
+        unused = set(fragments)
+
+        def fragment(marker: re.Match[str]) -> str:
+            name = marker["name"]
+            if name not in fragments:
+                raise ValueError(f"the docstring of {where} names {{{{{name}}}}}, which "
+                                 "fill_docstring was not given")
+            unused.discard(name)
+            return textwrap.indent(fragments[name], marker["indent"])
+
+        filled = _MARKER.sub(fragment, text)
+        if unused:
+            raise ValueError(f"the docstring of {where} has no marker for "
+                             f"{', '.join(sorted(unused))}")
+        documented.__doc__ = filled
+        return documented
+    return fill
