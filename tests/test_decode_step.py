@@ -63,7 +63,7 @@ def quiet(function):
     return call
 
 
-@pytest.mark.thin(name=("positive", "trigonometric-window-sinks"))
+@pytest.mark.thin(name=("positive", "trigonometric-window-sinks"), masked=(True,))
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_rfa_token_by_token_equals_one_call(backend, rng, name, masked):
@@ -155,7 +155,7 @@ def steps_with(backend, name, q, k, v, key_mask=None, last_piece=1):
 STEP_KINDS = ("rfa-window-sinks", "rfa-trigonometric", "softmax", "lara")
 
 
-@pytest.mark.thin(name=STEP_KINDS)
+@pytest.mark.thin(name=STEP_KINDS, masked=(True,))
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("name", list(STEP_CASES))
 def test_a_nonfinite_token_reaches_its_row_and_the_later_ones(backend, rng, name, masked):

@@ -177,6 +177,7 @@ def test_rfa_pieces_equal_one_call(backend, rng, case):
     assert_same_state(backend, state, expected_state, rtol=1e-10)
 
 
+@pytest.mark.thin(window=(4,))
 @pytest.mark.parametrize("window,sinks", [(None, None), (4, 3)])
 def test_rfa_pieces_float32(backend, rng, window, sinks):
     xp = backend.ns
@@ -193,6 +194,7 @@ def test_rfa_pieces_float32(backend, rng, window, sinks):
     assert_same_state(backend, state, expected_state, rtol=1e-5)
 
 
+@pytest.mark.thin(dtype_name=("float32",))
 @pytest.mark.parametrize("feature_map,window,sinks", [("positive", None, None),
                                                       ("hyperbolic", 4, 3)])
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
@@ -276,6 +278,7 @@ def test_rfa_state_size_does_not_grow(backend, rng, window, sinks):
 
 # softmax attention and RA: key-value caches ----------------------------------------------------
 
+@pytest.mark.thin(dtype_name=("float32",), masked=(True,))
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_softmax_pieces_equal_one_call(backend, rng, dtype_name, masked):
@@ -299,6 +302,7 @@ def test_softmax_pieces_equal_one_call(backend, rng, dtype_name, masked):
     assert_same_state(backend, cache, whole_cache, rtol=0.0)
 
 
+@pytest.mark.thin(masked=(True,))
 @pytest.mark.parametrize("masked", [False, True])
 def test_ra_deterministic_pieces_equal_one_call(backend, rng, masked):
     xp = backend.ns

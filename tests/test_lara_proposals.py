@@ -106,7 +106,7 @@ def test_gradients_reach_the_proposal_means_jax():
             return xattn.lara(q, k, v, num_samples=3, proposal_means=jax.numpy.asarray(means),
                               defensive=1,
                               weighting=weighting, rng=jax.random.key(4))
-        check_grads(loss, (means,), order=1, modes=["rev"])
+        check_grads(jax.jit(loss), (means,), order=1, modes=["rev"])
 
 
 @pytest.mark.parametrize("options,error,message", [

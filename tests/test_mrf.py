@@ -62,6 +62,7 @@ def make_embeddings(rng, batch=(2,), num_steps=4, num_states=3, embed_dim=5, spr
     return spread * rng.normal(size=(*batch, num_steps, num_states, embed_dim))
 
 
+@pytest.mark.thin(num_steps=(3,))
 @pytest.mark.parametrize("num_steps", [2, 3, 5])
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 def test_exact_matches_enumeration(backend, rng, num_steps, dtype_name):
@@ -89,6 +90,7 @@ def test_sequence_of_positions_equals_stacked(backend, rng):
     backend.check(log_partition_rf(steps, num_features=7, rng=3), expected, dtype=xp.float64)
 
 
+@pytest.mark.thin(num_steps=(2, 9))
 @pytest.mark.parametrize("samples", ["per_edge", "shared"])
 @pytest.mark.parametrize("num_steps", [2, 3, 4, 7, 9])
 def test_sequential_and_parallel_agree_with_reference(backend, rng, num_steps, samples):

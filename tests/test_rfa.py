@@ -90,6 +90,7 @@ def spread_for(feature_map):
 
 # 1 and 5: the explicit formula, with and without masks, causal and not -------------------
 
+@pytest.mark.thin(masked=(True,))
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
@@ -215,6 +216,7 @@ def test_causal_no_look_ahead(backend, rng, feature_map):
         np.testing.assert_allclose(out, base, rtol=1e-9, atol=1e-9 * np.abs(base).max())
 
 
+@pytest.mark.thin(block_size=(5, 64))
 @pytest.mark.parametrize("block_size", [1, 2, 5, 64])
 def test_causal_block_size_does_not_change_result(backend, rng, block_size):
     xp = backend.ns
@@ -248,6 +250,7 @@ PREFIX_ROUNDING_EPS = 512
 
 @pytest.mark.parametrize("masked", [False, True], ids=["all-keys", "key_mask"])
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
+@pytest.mark.thin(dtype_name=("float32",))
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 def test_causal_equals_noncausal_formula_on_each_prefix(backend, feature_map, dtype_name,
                                                         masked):
@@ -327,6 +330,7 @@ LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 160, (16, 160)
 
 
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
+@pytest.mark.thin(dtype_name=("float32",))
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, feature_map,
                                                                       dtype_name):
@@ -441,6 +445,7 @@ def test_working_memory_is_bounded(causal):
 # 6: seeds, gradients, jit ------------------------------------------------------------------
 
 @pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.thin(orthogonal=(True,))
 @pytest.mark.parametrize("orthogonal", [True, False])
 def test_int_seed_same_output_on_every_backend(backend, rng, feature_map, orthogonal):
     xp = backend.ns

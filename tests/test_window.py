@@ -139,6 +139,7 @@ def test_float32_scale_and_broadcast_leading_dims(backend, rng, feature_map):
         backend.check(out, expected, dtype=xp.float32, rtol=1e-4)
 
 
+@pytest.mark.thin(block_size=(3, 64))
 @pytest.mark.parametrize("block_size", [1, 3, 5, 64])
 @pytest.mark.parametrize("feature_map", ["positive", "trigonometric"])
 def test_block_size_does_not_change_the_result(backend, rng, block_size, feature_map):
