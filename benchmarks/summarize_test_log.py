@@ -11,6 +11,10 @@ after a run that was killed)::
 
 With pytest's output (``-v`` with pytest-xdist prints ``[N items]``), the number of tests
 that never reported (still running or not started when the run was stopped) is printed.
+``--by-file`` prints instead where the time went: per test file, its tests and seconds,
+and the seconds of its JAX and Dask cases (the costly CPU backends), largest first::
+
+    python benchmarks/summarize_test_log.py test_outcomes.txt --by-file
 """
 
 from __future__ import annotations
@@ -83,19 +87,54 @@ def summarize(log_text: str, pytest_output: str | None = None, slowest: int = 0)
     return "\n".join(lines)
 
 
+def time_by_file(log_text: str) -> str:
+    """A Markdown table: per test file, its tests, the seconds they took (summed over the
+    workers), and the seconds of its cases on JAX and on Dask; the largest first."""
+    tests: Counter[str] = Counter()
+    seconds: dict[str, Counter[str]] = defaultdict(Counter)
+    for line in log_text.splitlines():
+        parts = line.rsplit(" ", 2)
+        if line.startswith("#") or len(parts) != 3:
+            continue
+        nodeid, _, duration = parts
+        path = nodeid.split("::")[0]
+        parameters = nodeid[nodeid.index("[") + 1:] if "[" in nodeid else ""
+        tests[path] += 1
+        seconds[path]["all"] += float(duration)
+        for backend in ("jax", "dask"):
+            if re.match(rf"{backend}(?:-|\])", parameters) and not parameters.startswith(
+                    "jax-gpu"):
+                seconds[path][backend] += float(duration)
+    total = sum(times["all"] for times in seconds.values())
+    lines = ["| file | tests | seconds | share | of which JAX | of which Dask |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for path in sorted(seconds, key=lambda p: -seconds[p]["all"]):
+        times = seconds[path]
+        lines.append(f"| `{path}` | {tests[path]} | {times['all']:.0f} | "
+                     f"{100 * times['all'] / total:.1f} % | {times['jax']:.0f} | "
+                     f"{times['dask']:.0f} |")
+    lines.append(f"| all | {sum(tests.values())} | {total:.0f} | 100 % | "
+                 f"{sum(t['jax'] for t in seconds.values()):.0f} | "
+                 f"{sum(t['dask'] for t in seconds.values()):.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", type=Path, help="the XATTN_TEST_LOG file")
     parser.add_argument("pytest_output", type=Path, nargs="?",
                         help="pytest's output, for the number of tests collected")
     parser.add_argument("--slowest", type=int, default=25, metavar="N")
+    parser.add_argument("--by-file", action="store_true",
+                        help="where the time went: a table per test file")
     args = parser.parse_args()
     log_text = (args.log.read_text(encoding="utf-8", errors="replace")
                 if args.log.exists() else "")
     output = args.pytest_output
     output_text = (output.read_text(encoding="utf-8", errors="replace")
                    if output is not None and output.exists() else None)
-    print(summarize(log_text, output_text, args.slowest))
+    print(time_by_file(log_text) if args.by_file else
+          summarize(log_text, output_text, args.slowest))
 
 
 if __name__ == "__main__":

@@ -154,3 +154,21 @@ def test_summary_counts_per_backend_and_names_the_failures():
         "    2.00 tests/test_flax_module.py::test_step[rfa] passed",
         "    1.50 tests/test_a.py::test_x[torch-cuda-float32] failed",
     ]
+
+
+def test_time_by_file_sums_each_file_and_its_jax_and_dask_cases():
+    summary = load_summary()
+    log = "\n".join([
+        "# started 2026-01-01 00:00:00 XATTN_BACKENDS=",
+        "tests/test_a.py::test_x[jax-float32] passed 3.0",
+        "tests/test_a.py::test_x[jax-gpu-float32] skipped 0.5",
+        "tests/test_a.py::test_x[dask] passed 2.0",
+        "tests/test_a.py::test_x[numpy] passed 1.0",
+        "tests/test_b.py::test_y passed 0.5",
+        "# finished exit status 0",
+    ])
+    assert summary.time_by_file(log).splitlines()[2:] == [
+        "| `tests/test_a.py` | 4 | 6 | 92.9 % | 3 | 2 |",
+        "| `tests/test_b.py` | 1 | 0 | 7.1 % | 0 | 0 |",
+        "| all | 5 | 6 | 100 % | 3 | 2 |",
+    ]
