@@ -170,5 +170,5 @@ def test_time_by_file_sums_each_file_and_its_jax_and_dask_cases():
     assert summary.time_by_file(log).splitlines()[2:] == [
         "| `tests/test_a.py` | 4 | 6 | 92.9 % | 3 | 2 |",
         "| `tests/test_b.py` | 1 | 0 | 7.1 % | 0 | 0 |",
-        "| all | 5 | 6 | 100 % | 3 | 2 |",
+        "| all | 5 | 7 | 100 % | 3 | 2 |",
     ]
