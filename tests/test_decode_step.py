@@ -195,7 +195,8 @@ def test_a_state_tainted_by_a_step_taints_a_longer_piece(backend, rng, name):
     assert np.all(np.isfinite(out[..., :6, :]))
 
 
-@pytest.mark.thin(name=STEP_KINDS)
+# softmax's cache compiles again at every length on JAX: its masked case runs elsewhere
+@pytest.mark.thin(name=tuple(kind for kind in STEP_KINDS if kind != "softmax"))
 @pytest.mark.parametrize("name", list(STEP_CASES))
 def test_a_masked_nonfinite_token_reaches_no_row(backend, rng, name):
     q, k, v, _ = sequence(rng, masked=False)

@@ -34,6 +34,7 @@ What holds, and for which estimator:
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -48,8 +49,10 @@ from xattn.random import Generator
 lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
 
 # fewer examples on the slower backends (Dask builds graphs); eager JAX compiles every
-# operation for each new shape, so on JAX the sizes are fixed and only the data vary
+# operation for each new shape, so on JAX the sizes are fixed and only the data vary.
+# XATTN_FULL=1 (the thorough run, tests/conftest.py) draws ten times as many.
 EXAMPLES = {"numpy": 12, "torch": 12, "array_api_strict": 6, "jax": 3, "dask": 4}
+EXAMPLES_FACTOR = 10 if os.environ.get("XATTN_FULL") == "1" else 1
 FIXED_SIZES = {"num_queries": 3, "num_keys": 4, "head_dim": 2, "extra": 2, "num_segments": 2,
                "query_size": 2, "key_size": 3}
 NUM_FEATURES = 16
@@ -57,7 +60,7 @@ NUM_FEATURES = 16
 
 def run_property(backend, test, **strategies):
     """Run ``test(**drawn)`` under hypothesis, derandomized (reproducible in CI)."""
-    examples = EXAMPLES.get(backend.name, 5)
+    examples = EXAMPLES.get(backend.name, 5) * EXAMPLES_FACTOR
     if backend.name.startswith("jax"):
         strategies = {name: st.just(FIXED_SIZES[name]) if name in FIXED_SIZES else strategy
                       for name, strategy in strategies.items()}
