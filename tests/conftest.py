@@ -30,14 +30,32 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import array_api_compat
-import numpy as np
-import pytest
-from array_api_extra._lib import _helpers as _xpx_helpers
-from array_api_extra.testing import lazy_xp_function, patch_lazy_xp_functions
 
-import xattn
-from xattn._core.array import host_to_device
+def _one_thread_per_worker() -> None:
+    """Under pytest-xdist with several workers (``-n auto``: one per core), each worker
+    computes with one thread: the test arrays are tiny, so the threads that torch, XLA and
+    NumPy's BLAS would each start per core only contend with the other workers. Set
+    before any of them is loaded (a variable the caller set is kept)."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= 1:
+        return
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+    if "XLA_FLAGS" not in os.environ:
+        os.environ["XLA_FLAGS"] = ("--xla_cpu_multi_thread_eigen=false "
+                                   "intra_op_parallelism_threads=1")
+
+
+_one_thread_per_worker()
+
+# after the thread settings above
+import array_api_compat  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from array_api_extra._lib import _helpers as _xpx_helpers  # noqa: E402
+from array_api_extra.testing import lazy_xp_function, patch_lazy_xp_functions  # noqa: E402
+
+import xattn  # noqa: E402
+from xattn._core.array import host_to_device  # noqa: E402
 
 CPU_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "dask")
 GPU_BACKENDS = ("cupy", "torch-cuda", "jax-gpu")
