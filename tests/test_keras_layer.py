@@ -4,7 +4,8 @@ Keras chooses its backend once per process, when it is first imported (``KERAS_B
 so each backend runs the checks of ``tests/keras_checks.py`` in a subprocess (the JAX ones
 in three, so that ``pytest -n auto`` spreads them and none takes half a minute). XLA's
 backend optimizations are turned off in the JAX subprocesses: the checks compile many
-small programs, whose compile time would otherwise dominate. Nothing here imports Keras in the pytest process.
+small programs, whose compile time would otherwise dominate. Nothing here imports Keras
+in the pytest process.
 """
 
 from __future__ import annotations
