@@ -330,7 +330,7 @@ LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 160, (16, 160)
 
 
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
-@pytest.mark.thin(dtype_name=("float32",))
+@pytest.mark.thin(dtype_name=("float32",), feature_map=("positive",))
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, feature_map,
                                                                       dtype_name):
@@ -353,7 +353,10 @@ def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, f
         key_mask[0, :2] = False  # rows 0 and 1 have no key
         expected = prefix_rfa(q, k, v, omega, feature_map, key_mask=key_mask, scale=1.0)
         has_key = np.cumsum(key_mask, axis=-1) > 0
-        for block_size in LONG_CAUSAL_BLOCKS:
+        # JAX compiles the ten blocks of 16 as one long program: its whole-sequence block
+        # takes both paths (the other backends walk the blocks too)
+        for block_size in (LONG_CAUSAL_BLOCKS[1:] if backend.name == "jax"
+                           else LONG_CAUSAL_BLOCKS):
             out = attend(backend, *(backend.asarray(a, dtype=dtype) for a in (q, k, v)),
                          omega=backend.asarray(omega, dtype=dtype), feature_map=feature_map,
                          scale=1.0, causal=True, block_size=block_size,

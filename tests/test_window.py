@@ -93,6 +93,7 @@ def quiet(call, *args, **kwargs):
 CONFIGURATIONS = [(1, 0), (0, 3), (2, 1), (6, 2)]  # (window, sinks)
 
 
+@pytest.mark.thin(feature_map=("positive", "trigonometric"))
 @pytest.mark.parametrize("feature_map", MAPS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_explicit_kernel_matrix(backend, rng, feature_map, causal):
