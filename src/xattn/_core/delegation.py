@@ -21,7 +21,8 @@ import numpy as np
 from xattn._core.array import Array, one_chunk_along
 from xattn._core.inputs import AttentionInputs
 
-__all__ = ["append_column", "append_ones_column", "cumulative_max", "has_native_attention",
+__all__ = ["append_column", "append_ones_column", "clip_below", "cumulative_max",
+           "has_native_attention",
            "ignore_invalid", "nan_to_num", "native_attention", "nonfinite_probe",
            "nonfinite_rows", "qr", "stop_gradient"]
 
@@ -159,6 +160,17 @@ def has_native_attention(inputs: AttentionInputs, *, automatic: bool = False) ->
         import jax
         return jax.default_backend() != "cpu"
     return True
+
+def clip_below(x: Array, minimum: float) -> Array:
+    """``max(x, minimum)`` elementwise, NaN kept: ``clip(x, min=minimum)``, one operation
+    (no 0-d array made for the bound: on torch that is an operation of its own); on Dask
+    ``maximum`` with a 0-d array, since Dask's ``clip`` broadcasts its bound to one block
+    as long as every row of ``x``."""
+    xp = array_api_compat.array_namespace(x)
+    if array_api_compat.is_dask_array(x):
+        return xp.maximum(x, xp.asarray(minimum, dtype=x.dtype))
+    return xp.clip(x, min=minimum)
+
 
 def ignore_invalid(xp: Any) -> contextlib.AbstractContextManager[Any]:
     """A context in which NumPy computes ``inf - inf`` and ``inf * 0`` as NaN, and an

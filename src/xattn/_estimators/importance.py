@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from xattn._core.array import Array, array_namespace
+from xattn._core.delegation import clip_below
 from xattn._core.options import check_choice, check_finite_real
 from xattn._core.primitives import finite_shift, masked_softmax, merge_maxima, nonzero_divisor
 
@@ -242,11 +243,11 @@ def importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array]
     """
     weights = own_weight if as_row else own_weight[..., None, :]  # w_c, (..., 1, C)
     if affinity is None:  # "balance": alpha_nc = w_c for every query
-        return xp.clip(weights, min=WEIGHT_FLOOR)
+        return clip_below(weights, WEIGHT_FLOOR)
     exponential, rho = affinity
     if weighting == "decoupled":  # w_c + beta (r_nc - mean_c' r_nc')
         correction = exponential * (beta * rho)  # beta r_nc, (..., B, C)
         mean = xp.sum(correction, axis=-1, keepdims=True) * (1.0 / correction.shape[-1])
-        return xp.clip(correction + (weights - mean), min=WEIGHT_FLOOR)
-    return xp.clip(lara_weights(weights[..., 0, :], exponential * rho, weighting=weighting,
-                                beta=beta), min=WEIGHT_FLOOR)
+        return clip_below(correction + (weights - mean), WEIGHT_FLOOR)
+    return clip_below(lara_weights(weights[..., 0, :], exponential * rho,
+                                   weighting=weighting, beta=beta), WEIGHT_FLOOR)
