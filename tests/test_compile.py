@@ -6,8 +6,7 @@ and ``softmax_attention`` (the decode steps are compiled in ``test_decode_step.p
 Dynamo's tracing is what fails when the code uses something it cannot trace (a
 ``functools.cached_property``'s lock on Python 3.11 broke causal ``rfa`` once), so most
 paths compile with the ``aot_eager`` backend (dynamo and AOTAutograd, no code
-generation); causal ``rfa``, the training path, also runs through inductor, forward and
-backward.
+generation); causal ``rfa``, the training path, also compiles its backward pass.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ def test_fullgraph_compile_equals_eager(name):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
-def test_inductor_compiles_causal_rfa_forward_and_backward():
+def test_causal_rfa_compiles_forward_and_backward():
     q, k, v, omega, _ = _inputs()
 
     def loss(q, k, v):
@@ -90,7 +89,7 @@ def test_inductor_compiles_causal_rfa_forward_and_backward():
     eager_grads = torch.autograd.grad(eager_loss, arrays)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        compiled_loss = _compiled(loss, "inductor")(*arrays)
+        compiled_loss = _compiled(loss, "aot_eager")(*arrays)
     compiled_grads = torch.autograd.grad(compiled_loss, arrays)
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-4)
     for compiled_grad, eager_grad in zip(compiled_grads, eager_grads, strict=True):

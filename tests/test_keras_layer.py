@@ -2,7 +2,7 @@
 
 Keras chooses its backend once per process, when it is first imported (``KERAS_BACKEND``),
 so each backend runs the checks of ``tests/keras_checks.py`` in a subprocess (the JAX ones
-in three, so that ``pytest -n auto`` spreads them and none takes half a minute). XLA's
+in four, so that ``pytest -n auto`` spreads them and none takes half a minute). XLA's
 backend optimizations are turned off in the JAX subprocesses: the checks compile many
 small programs, whose compile time would otherwise dominate. Nothing here imports Keras
 in the pytest process.
@@ -29,9 +29,10 @@ if importlib.util.find_spec("keras") is None:
 # the checks of keras_checks.py (read from the file: importing it would import Keras here)
 CHECKS = re.findall(r"^def check_(\w+)\(", (TESTS / "keras_checks.py").read_text(), re.M)
 GROUPS = {
-    "layer": ["softmax_equals_keras", "evaluation_is_deterministic", "errors", "doctests"],
+    "layer": ["softmax_equals_keras", "evaluation_is_deterministic"],
+    "errors": ["errors", "doctests", "mixed_precision"],
     "fit": ["fit"],
-    "model": ["compiled_attention_mask", "serialization", "mixed_precision"],
+    "model": ["compiled_attention_mask", "serialization"],
 }
 
 
@@ -53,6 +54,7 @@ def run_checks(backend: str, *arguments: str, timeout: float = 240) -> str:
 @pytest.mark.parametrize(("backend", "group"), [
     pytest.param("torch", "all", id="torch"),
     pytest.param("jax", "layer", id="jax-layer"),
+    pytest.param("jax", "errors", id="jax-errors"),
     pytest.param("jax", "fit", id="jax-fit"),
     pytest.param("jax", "model", id="jax-model"),
 ])
