@@ -330,7 +330,7 @@ def train(task: str, attention: str, framework: str = "torch", seed: int = 0,
     ValueError
         An unknown task, attention, framework or device, a length the task cannot use,
         or a number out of its range (``steps``, ``length``, ``samples`` and
-        ``batch_size`` >= 1, ``seed`` from 0 to :data:`MAX_SEED`, ``threads`` >= 0).
+        ``batch_size`` >= 1, ``seed`` from 0 to 2**32 - 1, ``threads`` >= 0).
     TypeError
         A number that is not an int (a float or a bool), a flag that is not a bool.
     ImportError
