@@ -40,9 +40,16 @@ def _one_thread_per_worker() -> None:
         return
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, "1")
-    if "XLA_FLAGS" not in os.environ:
-        os.environ["XLA_FLAGS"] = ("--xla_cpu_multi_thread_eigen=false "
-                                   "intra_op_parallelism_threads=1")
+    _add_xla_flags("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
+
+
+def _add_xla_flags(*flags: str) -> None:
+    """Append ``flags`` to ``XLA_FLAGS`` (each unless it is there already: a worker
+    inherits the variable its pytest-xdist controller set)."""
+    present = os.environ.get("XLA_FLAGS", "")
+    missing = [flag for flag in flags if flag not in present]
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, [present, *missing]))
 
 
 def _quick_xla_compiles() -> None:
@@ -50,9 +57,7 @@ def _quick_xla_compiles() -> None:
     compiles hundreds of small programs, each run a few times, and the optimizations took
     most of their time (a JAX-compiled windowed ``rfa`` ~40 % less CPU). They change the
     speed of the machine code, not its arithmetic (no fast-math either way)."""
-    flag = "--xla_backend_optimization_level=0"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), flag]))
+    _add_xla_flags("--xla_backend_optimization_level=0")
 
 
 _one_thread_per_worker()
