@@ -90,3 +90,66 @@ def test_causal_operations_do_not_grow_with_the_sequence(bench_ops, name, backwa
         return bench_ops.count_ops(call)["ops"]
 
     assert count(509) == count(4093)
+
+
+def test_bytes_written_count_outputs_not_views_and_in_place_writes(bench_ops):
+    import torch
+    a, b = torch.ones(3, 4), torch.ones(3, 4)
+    with bench_ops.OpCounter() as counter:
+        torch.add(a, b)  # a new (3, 4) float32 tensor: 48 bytes
+    assert counter.bytes_written == 48
+    with bench_ops.OpCounter() as counter:
+        a.transpose(0, 1)  # a view: no bytes
+    assert (counter.count, counter.bytes_written) == (1, 0)
+    with bench_ops.OpCounter() as counter:
+        a.add_(1.0)  # in place: the tensor it writes
+    assert counter.bytes_written == 48
+    out = torch.empty(3, 4, dtype=torch.float64)
+    with bench_ops.OpCounter() as counter:
+        torch.add(a.double(), b.double(), out=out)  # two copies and the out= tensor
+    assert counter.bytes_written == 3 * 96
+    assert dict(counter.bytes_by_op) == {"aten._to_copy": 192, "aten.add": 96}
+
+
+def test_matrix_product_flops_and_the_half_share(bench_ops):
+    import torch
+    a, b = torch.ones(5, 6), torch.ones(6, 7)
+    counts = bench_ops.count_ops(lambda: a @ b)
+    assert counts["matmul_flops"] == 2 * 5 * 6 * 7
+    assert counts["matmul_flops_by_dtype"] == {"float32": 420}
+    assert counts["half_flops_share"] == 0.0
+    batched = bench_ops.count_ops(lambda: torch.bmm(torch.ones(3, 5, 6), torch.ones(3, 6, 7)))
+    assert batched["matmul_flops"] == 3 * 420
+    half = bench_ops.count_ops(lambda: a.bfloat16() @ b.bfloat16())
+    assert half["matmul_flops_by_dtype"] == {"bfloat16": 420}
+    assert half["half_flops_share"] == 1.0
+    assert bench_ops.count_ops(lambda: a + 1.0)["half_flops_share"] is None
+
+
+def test_sdpa_counts_as_attention_flops(bench_ops):
+    import torch
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    counts = bench_ops.count_ops(lambda: sdpa(q, k, v, is_causal=True),
+                                 unit_bytes=2 * 16 * 8 * 4)
+    assert counts["matmul_flops"] == counts["attention_flops"] == 4 * 2 * 16 * 16 * 8
+    # the output, one |q|, and the log-sum-exp, one float32 per row (1/8 of |q| at D = 8)
+    assert counts["bytes_per_q"] == 1.125
+
+
+def test_an_xattn_call_writes_a_finite_number_of_q(bench_ops):
+    import torch
+
+    import xattn
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 8, generator=generator, dtype=torch.bfloat16)
+               for _ in range(3))
+    omega = torch.randn(16, 8, generator=generator)
+    row = bench_ops.Row("rfa", lambda q, k, v, _: xattn.rfa(q, k, v, omega=omega,
+                                                            causal=True))
+    counts = bench_ops.count_call(row, "forward+backward", q, k, v)
+    assert 0 < counts["bytes_per_q"] < float("inf")
+    assert counts["bytes_per_q"] == pytest.approx(counts["bytes_written"] / (2 * 64 * 8 * 4),
+                                                  abs=1e-3)
+    assert counts["matmul_flops"] > 0

@@ -405,8 +405,9 @@ def test_summary_mean_and_std_over_seeds():
     from xattn.training.loop import RunResult
 
     def result(seed, accuracy):
-        return RunResult("digits", "rfa", "rfa", {}, seed, 10, accuracy, 1.0, 5.0, None,
-                         "n/a", 1.0, [])
+        return RunResult("digits", "rfa", "rfa", {}, seed, 10, final_train_loss=1.0,
+                         ms_per_step=5.0, peak_memory_bytes=None, peak_memory_method="n/a",
+                         wall_s=1.0, curve=[], test_accuracy=accuracy)
 
     (row,) = summarize([result(0, 0.5), result(1, 0.7), result(2, 0.9)])
     assert row["test_accuracy_mean"] == pytest.approx(0.7)
@@ -439,16 +440,19 @@ def fake_execute(trained):
         trained.append(job.spec.seed)
         spec = job.spec
         return RunResult(spec.task.name, spec.name, spec.estimator, spec.options, spec.seed,
-                         spec.steps, 0.5, 2.0, 1.0, 1024, "fake", 0.1,
-                         [{"step": spec.steps, "test_accuracy": 0.5, "train_loss": 2.0}])
+                         spec.steps, final_train_loss=2.0, ms_per_step=1.0,
+                         peak_memory_bytes=1024, peak_memory_method="fake", wall_s=0.1,
+                         curve=[{"step": spec.steps, "test_accuracy": 0.5,
+                                 "train_loss": 2.0}],
+                         test_accuracy=0.5)
     return execute
 
 
 BAD_VALUES = [None, "text", [0], {"a": 1}, True, -1, float("nan"), float("inf"), 1e308,
               2**70, 0.5]
-RUN_FIELDS = ["task", "name", "estimator", "options", "seed", "steps", "test_accuracy",
-              "final_train_loss", "ms_per_step", "peak_memory_bytes", "peak_memory_method",
-              "wall_s", "curve", "sampled_test_accuracy"]
+RUN_FIELDS = ["task", "name", "estimator", "options", "seed", "steps", "final_train_loss",
+              "ms_per_step", "peak_memory_bytes", "peak_memory_method", "wall_s", "curve",
+              "test_accuracy", "sampled_test_accuracy"]
 
 
 def test_run_fields_are_the_result_fields():

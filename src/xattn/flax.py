@@ -57,7 +57,16 @@ default_kernel_init = nnx.initializers.lecun_normal()  # Flax's default for proj
 default_bias_init = nnx.initializers.zeros_init()
 
 
-@fill_docstring(estimator_options=ESTIMATOR_OPTIONS_DOC)
+#: The first lines of the Examples sections below.
+_EXAMPLES_OPENING = """\
+Examples
+--------
+>>> import jax.numpy as jnp
+>>> from flax import nnx
+>>> import xattn.flax"""
+
+
+@fill_docstring(examples=_EXAMPLES_OPENING, estimator_options=ESTIMATOR_OPTIONS_DOC)
 class MultiHeadAttention(Decoding, nnx.Module):
     r"""Multi-head attention with an xattn estimator, shaped after
     :class:`flax.nnx.MultiHeadAttention`.
@@ -142,11 +151,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
         An option the estimator does not take, or an argument or option of the wrong
         type (a float ``num_samples``, a non-bool ``deterministic``, ...).
 
-    Examples
-    --------
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import xattn.flax
+    {{examples}}
     >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="rfa", num_features=32,
     ...                                       rngs=nnx.Rngs(0))
     >>> x = jnp.ones((2, 10, 16), dtype=jnp.float32)
@@ -287,6 +292,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
             return rngs()
         return rngs  # a JAX key
 
+    @fill_docstring(examples=_EXAMPLES_OPENING)
     def __call__(
         self,
         inputs_q: jax.Array,
@@ -351,11 +357,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
             A ``mask`` that is not boolean; ``deterministic`` (when given), ``is_causal``
             or ``decode`` not a bool (NumPy bools are accepted).
 
-        Examples
-        --------
-        >>> import jax.numpy as jnp
-        >>> from flax import nnx
-        >>> import xattn.flax
+        {{examples}}
         >>> layer = xattn.flax.MultiHeadAttention(4, 16, estimator="ra", num_samples=2,
         ...                                       rngs=nnx.Rngs(0))
         >>> x = jnp.ones((2, 10, 16), dtype=jnp.float32)

@@ -45,7 +45,15 @@ __doc__ = module_docstring(__doc__, features_home="the buffer ``features`` (save
                                                   "``state_dict``)")
 
 
-@fill_docstring(estimator_options=ESTIMATOR_OPTIONS_DOC)
+#: The first lines of every Examples section below.
+_EXAMPLES_OPENING = """\
+Examples
+--------
+>>> import torch
+>>> import xattn.torch"""
+
+
+@fill_docstring(examples=_EXAMPLES_OPENING, estimator_options=ESTIMATOR_OPTIONS_DOC)
 class MultiheadAttention(LayerCore, Projections):
     r"""Multi-head attention with an xattn estimator, a drop-in for
     :class:`torch.nn.MultiheadAttention`.
@@ -125,10 +133,7 @@ class MultiheadAttention(LayerCore, Projections):
         An option the estimator does not take, or an argument or option of the wrong
         type (a float ``num_samples``, a non-bool ``batch_first``, ...).
 
-    Examples
-    --------
-    >>> import torch
-    >>> import xattn.torch
+    {{examples}}
     >>> generator = torch.Generator().manual_seed(0)
     >>> layer = xattn.torch.MultiheadAttention(16, 4, estimator="rfa", num_features=32,
     ...                                        batch_first=True, generator=generator)
@@ -226,7 +231,7 @@ class MultiheadAttention(LayerCore, Projections):
         return self.proposal_means if self.learned_proposals else self.features
 
     @torch.no_grad()
-    @fill_docstring(raises=RFA_ONLY_RAISES)
+    @fill_docstring(examples=_EXAMPLES_OPENING, raises=RFA_ONLY_RAISES)
     def redraw_features(self) -> None:
         """Draw new RFA samples ``features`` in place of the old; ``steps_since_redraw``
         restarts at 0. Training-mode :meth:`forward` calls it every ``redraw_interval``
@@ -236,10 +241,7 @@ class MultiheadAttention(LayerCore, Projections):
 
         {{raises}}
 
-        Examples
-        --------
-        >>> import torch
-        >>> import xattn.torch
+        {{examples}}
         >>> layer = xattn.torch.MultiheadAttention(
         ...     16, 4, estimator="rfa", num_features=8, redraw_interval=None,
         ...     generator=torch.Generator().manual_seed(0))
@@ -261,6 +263,7 @@ class MultiheadAttention(LayerCore, Projections):
         self.features = omega.to(dtype)
         self.steps_since_redraw = 0
 
+    @fill_docstring(examples=_EXAMPLES_OPENING)
     def forward(
         self,
         query: torch.Tensor,
@@ -319,10 +322,7 @@ class MultiheadAttention(LayerCore, Projections):
             ``average_attn_weights`` or ``is_causal`` not a bool (NumPy bools are
             accepted).
 
-        Examples
-        --------
-        >>> import torch
-        >>> import xattn.torch
+        {{examples}}
         >>> _ = torch.manual_seed(0)
         >>> layer = xattn.torch.MultiheadAttention(16, 4, estimator="softmax",
         ...                                        batch_first=True)
@@ -372,6 +372,7 @@ class MultiheadAttention(LayerCore, Projections):
                                rng=self._random() if self.training else None)
         return self._merge_heads(heads, layout), None
 
+    @fill_docstring(examples=_EXAMPLES_OPENING)
     def step(
         self,
         query: torch.Tensor,
@@ -430,10 +431,7 @@ class MultiheadAttention(LayerCore, Projections):
         TypeError
             A state that is not the estimator's state class.
 
-        Examples
-        --------
-        >>> import torch
-        >>> import xattn.torch
+        {{examples}}
         >>> generator = torch.Generator().manual_seed(0)
         >>> layer = xattn.torch.MultiheadAttention(16, 4, estimator="rfa", window=2,
         ...                                        batch_first=True, generator=generator)

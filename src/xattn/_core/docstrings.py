@@ -16,7 +16,8 @@ import textwrap
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["QKV_PARAMETERS", "fill_docstring", "returns_with_state"]
+__all__ = ["EXAMPLE_INPUTS", "KEY_VALUE_CACHE_ATTRIBUTES", "QKV_PARAMETERS",
+           "SELF_ATTENTION_EXAMPLE_INPUTS", "fill_docstring", "returns_with_state"]
 
 _Documented = TypeVar("_Documented")
 
@@ -30,6 +31,39 @@ k : array, shape (..., M, D)
     Keys.
 v : array, shape (..., M, Dv)
     Values."""
+
+
+#: The Attributes section of a key-value cache (:class:`~xattn.SoftmaxState`,
+#: :class:`~xattn.RAState`).
+KEY_VALUE_CACHE_ATTRIBUTES = """\
+Attributes
+----------
+keys : array, shape (..., P, D)
+    The keys seen, in the compute dtype; zeros where ``valid`` is False.
+values : array, shape (..., P, Dv)
+    The values seen.
+valid : bool array, shape (..., P)
+    False for masked keys (``key_mask``), which no later query attends."""
+
+
+def _example_inputs(num_keys: int) -> str:
+    """The first lines of an Examples section: 2 batch-heads of 5 queries, ``num_keys``
+    keys of dimension 4 and values of dimension 3, from a seeded NumPy generator."""
+    return f"""\
+Examples
+--------
+>>> import numpy as np
+>>> import xattn
+>>> rng = np.random.default_rng(0)
+>>> q = rng.normal(size=(2, 5, 4))
+>>> k, v = rng.normal(size=(2, {num_keys}, 4)), rng.normal(size=(2, {num_keys}, 3))"""
+
+
+#: The opening of an estimator's Examples: ``q`` of shape (2, 5, 4) attending 7 keys.
+EXAMPLE_INPUTS = _example_inputs(num_keys=7)
+
+#: The opening of a state's Examples: 5 tokens, whose queries attend their own keys.
+SELF_ATTENTION_EXAMPLE_INPUTS = _example_inputs(num_keys=5)
 
 
 def returns_with_state(state_class: type) -> str:

@@ -31,6 +31,11 @@ from typing import Any
 import numpy as np
 
 from xattn._core.array import Array, concrete_count, library_name, register_pytree
+from xattn._core.docstrings import (
+    KEY_VALUE_CACHE_ATTRIBUTES,
+    SELF_ATTENTION_EXAMPLE_INPUTS,
+    fill_docstring,
+)
 from xattn._core.inputs import AttentionInputs
 from xattn._core.options import check_bool
 
@@ -171,6 +176,7 @@ class _KeyValueCache:
         return int(self.keys.shape[-2])
 
 
+@fill_docstring(attributes=KEY_VALUE_CACHE_ATTRIBUTES, examples=SELF_ATTENTION_EXAMPLE_INPUTS)
 @dataclass(frozen=True, eq=False)
 class SoftmaxState(_KeyValueCache):
     r"""The key-value cache of causal :func:`xattn.softmax_attention`.
@@ -184,21 +190,9 @@ class SoftmaxState(_KeyValueCache):
     once (a prefill, then one step per length); a ``jax.lax.scan`` loop needs a
     fixed-size state (:class:`RFAState`).
 
-    Attributes
-    ----------
-    keys : array, shape (..., P, D)
-        The keys seen, in the compute dtype; zeros where ``valid`` is False.
-    values : array, shape (..., P, Dv)
-        The values seen.
-    valid : bool array, shape (..., P)
-        False for masked keys (``key_mask``), which no later query attends.
+    {{attributes}}
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import xattn
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 3))
+    {{examples}}
     >>> out, cache = xattn.softmax_attention(q[:, :3], k[:, :3], v[:, :3], causal=True,
     ...                                      return_state=True)
     >>> out_t, cache = xattn.softmax_attention(q[:, 3:], k[:, 3:], v[:, 3:], causal=True,
@@ -211,6 +205,7 @@ class SoftmaxState(_KeyValueCache):
     """
 
 
+@fill_docstring(attributes=KEY_VALUE_CACHE_ATTRIBUTES, examples=SELF_ATTENTION_EXAMPLE_INPUTS)
 @dataclass(frozen=True, eq=False)
 class RAState(_KeyValueCache):
     r"""The key-value cache of causal :func:`xattn.ra` (RA stays quadratic).
@@ -223,21 +218,9 @@ class RAState(_KeyValueCache):
     draws for that query, so it stays unbiased, and pieces in deterministic mode equal
     one call exactly (up to rounding).
 
-    Attributes
-    ----------
-    keys : array, shape (..., P, D)
-        The keys seen, in the compute dtype; zeros where ``valid`` is False.
-    values : array, shape (..., P, Dv)
-        The values seen.
-    valid : bool array, shape (..., P)
-        False for masked keys (``key_mask``).
+    {{attributes}}
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import xattn
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 3))
+    {{examples}}
     >>> options = dict(biased=True, deterministic=True, causal=True)
     >>> out, cache = xattn.ra(q[:, :2], k[:, :2], v[:, :2], return_state=True, **options)
     >>> out_t = xattn.ra(q[:, 2:], k[:, 2:], v[:, 2:], state=cache, **options)
@@ -247,6 +230,7 @@ class RAState(_KeyValueCache):
     """
 
 
+@fill_docstring(examples=SELF_ATTENTION_EXAMPLE_INPUTS)
 @dataclass(frozen=True, eq=False)
 class LARAState:
     r"""What causal :func:`xattn.lara` carries from one call to the next: fixed size.
@@ -270,12 +254,7 @@ class LARAState:
         ``"balance"`` or ``"query_proposal"``.
     beta : float
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import xattn
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 5, 3))
+    {{examples}}
     >>> options = dict(num_samples=6, proposal_means=0.3 * rng.normal(size=(6, 4)),
     ...                weighting="query_proposal", causal=True)
     >>> out, state = xattn.lara(q[:, :2], k[:, :2], v[:, :2], return_state=True, rng=0,

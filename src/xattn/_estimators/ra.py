@@ -33,7 +33,12 @@ import math
 from typing import Any
 
 from xattn._core.array import Array, default_working_memory
-from xattn._core.docstrings import QKV_PARAMETERS, fill_docstring, returns_with_state
+from xattn._core.docstrings import (
+    EXAMPLE_INPUTS,
+    QKV_PARAMETERS,
+    fill_docstring,
+    returns_with_state,
+)
 from xattn._core.inputs import AttentionInputs, prepare_attention
 from xattn._core.options import check_bool, check_noise_scale, check_positive_int
 from xattn._core.primitives import (
@@ -76,7 +81,8 @@ def _part(x: Array | None, axis: int, start: int, stop: int) -> Array | None:
     return x[(..., slice(start, stop), *(slice(None),) * (-1 - axis))]
 
 
-@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(RAState))
+@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(RAState),
+                examples=EXAMPLE_INPUTS)
 def ra(
     q: Array,
     k: Array,
@@ -231,12 +237,7 @@ def ra(
     Derivation: :doc:`/theory/03_randomized_attention`; all papers:
     :doc:`/bibliography`.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import xattn
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 7, 4)), rng.normal(size=(2, 7, 3))
+    {{examples}}
     >>> xattn.ra(q, k, v, num_samples=4, rng=0).shape
     (2, 5, 3)
     >>> y = xattn.ra(q, k, v, biased=True, deterministic=True)

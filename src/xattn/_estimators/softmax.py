@@ -6,7 +6,12 @@ from typing import Any
 
 from xattn._core.array import Array, sequence_positions, stream_bounds
 from xattn._core.delegation import has_native_attention, native_attention
-from xattn._core.docstrings import QKV_PARAMETERS, fill_docstring, returns_with_state
+from xattn._core.docstrings import (
+    EXAMPLE_INPUTS,
+    QKV_PARAMETERS,
+    fill_docstring,
+    returns_with_state,
+)
 from xattn._core.inputs import AttentionInputs, prepare_attention
 from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
@@ -33,7 +38,8 @@ __all__ = ["softmax_attention"]
 
 
 
-@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(SoftmaxState))
+@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(SoftmaxState),
+                examples=EXAMPLE_INPUTS)
 def softmax_attention(
     q: Array,
     k: Array,
@@ -120,12 +126,7 @@ def softmax_attention(
     The stable evaluation is derived in :doc:`/theory/05_stabilization`; all papers are in
     the :doc:`/bibliography`.
 
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import xattn
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = rng.normal(size=(2, 5, 4)), rng.normal(size=(2, 7, 4)), rng.normal(size=(2, 7, 3))
+    {{examples}}
     >>> xattn.softmax_attention(q, k, v).shape
     (2, 5, 3)
 

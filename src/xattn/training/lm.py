@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from xattn.training.loop import RunIdentity, StepLog
+from xattn.training.loop import RunRecord, StepLog
 from xattn.training.tasks import shakespeare
 
 __all__ = ["EVAL_SEED", "LM_QUICK_STEPS", "RFA_SINKS", "RFA_WINDOW", "RFA_WINDOW_ROW",
@@ -190,17 +190,11 @@ def generate(trainer: LMTrainer, prompt: np.ndarray, count: int, context: int, *
 
 
 @dataclass
-class LMResult(RunIdentity):
+class LMResult(RunRecord):
     """Every figure of one language-model run (losses in nats per character)."""
 
     val_loss: float
     train_loss: float
-    final_train_loss: float
-    ms_per_step: float
-    peak_memory_bytes: int | None
-    peak_memory_method: str
-    wall_s: float
-    curve: list[dict[str, float]]
     sample: str
     sample_tokens_per_s_recompute: float
     sample_tokens_per_s_state: float | None

@@ -31,6 +31,7 @@ __all__ = [
     "WARMUP_STEPS",
     "ModelConfig",
     "RunIdentity",
+    "RunRecord",
     "RunResult",
     "RunSpec",
     "StepLog",
@@ -153,17 +154,26 @@ class RunIdentity:
 
 
 @dataclass
-class RunResult(RunIdentity):
-    """Every figure of one run (``curve``: test accuracy and mean training loss at the
-    evaluation points; the last point uses the whole test set)."""
+class RunRecord(RunIdentity):
+    """A run and what its training measured, the fields that :class:`RunResult` and
+    :class:`~xattn.training.lm.LMResult` share: the mean training loss of the last
+    steps, the median milliseconds per step, the peak memory and how it was measured,
+    the wall time, and the learning ``curve`` (a dict per evaluation point)."""
 
-    test_accuracy: float
     final_train_loss: float
     ms_per_step: float
     peak_memory_bytes: int | None
     peak_memory_method: str
     wall_s: float
     curve: list[dict[str, float]]
+
+
+@dataclass
+class RunResult(RunRecord):
+    """Every figure of one run (``curve``: test accuracy and mean training loss at the
+    evaluation points; the last point uses the whole test set)."""
+
+    test_accuracy: float
     sampled_test_accuracy: float | None = None  # attention in training mode (sampled)
 
     def to_json(self) -> dict[str, Any]:
