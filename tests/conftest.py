@@ -122,6 +122,22 @@ class Backend:
             pytest.skip(f"{self.name} has no half-precision dtype")
         return half
 
+    def thin(self, values: Any, kept: Any, on: tuple[str, ...] = ()) -> list[Any]:
+        """The values of a loop inside a test: all of ``values``, but on
+        :data:`THIN_BACKENDS` (or those of them named in ``on``) only those in ``kept``
+        (``XATTN_FULL=1``: all), as the ``thin`` marker does for a parameter. For sweeps
+        of sizes, splits and kinds of input that run the same lines of xattn on every
+        backend: each new size compiles again on JAX and builds a new graph on Dask,
+        whose arithmetic is NumPy's own (``on=("dask",)`` where JAX's arithmetic is
+        the point)."""
+        values = list(values)
+        costly = on or THIN_BACKENDS
+        if self.name not in costly or os.environ.get("XATTN_FULL") == "1":
+            return values
+        thinned = [value for value in values if value in kept]
+        assert thinned, f"thin: none of {kept!r} is among {values!r}"
+        return thinned
+
     def to_numpy(self, x: Any) -> np.ndarray:
         """A float64 (or bool) NumPy copy of a backend array."""
         if array_api_compat.is_torch_array(x):

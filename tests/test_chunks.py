@@ -17,6 +17,8 @@ import pytest
 import xattn
 from xattn._estimators import chunks as _chunks
 
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
 
 def sequential_prefix(carried, part_max, part_sums):
     """The state before each part and after all, by a loop (online softmax per feature)."""

@@ -19,6 +19,8 @@ import xattn
 from op_counting import op_counter
 from xattn import TrigonometricDenominatorWarning
 
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
 NUM_QUERIES, NUM_KEYS, HEAD_DIM, VALUE_DIM, NUM_FEATURES = 13, 11, 6, 3, 8
 # bytes: one row per group (1), groups of a few rows, of about half the rows, all rows
 BUDGETS = (1, 3000, 12000, 2**30)

@@ -20,6 +20,8 @@ import pytest
 import xattn
 from xattn import TrigonometricDenominatorWarning
 
+lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
+
 NUM_TOKENS, BAD_POSITION, LOSS_ROWS = 40, 30, 10
 HEAD_DIM, VALUE_DIM, NUM_FEATURES = 8, 3, 16
 

@@ -51,7 +51,7 @@ lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (con
 # fewer examples on the slower backends (Dask builds graphs); eager JAX compiles every
 # operation for each new shape, so on JAX the sizes are fixed and only the data vary.
 # XATTN_FULL=1 (the thorough run, tests/conftest.py) draws ten times as many.
-EXAMPLES = {"numpy": 12, "torch": 12, "array_api_strict": 6, "jax": 3, "dask": 4}
+EXAMPLES = {"numpy": 12, "torch": 12, "array_api_strict": 6, "jax": 2, "dask": 2}
 EXAMPLES_FACTOR = 10 if os.environ.get("XATTN_FULL") == "1" else 1
 FIXED_SIZES = {"num_queries": 3, "num_keys": 4, "head_dim": 2, "extra": 2, "num_segments": 2,
                "query_size": 2, "key_size": 3}
