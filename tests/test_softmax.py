@@ -71,6 +71,7 @@ def test_causal_with_key_mask_first_key_masked(backend, rng):
     backend.check(out, expected, dtype=xp.float64)
 
 
+@pytest.mark.thin(chunk_size=(3,))
 @pytest.mark.parametrize("chunk_size", [1, 3, 11, 64])
 def test_chunked_equals_unchunked(backend, rng, chunk_size):
     """Queries in tiles and keys in chunks of chunk_size: the same result, with masks and

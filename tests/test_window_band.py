@@ -125,6 +125,7 @@ def test_chunks_are_a_power_of_two_at_least_the_window():
     assert _band_chunks(40, 33) == (33, 1)  # a short block is one chunk, unpadded
 
 
+@pytest.mark.thin(window=(5, 40), sinks=(0, 3))
 @pytest.mark.parametrize("num_queries", LENGTHS)
 @pytest.mark.parametrize("sinks", SINKS)
 @pytest.mark.parametrize("window", WINDOWS)
@@ -143,6 +144,7 @@ def test_matches_the_dense_sums(backend, rng, causal, window, sinks, num_queries
                                                        causal, key_mask))
 
 
+@pytest.mark.thin(num_queries=(7, 100), num_keys=(100, 7))  # one of each side on JAX, Dask
 @pytest.mark.parametrize(("num_queries", "num_keys"), [(7, 100), (100, 7), (33, 50), (50, 33),
                                                        (100, 3)])
 @pytest.mark.parametrize("causal", [False, True])
