@@ -162,7 +162,7 @@ def test_rfa_pieces_equal_one_call(backend, rng, case):
     key_mask = key_mask_for(rng, (2, 3), 23) if masked else None
     options = dict(num_features=32, rng=0, feature_map=feature_map, window=window, sinks=sinks)
     # JAX compiles each length once, Dask builds a graph per piece: fewer lengths there
-    lengths = random_pieces(case, 23, (0, 1, 9) if backend.name.startswith(("jax", "dask"))
+    lengths = random_pieces(case, 23, (0, 1, 9, 9) if backend.name.startswith(("jax", "dask"))
                             else PIECE_LENGTHS)
     out, state = quiet(in_pieces, xattn.rfa, backend, arrays, lengths, key_mask=key_mask,
                        first=options, block_size=4)

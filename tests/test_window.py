@@ -102,7 +102,9 @@ def test_matches_explicit_kernel_matrix(backend, rng, feature_map, causal):
     xp = backend.ns
     spread = 0.3 if feature_map == "trigonometric" else 0.5
     omega = omega_for(1)
-    for (num_queries, num_keys), masked in (((13, 11), False), ((9, 14), True)):
+    # on Dask (NumPy's arithmetic) the masked N < M case, the one with more to get wrong
+    for (num_queries, num_keys), masked in backend.thin((((13, 11), False), ((9, 14), True)),
+                                                        kept=(((9, 14), True),), on=("dask",)):
         q, k, v = make_qkv(rng, num_queries=num_queries, num_keys=num_keys, spread=spread)
         key_mask = None
         if masked:
