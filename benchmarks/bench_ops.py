@@ -46,7 +46,7 @@ count as their products with no causal discount, forward 4·B·H·N·M·D and ba
 ``half_flops_share``, the fraction computed with float16 or bfloat16 operands.
 
 **The traffic table** (default; ``--traffic-lengths ''`` leaves it out,
-``--traffic-only`` runs it alone) measures these at the shape of the performance issue:
+``--traffic-only`` runs it alone) measures these at a long-context training shape:
 (B, H, N, D) = (1, 8, N, 64), ``working_memory=1 << 30`` (``--working-memory``), N = 4096
 and 16384 (``--traffic-lengths``), forward and forward plus backward, with float32,
 bfloat16 and float16 inputs (``--traffic-dtypes``), for causal ``xattn.rfa`` with a fixed
@@ -711,7 +711,7 @@ def main(argv: list[str] | None = None) -> None:
         traffic_batch, traffic_heads, traffic_dim = TRAFFIC_SHAPE
         report["traffic_settings"] = {
             "description": "bytes written and half-precision share of the matrix "
-                           "products per call, at the shape of the performance issue; "
+                           "products per call, at a long-context training shape; "
                            "rows in backends.<name>.traffic[row][mode][dtype][N]",
             "shape": {"batch": traffic_batch, "heads": traffic_heads,
                       "head_dim": traffic_dim},
