@@ -91,7 +91,8 @@ def test_one_training_step_gives_the_same_loss_and_gradients(task_name, length, 
         ignore_index=-1,
     )
     loss.backward()
-    flax_loss, flax_gradients = nnx.value_and_grad(train_flax._loss)(
+    # compiled: one program, not eager JAX (which compiles each operation on its own)
+    flax_loss, flax_gradients = nnx.jit(nnx.value_and_grad(train_flax._loss))(
         flax_model,
         jax.numpy.asarray(batch.tokens),
         None if batch.mask is None else jax.numpy.asarray(batch.mask),
