@@ -574,16 +574,7 @@ def print_table(rows: dict[str, dict[str, dict[str, Any]]], lengths: list[int]) 
         print("-" * len(header))
         for name, modes in rows.items():
             for mode, row_cells in modes.items():
-                text = []
-                for n in lengths:
-                    cell = row_cells.get(str(n))
-                    if cell is None:
-                        text.append(f"{'':>18}")
-                    elif "ops" not in cell:
-                        text.append(f"{'skipped':>18}")
-                    else:
-                        text.append(f"{key(cell):>18}")
-                print(f"{name:38} {mode:16}" + "".join(text))
+                print(f"{name:38} {mode:16}" + _cells_text(row_cells, lengths, 18, key))
         print(unit)
 
     cells(lambda cell: f"{cell['ops']} ({cell['compute_ops']})",
@@ -592,6 +583,25 @@ def print_table(rows: dict[str, dict[str, dict[str, Any]]], lengths: list[int]) 
     cells(lambda cell: f"{cell['bytes_per_q']:.2f}",
           "cells: bytes written per call in |q| = B·H·N·D·4 bytes (a decoding step: "
           "B·H·D·4)")
+
+
+def _cells_text(row_cells: dict[str, Any], lengths: list[int], width: int,
+                text_of: Callable[[dict[str, Any]], str]) -> str:
+    """One table row's cells, right-aligned in ``width``: ``text_of(cell)`` for a measured
+    cell, "error" or "skipped" for one that was not, blank for a length not run."""
+    texts = []
+    for n in lengths:
+        cell = row_cells.get(str(n))
+        if cell is None:
+            text = ""
+        elif "error" in cell:
+            text = "error"
+        elif "skipped" in cell or "ops" not in cell:
+            text = "skipped"
+        else:
+            text = text_of(cell)
+        texts.append(f"{text:>{width}}")
+    return "".join(texts)
 
 
 def _share(cell: dict[str, Any]) -> str:
@@ -610,19 +620,10 @@ def print_traffic_table(rows: dict[str, Any], lengths: list[int]) -> None:
     for name, modes in rows.items():
         for mode, dtypes in modes.items():
             for dtype, row_cells in dtypes.items():
-                text = []
-                for n in lengths:
-                    cell = row_cells.get(str(n))
-                    if cell is None:
-                        text.append(f"{'':>{width}}")
-                    elif "error" in cell:
-                        text.append(f"{'error':>{width}}")
-                    elif "skipped" in cell:
-                        text.append(f"{'skipped':>{width}}")
-                    else:
-                        text.append(f"{cell['bytes_per_q']:>10.2f} {_share(cell):>5} "
-                                    f"{cell['matmul_flops'] / 1e9:>9.2f}")
-                print(f"{name:36} {mode:16} {dtype:9}" + "".join(text))
+                print(f"{name:36} {mode:16} {dtype:9}" + _cells_text(
+                    row_cells, lengths, width,
+                    lambda cell: f"{cell['bytes_per_q']:>10.2f} {_share(cell):>5} "
+                                 f"{cell['matmul_flops'] / 1e9:>9.2f}"))
     print("cells: bytes written per call in |q| = B·H·N·D·4 bytes (one float32 q), the share "
           "of matrix-product FLOPs with float16/bfloat16 operands, and those FLOPs (GFLOP)")
 
