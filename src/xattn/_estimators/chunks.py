@@ -46,7 +46,7 @@ from xattn._core.primitives import finite_shift
 __all__ = ["DIRECT_PAIRS", "PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix",
            "pair_kernel"]
 
-PAIR_BLOCK = 16
+PAIR_BLOCK = 64
 """Positions per chunk (a power of two): their query-key pairs are computed exactly, the
 chunks before a query come to it through the prefix state."""
 

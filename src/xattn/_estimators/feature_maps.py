@@ -13,7 +13,7 @@ from typing import Any
 import array_api_compat
 
 from xattn._core.array import Array
-from xattn._core.delegation import cumulative_max, ignore_invalid, stop_gradient
+from xattn._core.delegation import cumulative_max, ignore_invalid, nan_to_num, stop_gradient
 from xattn._core.primitives import finite_shift, key_logits_in_range, merge_maxima
 from xattn._estimators.chunks import PAIR_BLOCK, exclusive_prefix, pair_kernel
 from xattn._estimators.rf_scan import Partial, State
@@ -51,11 +51,14 @@ class PositiveMap:
     r"""Positive (and hyperbolic: samples :math:`\pm\omega`) features in the log domain.
 
     Queries are represented by :math:`p_{ns} = \omega_s \cdot \hat q_n`, keys by their
-    masked logits :math:`a_{ms}`; the state is ``(K (..., S), A' (..., S, E))`` with a raw
-    maximum (``-inf`` while no key was seen).
+    projections centred on their own largest, :math:`a_{ms} - \beta_m` (at most 0), and
+    :math:`\beta_m = \max_s a_{ms}` (``-inf`` for a dropped key), where :math:`a_{ms} =
+    \omega_s \cdot \hat k_m - \lVert \hat k_m\rVert^2/2` is the key logit; the state
+    is ``(K (..., S), A' (..., S, E))`` with a raw maximum per feature (``-inf`` while no
+    key was seen).
     """
 
-    key_fills: tuple[float, ...] = (-math.inf,)
+    key_fills: tuple[float, ...] = (0.0, -math.inf)
 
     def __init__(self, xp: Any, omega: Array, pair_block: int = PAIR_BLOCK) -> None:
         self.xp = xp
@@ -93,16 +96,23 @@ class PositiveMap:
         return -0.5 * xp.sum(q_hat * q_hat, axis=-1, keepdims=True) - math.log(self.num_samples)
 
     def keys(self, k_hat: Array, valid: Array | None) -> tuple[Array, ...]:
-        r"""The key logits :math:`a_{ms}`, ``-inf`` for a dropped key. A key whose squared
-        norm overflows gets the dtype's floor (:func:`~xattn._core.primitives.
-        key_logits_in_range`), never ``-inf`` or ``inf - inf``: it is still attended, and
-        no logit is ever NaN or ``+inf`` (:math:`a_{ms} \le \lVert \omega_s
+        r"""The keys as ``(centred, key_max)``: :math:`a_{ms} - \beta_m` (..., B, S), at
+        most 0, and :math:`\beta_m = \max_s a_{ms}` (..., B, 1), ``-inf`` for a dropped
+        key. A key whose squared norm overflows gets the dtype's floor as
+        :math:`\beta_m` (:func:`~xattn._core.primitives.key_logits_in_range`), and a
+        projection that overflows is centred to 0 at its largest: such a key is still
+        attended, and nothing is ever NaN or ``+inf`` (:math:`a_{ms} \le \lVert \omega_s
         \rVert^2/2`)."""
         xp = self.xp
-        with ignore_invalid(xp):  # NumPy: an overflowing norm is inf, quietly
+        with ignore_invalid(xp):  # NumPy: an overflowing norm or projection, quietly
+            projections = k_hat @ self.omega_t
+            largest = stop_gradient(xp.max(projections, axis=-1, keepdims=True))
             half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True)
-            logits = key_logits_in_range(xp, k_hat @ self.omega_t - half_sq_norm)  # a_ms
-        return (logits if valid is None else xp.where(valid[..., None], logits, -xp.inf),)
+            key_max = key_logits_in_range(xp, largest - half_sq_norm)  # beta_m
+            # inf - inf where a projection overflowed: that largest one is 0
+            centred = nan_to_num(projections - largest, nan=0.0, posinf=0.0, neginf=-math.inf)
+        return centred, (key_max if valid is None else xp.where(valid[..., None], key_max,
+                                                                  -xp.inf))
 
     def empty_state(self, batch_shape: tuple[int, ...], width: int, dtype: Any,
                     device: Any) -> State:
@@ -113,10 +123,11 @@ class PositiveMap:
     def key_state(self, keys: tuple[Array, ...], values: Array) -> State:
         """The state of a set of keys: K_s and A'_s over all of them."""
         xp = self.xp
-        (logits,) = keys
-        key_max = stop_gradient(xp.max(logits, axis=-2))  # raw: -inf for a sample without keys
-        weights = xp.exp(logits - finite_shift(xp, key_max)[..., None, :])
-        return key_max, xp.matrix_transpose(weights) @ values
+        centred, key_max = keys
+        logits = centred + key_max  # a_ms, -inf for a dropped key
+        feature_max = stop_gradient(xp.max(logits, axis=-2))  # raw: -inf without keys
+        weights = xp.exp(logits - finite_shift(xp, feature_max)[..., None, :])
+        return feature_max, xp.matrix_transpose(weights) @ values
 
     def merge_states(self, first: State, second: State) -> State:
         key_max, _, (first_factor, second_factor) = merge_maxima(self.xp, first[0], second[0])
@@ -132,57 +143,100 @@ class PositiveMap:
         return shift, out, out[..., -1:]
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State | None) -> tuple[Partial, State]:
-        r"""One block: key ``i`` of the block is allowed for query ``j`` iff ``i <= j``.
+              state: State | None, keep_state: bool = True) -> tuple[Partial, State | None]:
+        r"""One block: key ``m`` of the block is allowed for query ``n`` iff ``m <= n``.
 
-        The chunkwise-parallel form (:mod:`xattn._estimators.chunks`): the B positions are J = B / b
-        chunks of b = :attr:`multiple` positions carried as an axis. (1) Each chunk j
-        gets its statistics :math:`K^j_s, A^j_s` from one product for all chunks. (2)
-        The state before each chunk (the carried state and the chunks before it) and the
-        state after the block come from :func:`~xattn._estimators.chunks.exclusive_prefix`, with
-        the features in front so that each merge is one matrix product per feature. (3)
-        Each query reads the state before its chunk and takes the exact pairs of its own
-        chunk (:func:`~xattn._estimators.chunks.pair_kernel`), all with one shift, its largest term
-        :math:`\max_s (p_{ns} + \max(P_{js}, \max_{m \le n} a_{ms}))`: over the keys
-        it attends only.
+        The chunkwise-parallel form (:mod:`xattn._estimators.chunks`) with a rank-one
+        stabilizer: the B positions are J = B / b chunks of b = :attr:`multiple`
+        positions carried as an axis. With :math:`\alpha_n = \max_s p_{ns}`,
+        :math:`\beta_m = \max_s a_{ms}` and :math:`\mu_n = \max_{m \le n} \beta_m`
+        (the running maximum over every key the query attends), every term factors into
+        three, each at most 1 and none from a key after :math:`n`:
+
+        .. math::
+
+            e^{p_{ns} + a_{ms} - \alpha_n - \mu_n} = \phi_{ns}\, \psi_{ms}\,
+            e^{\beta_m - \mu_n}, \quad \phi_{ns} = e^{p_{ns} - \alpha_n}, \quad
+            \psi_{ms} = e^{a_{ms} - \beta_m}.
+
+        (1) Each chunk's sums :math:`H^j = \sum_{m \in j} e^{\beta_m - M^j} \psi_m^\top
+        [v_m, 1]` (S, E) with its largest :math:`M^j = \max_{m \in j} \beta_m`: one
+        product for all chunks. (2) The state before each chunk and after the block: one
+        exclusive prefix over the chunks (:func:`~xattn._estimators.chunks.exclusive_prefix`)
+        of these (maximum, S E sums) pairs. (3) Each query: :math:`\phi_n` times the sums
+        before its chunk, and the pairs of its own chunk as one (b, S) (S, b) product
+        times the (b, b) factor :math:`e^{\beta_m - \mu_n}` for :math:`m \le n`, 0
+        above. The features :math:`\phi, \psi` are computed once, the backward pass
+        reuses them, and no (B, S) array is made only to be reduced.
         """
         xp = self.xp
-        (logits,) = keys
+        centred, key_max = keys
         chunk = self.multiple
         length, num_samples, width = queries.shape[-2], queries.shape[-1], values.shape[-1]
-        num_chunks = length // chunk
-        p = xp.reshape(queries, (*queries.shape[:-2], num_chunks, chunk, num_samples))
-        a = xp.reshape(logits, (*logits.shape[:-2], num_chunks, chunk, num_samples))
-        values = xp.reshape(values, (*values.shape[:-2], num_chunks, chunk, width))
-        # the stabilizers are constants (no gradient): from detached logits, so that
-        # autograd records none of their operations
-        fixed_a = stop_gradient(a)
+        num_chunks, flat = length // chunk, num_samples * width
+        device = array_api_compat.device(queries)
 
-        # (1) each chunk's statistics: K^j_s (..., J, S), A^j_s (..., J, S, E)
-        chunk_max = xp.max(fixed_a, axis=-2)
-        chunk_sums = (xp.matrix_transpose(xp.exp(a - finite_shift(xp, chunk_max)[..., None, :]))
-                      @ values)
+        def chunked(x: Array) -> Array:  # (..., B, F) as (..., J, b, F)
+            return xp.reshape(x, (*x.shape[:-2], num_chunks, chunk, x.shape[-1]))
 
-        # (2) the states before the chunks and after the block (features in front; the
-        # carried state, when there is one, has the full batch shape)
+        # the features, each entry in [0, 1]: phi (..., J, b, S), psi (..., J, b, S)
+        query_max = stop_gradient(xp.max(queries, axis=-1, keepdims=True))  # alpha_n
+        q_features = chunked(xp.exp(queries - query_max))
+        k_features = chunked(xp.exp(centred))
+        key_max, values = chunked(key_max), chunked(values)  # beta_m (..., J, b, 1)
+        # the stabilizers are constants (no gradient): from the detached beta_m
+        fixed_key_max = stop_gradient(key_max)
+
+        # (1) each chunk's largest beta_m and sums H^j (..., J, S, E)
+        chunk_max = xp.max(fixed_key_max, axis=-2)  # (..., J, 1), -inf without keys
+        key_weights = xp.exp(key_max - finite_shift(xp, chunk_max)[..., None, :])
+        chunk_sums = xp.matrix_transpose(k_features) @ (key_weights * values)
+
+        # (2) the states before the chunks and after the block, one maximum per state:
+        # the carried state's sums are brought to their largest maximum first
         lead = state[0].shape[:-1] if state is not None else chunk_sums.shape[:-3]
-        before_max, before_sums, new_state = exclusive_prefix(
-            xp, state, _broadcast_lead(xp, xp.matrix_transpose(chunk_max), lead, 2),
-            _broadcast_lead(xp, xp.moveaxis(chunk_sums, -2, -3), lead, 3))
-        before_max = xp.matrix_transpose(before_max)[..., :, None, :]  # (..., J, 1, S)
+        carried = None
+        if state is not None:
+            feature_max, feature_sums = state
+            state_max = xp.max(feature_max, axis=-1, keepdims=True)  # (..., 1)
+            factor = xp.exp(feature_max - finite_shift(xp, state_max))[..., None]
+            carried = (state_max, xp.reshape(factor * feature_sums, (*lead, 1, flat)))
+        before_max, before_sums, (after_max, after_sums) = exclusive_prefix(
+            xp, carried, _broadcast_lead(xp, xp.matrix_transpose(chunk_max), lead, 2),
+            _broadcast_lead(xp, xp.reshape(chunk_sums, (*chunk_sums.shape[:-3], 1, num_chunks,
+                                                        flat)), lead, 3))
+        before_max = xp.reshape(before_max, (*lead, num_chunks, 1, 1))
+        before_sums = xp.reshape(before_sums, (*lead, num_chunks, num_samples, width))
 
-        # (3) one shift per query: its largest term, over the state and the pairs m <= n
-        bound = xp.maximum(before_max, cumulative_max(fixed_a, axis=-2))
-        shift = xp.max(stop_gradient(p) + bound, axis=-1, keepdims=True)  # (..., J, b, 1)
-        shifted = p - finite_shift(xp, shift)
-        # the state before the chunk and the chunk's own pairs, read out by one product
-        weights = _broadcast_concat(xp, [xp.exp(shifted + before_max), pair_kernel(xp, shifted, a)],
-                               axis=-1)  # (..., J, b, S + b)
-        sums = weights @ _broadcast_concat(xp, [xp.moveaxis(before_sums, -3, -2), values], axis=-2)
+        # (3) each query: mu_n over the state and the keys m <= n of its chunk
+        running_max = xp.maximum(stop_gradient(before_max),
+                                 cumulative_max(fixed_key_max, axis=-2))  # (..., J, b, 1)
+        row_shift = finite_shift(xp, running_max)
+        allowed = _lower_triangle(xp, chunk, device, strict=False)
+        pair_factor = xp.exp(xp.where(allowed, xp.matrix_transpose(key_max) - row_shift,
+                                      -xp.inf))  # e^{beta_m - mu_n} for m <= n, else 0
+        pair_weights = (q_features @ xp.matrix_transpose(k_features)) * pair_factor
+        sums = (xp.exp(before_max - row_shift) * (q_features @ before_sums)
+                + pair_weights @ values)
         sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
-        shift = _broadcast_lead(xp, xp.reshape(shift, (*shift.shape[:-3], length, 1)),
-                                sums.shape[:-2], 2)  # the partial's parts shaped alike
-        return (shift, sums, sums[..., -1:]), new_state
+        # -inf for a query without keys: its partial adds nothing to another one's
+        shift = xp.reshape(running_max, (*running_max.shape[:-3], length, 1)) + query_max
+        shift = _broadcast_lead(xp, shift, sums.shape[:-2], 2)  # the partial's parts alike
+        if not keep_state:
+            return (shift, sums, sums[..., -1:]), None
+
+        # the state after the block, one maximum per feature: K_s = max_m a_ms
+        feature_max = xp.max(stop_gradient(centred + keys[1]), axis=-2)
+        if state is not None:
+            feature_max = xp.maximum(feature_max, state[0])
+        # e^{M - K_s} >= 1; a feature whose sums underflowed in the shared frame keeps 0
+        log_factor = xp.reshape(after_max, (*lead, 1)) - finite_shift(xp, feature_max)
+        largest = math.log(xp.finfo(log_factor.dtype).max) - 1.0
+        factor = xp.where(log_factor <= largest,
+                          xp.exp(xp.minimum(log_factor, largest)), 0.0)[..., None]
+        feature_sums = factor * xp.reshape(after_sums, (*lead, num_samples, width))
+        return (shift, sums, sums[..., -1:]), (feature_max, feature_sums)
+
 
 class TrigonometricMap:
     r"""Trigonometric features :math:`[\sin \omega_s \cdot x, \cos \omega_s \cdot x]`.
@@ -250,7 +304,7 @@ class TrigonometricMap:
         return xp.broadcast_to(norm_max, rows), out, xp.broadcast_to(weight, rows)
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State | None) -> tuple[Partial, State]:
+              state: State | None, keep_state: bool = True) -> tuple[Partial, State]:
         r"""One block (key ``i`` allowed for query ``j`` iff ``i <= j``), in chunks of
         :attr:`multiple` positions carried as an axis, as :meth:`PositiveMap.block`: each
         chunk's sums :math:`\sum_m w_m \phi(\hat k_m) [v_m, 1]` and :math:`\sum_m w_m`

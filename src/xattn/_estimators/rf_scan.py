@@ -117,10 +117,11 @@ class FeatureMap(Protocol):
         ...
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State | None) -> tuple[Partial, State]:
+              state: State | None, keep_state: bool = True) -> tuple[Partial, State | None]:
         """A block of aligned queries and keys (key ``i`` allowed for query ``j`` iff
         ``i <= j``) after the keys of ``state`` (None: no key before the block); returns
-        its partial and the new state."""
+        its partial and the new state (None may be returned without ``keep_state``: no
+        later block or caller reads it)."""
         ...
 
 
@@ -219,7 +220,8 @@ def state_over_keys(xp: Any, mapping: FeatureMap, k: Array, v: Array, *, root_sc
 def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *, root_scale: float,
                   key_mask: Array | None, first_key: int, offset: int, reverse: bool,
                   block_size: int, chunk_size: int, batch_shape: tuple[int, ...],
-                  initial: State | None = None) -> Generator[Partial, None, State]:
+                  initial: State | None = None,
+                  keep_state: bool = True) -> Generator[Partial, None, State | None]:
     """Partials of the queries over their prefix (or suffix) keys, block by block.
 
     Query ``n`` takes the keys ``m <= n - offset`` (``reverse=False``) or ``m >= n +
@@ -228,7 +230,8 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     first with ``reverse=False``, from the last with ``reverse=True`` (the caller keeps
     what it needs of them, :func:`xattn._estimators.window.windowed_rfa`). ``initial``
     (forward only) is the state of keys before all of ``k``, every query's (a sequence continued,
-    :mod:`xattn._estimators.decode`); the generator returns the state after the last block.
+    :mod:`xattn._estimators.decode`); the generator returns the state after the last block
+    (None may be returned instead without ``keep_state``: the caller does not read it).
 
     Design: a generator, so that a caller walks the blocks in lock-step with its own
     work on the same positions: :func:`xattn._estimators.window.windowed_rfa` runs one scan for the
@@ -288,7 +291,9 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
             # sub-blocks needs no rechunking and its output keeps the block's chunks
             queries, values = one_chunk_along(queries, -2), one_chunk_along(values, -2)
             keys = tuple(one_chunk_along(x, -2) for x in keys)
-            partial, state = mapping.block(queries, keys, values, state)
+            last = start == (blocks[0][0] if reverse else blocks[-1][0])
+            partial, state = mapping.block(queries, keys, values, state,
+                                           keep_state=keep_state or not last)
             if padding:
                 shift, sums, weight = partial
                 partial = (shift[..., :length, :], sums[..., :length, :],
@@ -298,6 +303,6 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                 partial = (xp.flip(shift, axis=-2), xp.flip(sums, axis=-2),
                            xp.flip(weight, axis=-2))
             yield partial
-        return carried()
+        return carried() if keep_state else state
 
     return run()

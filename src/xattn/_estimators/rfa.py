@@ -462,7 +462,8 @@ def causal_scan(xp: Any, inputs: Any, mapping: FeatureMap, block_size: int, chun
     partials = scan_partials(xp, mapping, inputs.q, inputs.k, inputs.v,
                              root_scale=math.sqrt(inputs.scale), key_mask=inputs.key_mask,
                              first_key=0, offset=0, reverse=False, block_size=block_size,
-                             chunk_size=chunk_size, batch_shape=inputs.batch_shape)
+                             chunk_size=chunk_size, batch_shape=inputs.batch_shape,
+                             keep_state=False)
     for start, partial in zip(range(0, num_queries, block_size), partials, strict=True):
         rows, invalid = finish_partial(xp, partial, guard=guard)
         out.put(start, rows)

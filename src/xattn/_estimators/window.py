@@ -378,7 +378,8 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
         backward = scan_partials(xp, mapping, q, k, v, root_scale=root_scale,
                                  key_mask=inputs.key_mask, first_key=sinks,
                                  offset=window + 1, reverse=True, block_size=block_size,
-                                 chunk_size=chunk_size, batch_shape=inputs.batch_shape)
+                                 chunk_size=chunk_size, batch_shape=inputs.batch_shape,
+                                 keep_state=False)
         for (start, _), (shift, sums, weight) in zip(reversed(blocks), backward, strict=True):
             out.put(start, sums[..., :-1])
             suffix.put(start, xp.concat([shift, sums[..., -1:], weight], axis=-1))
@@ -388,7 +389,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
                                 key_mask=inputs.key_mask, first_key=sinks,
                                 offset=window + 1 if window else 0, reverse=False,
                                 block_size=block_size, chunk_size=chunk_size,
-                                batch_shape=inputs.batch_shape)
+                                batch_shape=inputs.batch_shape, keep_state=False)
     state = None
     if not window and not causal:  # sinks only: every key m >= K, for every query
         state = state_over_keys(xp, mapping, k, v, root_scale=root_scale,
