@@ -339,7 +339,10 @@ def default_working_memory(x: Array) -> int:
 
 def split_rows(x: Array, size: int) -> list[Array]:
     """``x`` in pieces of ``size`` rows along axis -2: one operation for torch's and JAX's
-    autograd (a slice's backward is a gradient of all of ``x``, zero-filled), else views."""
+    autograd (a slice's backward is a gradient of all of ``x``, zero-filled), else views;
+    ``[x]`` itself when it is one piece (no operation, no copy in the backward pass)."""
+    if x.shape[-2] <= size:
+        return [x]
     if array_api_compat.is_torch_array(x):
         return list(x.split(size, dim=-2))
     bounds = list(range(size, x.shape[-2], size))

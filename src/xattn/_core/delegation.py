@@ -9,6 +9,7 @@ The estimators call these and never branch on the library themselves."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.util
 import math
@@ -69,6 +70,42 @@ def stop_gradient(x: Array) -> Array:
         return x.detach()
     return x
 
+def zero_nonfinite(x: Array) -> Array:
+    """``x`` with its NaN and infinite entries replaced by 0, their gradient 0 (how an
+    estimator reads its inputs). torch: one ``nan_to_num`` whose backward is one
+    ``where`` on the mask ``out == x`` (true exactly at the finite entries), made in the
+    backward pass; torch's own derivative forms ``isfinite(x)`` (an ``abs`` and three
+    boolean passes) and a product. Under ``torch.compile``, which fuses those passes, and
+    elsewhere: :func:`nan_to_num`."""
+    if array_api_compat.is_torch_array(x) and x.requires_grad:
+        import torch
+
+        if not torch.compiler.is_compiling():
+            return _torch_zero_nonfinite().apply(x)
+    return nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@functools.cache
+def _torch_zero_nonfinite() -> Any:
+    import torch
+
+    class ZeroNonfinite(torch.autograd.Function):
+        @staticmethod
+        def forward(x: Any) -> Any:
+            return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            ctx.save_for_backward(inputs[0], output)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            x, out = ctx.saved_tensors
+            return torch.where(out == x, grad, 0.0)
+
+    return ZeroNonfinite
+
+
 def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     """``x`` with NaN, ``+inf`` and ``-inf`` entries replaced by ``nan``, ``posinf`` and
     ``neginf``: the library's ``nan_to_num`` where it has one (one operation, whose
@@ -97,14 +134,19 @@ def nonfinite_rows(*arrays: Array) -> Array:
     """Boolean (..., L): whether row ``i`` of any of ``arrays`` (each (..., L, ·), their
     leading dims broadcasting) holds a NaN or an infinity.
 
-    On torch and JAX: ``isnan`` of the sum over the arrays of ``sum(x * 0)`` along each
-    row (:func:`nonfinite_probe`: two operations per array, then one more per array and
-    one ``isnan``). Elsewhere ``not all(isfinite(x))``, whose only temporary is one
-    boolean per entry (NumPy would make ``x * 0`` a float copy of the input).
+    On torch: not ``isfinite`` of the arrays' scaled row sums (one matrix product per
+    array, writing one number per row). On JAX: ``isnan`` of the sum over the arrays of
+    ``sum(x * 0)`` (:func:`nonfinite_probe`, which XLA fuses). Elsewhere ``not
+    all(isfinite(x))``, whose only temporary is one boolean per entry (NumPy would make
+    ``x * 0`` a float copy of the input).
     """
     xp = array_api_compat.array_namespace(*arrays)
-    if all(array_api_compat.is_torch_array(x) or array_api_compat.is_jax_array(x)
-           for x in arrays):
+    if all(array_api_compat.is_torch_array(x) for x in arrays):
+        sums = _scaled_row_sums(arrays[0])
+        for x in arrays[1:]:
+            sums = sums + _scaled_row_sums(x)
+        return ~xp.isfinite(sums)
+    if all(array_api_compat.is_jax_array(x) for x in arrays):
         probe = nonfinite_probe(arrays[0])
         for x in arrays[1:]:
             probe = probe + nonfinite_probe(x)
@@ -195,6 +237,20 @@ def nonfinite_probe(x: Array) -> Array:
         return xp.sum(xp.where(xp.isfinite(x), xp.zeros_like(x), xp.nan), axis=-1,
                       keepdims=True)
     return xp.sum(x * 0.0, axis=-1, keepdims=True)
+
+
+def _scaled_row_sums(x: Any) -> Any:
+    """torch (..., L): the rows' sums times the power of two :math:`2^{-k} \le 1/(2D)`, by
+    one matrix product: not finite exactly where the row holds a NaN or an infinity (they
+    propagate; a finite row's sum cannot overflow), and one number per row written rather
+    than a copy of ``x`` (a product with zeros would not do: a BLAS may skip zero
+    factors)."""
+    import torch
+
+    factor = 2.0 ** -(2 * max(x.shape[-1], 1) - 1).bit_length()
+    column = torch.full((x.shape[-1], 1), factor, dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        return (x @ column)[..., 0]
 
 def native_attention(inputs: AttentionInputs, causal: bool, *, automatic: bool = False,
                      every_query_has_a_key: bool = False) -> Array | None:

@@ -13,7 +13,7 @@ from typing import Any
 import array_api_compat
 
 from xattn._core.array import Array
-from xattn._core.delegation import cumulative_max, ignore_invalid, nan_to_num, stop_gradient
+from xattn._core.delegation import cumulative_max, ignore_invalid, stop_gradient
 from xattn._core.primitives import finite_shift, key_logits_in_range, merge_maxima
 from xattn._estimators.chunks import PAIR_BLOCK, exclusive_prefix, pair_kernel
 from xattn._estimators.rf_scan import Partial, State
@@ -109,8 +109,8 @@ class PositiveMap:
             largest = stop_gradient(xp.max(projections, axis=-1, keepdims=True))
             half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True)
             key_max = key_logits_in_range(xp, largest - half_sq_norm)  # beta_m
-            # inf - inf where a projection overflowed: that largest one is 0
-            centred = nan_to_num(projections - largest, nan=0.0, posinf=0.0, neginf=-math.inf)
+            # a key whose projections overflow (inf - inf): every feature alike, 0
+            centred = xp.where(xp.isfinite(largest), projections - largest, 0.0)
         return centred, (key_max if valid is None else xp.where(valid[..., None], key_max,
                                                                   -xp.inf))
 
