@@ -1,10 +1,10 @@
 """The chunkwise-parallel causal scan (``xattn._estimators.chunks``, ``xattn._estimators.rf_scan``).
 
 Each piece against a float64 NumPy reference written here the slow, obvious way: the
-exclusive prefix of (maximum, sums) pairs by a sequential loop, the exact pairs of a
-chunk by a direct sum over the features, and causal ``rfa`` by the non-causal formula
-applied to every prefix. Then the same result whatever the block (16 positions, the
-budget's, or one chunk per block), and with leading dimensions that broadcast.
+exclusive prefix of (maximum, sums) pairs by a sequential loop, and causal ``rfa`` by the
+non-causal formula applied to every prefix. Then the same result whatever the block (16 positions, the
+budget's, or one chunk per block), with leading dimensions that broadcast, and earlier
+rows bit-identical whatever a later key.
 """
 
 from __future__ import annotations
@@ -68,21 +68,32 @@ def test_exclusive_prefix_equals_the_sequential_merge(backend, rng, num_parts, w
     np.testing.assert_array_equal(backend.to_numpy(got_max), expected_max)
 
 
-@pytest.mark.parametrize("size", [1, 2, 8, 16, 32])
-def test_pair_kernel_is_the_direct_sum_below_the_diagonal(backend, rng, size):
+@pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
+@pytest.mark.parametrize("dtype_name", ["float64", "float32"])
+def test_a_large_later_key_leaves_earlier_rows_bit_identical(backend, rng, feature_map,
+                                                             dtype_name):
+    """The rank-one stabilizer takes each query's shift from the keys at or before it:
+    a key and value at position m with the largest key logits of the sequence (the key
+    along a sample, so that its logit is near its bound) and a value of 1e30 leave every
+    row before m bit-identical, in the middle of a chunk of 64 (m = 100), at its first
+    position (m = 128) and with the sequence in blocks of 64 positions."""
     xp = backend.ns
-    queries = rng.normal(size=(2, 3, size, 5))
-    keys = rng.normal(size=(2, 3, size, 5))
-    keys[0, 0, size // 2, :] = -np.inf  # a masked key
-    # shift so that every allowed exponent is <= 0, as the scan does
-    pair = queries[..., :, None, :] + keys[..., None, :, :]
-    lower = np.tril(np.ones((size, size), bool))[..., None]
-    row_max = np.max(np.where(lower, pair, -np.inf), axis=(-2, -1))
-    queries = queries - np.where(row_max == -np.inf, 0.0, row_max)[..., None]
-    expected = np.where(lower[..., 0], np.exp(queries[..., :, None, :]
-                                              + keys[..., None, :, :]).sum(-1), 0.0)
-    got = _chunks.pair_kernel(xp, backend.asarray(queries), backend.asarray(keys))
-    backend.check(got, expected, dtype=xp.float64)
+    dtype = getattr(xp, dtype_name)
+    length, dim = 150, 8
+    q, k, v = (0.7 * rng.normal(size=(2, length, dim)) for _ in range(3))
+    omega = rng.normal(size=(16, dim))
+    for position in (100, 128):
+        changed_k, changed_v = k.copy(), v.copy()
+        changed_k[:, position] = omega[3] * dim ** 0.25  # k_hat = omega_3: its largest logit
+        changed_v[:, position] = 1e30
+        for options in (dict(), dict(block_size=64)):
+            outs = [backend.to_numpy(xattn.rfa(
+                *(backend.asarray(x, dtype=dtype) for x in (q, keys, values)),
+                omega=backend.asarray(omega, dtype=dtype), causal=True,
+                feature_map=feature_map, **options))
+                for keys, values in ((k, v), (changed_k, changed_v))]
+            np.testing.assert_array_equal(outs[1][:, :position], outs[0][:, :position])
+            assert not np.array_equal(outs[1][:, position], outs[0][:, position])
 
 
 def prefix_reference(q, k, v, omega, feature_map, key_mask):
@@ -95,9 +106,9 @@ def prefix_reference(q, k, v, omega, feature_map, key_mask):
     return np.stack(rows, axis=-2)
 
 
-@pytest.mark.thin(length=(100,))
+@pytest.mark.thin(length=(200,))
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic", "trigonometric"])
-@pytest.mark.parametrize("length", [1, 5, 16, 17, 100])
+@pytest.mark.parametrize("length", [1, 5, 16, 17, 200])
 @pytest.mark.filterwarnings("ignore::xattn.TrigonometricDenominatorWarning")
 def test_causal_rfa_is_the_formula_on_every_prefix_whatever_the_block(
         backend, rng, feature_map, length):

@@ -81,26 +81,29 @@ CASES = {
     # L here, so W is the same at L and 4 L: rfa about 6.5 MiB with 8 MiB (S = 256)
     "rfa": (xattn.rfa, dict(num_features=256, rng=0, working_memory=8 * MiB), 8192,
             16 * MiB, 1),
-    # causal rfa: blocks of as many positions as the CPU's working memory allows (64 MiB:
-    # 1,312 positions at S = 256), chunked inside; W about 40 MiB, at most that budget
-    "rfa-causal": (xattn.rfa, dict(num_features=256, rng=0, causal=True), 8192, BUDGET, 1),
+    # causal rfa: blocks of as many positions as the working memory allows (32 MiB: 2,944
+    # positions at S = 256, so that L holds two full blocks, the second with a carried
+    # state), chunked inside; W about 27 MiB, at most that budget
+    "rfa-causal": (xattn.rfa, dict(num_features=256, rng=0, causal=True,
+                                   working_memory=32 * MiB), 8192, 32 * MiB, 1),
     "rfa-trigonometric": (xattn.rfa, dict(num_features=64, rng=0, feature_map="trigonometric",
                                           working_memory=8 * MiB), 4096, 16 * MiB, 1),
-    # window and sinks: blocks of queries as long as the budget allows (about 2,400
-    # positions here), each with its exact band in chunks and random features for the keys
-    # before and after it; the keys after it are summed in a pass from the last block
-    # back, whose results wait (in the output's rows) for the forward pass. W reaches its
-    # bound once the sequence holds a few full blocks (of about 4,800 positions here):
-    # L = 16384, W about 44 MiB with a window
-    "rfa-window-sinks": (xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4),
-                         16384, BUDGET, 1),
+    # window and sinks: blocks of queries as long as the budget allows (about 3,500
+    # positions under 16 MiB), each with its exact band in chunks and random features for
+    # the keys before and after it; the keys after it are summed in a pass from the last
+    # block back, whose results wait (in the output's rows) for the forward pass. W
+    # reaches its bound once the sequence holds a few full blocks: L = 16384
+    "rfa-window-sinks": (xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4,
+                                         working_memory=16 * MiB), 16384, 16 * MiB, 1),
     "rfa-window-sinks-causal": (
-        xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4, causal=True), 16384,
-        BUDGET, 1),
-    "rfa-sinks": (xattn.rfa, dict(num_features=64, rng=0, sinks=4), 16384, 16 * MiB, 1),
+        xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4, causal=True,
+                        working_memory=16 * MiB), 16384, 16 * MiB, 1),
+    "rfa-sinks": (xattn.rfa, dict(num_features=64, rng=0, sinks=4, working_memory=8 * MiB),
+                  16384, 16 * MiB, 1),
     "rfa-window-sinks-trigonometric": (
         xattn.rfa, dict(num_features=64, rng=0, window=16, sinks=4,
-                        feature_map="trigonometric"), 16384, BUDGET, 1),
+                        feature_map="trigonometric", working_memory=16 * MiB), 16384,
+        16 * MiB, 1),
     # lara: W about 3.5 MiB with 4 MiB (C = 64; its pieces written into the output on
     # NumPy); an (N, C) array at 4 L = 65536 would be 16 MiB. With several groups the
     # exponentials of the softmax over queries are recomputed in the second pass instead

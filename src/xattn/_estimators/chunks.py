@@ -7,24 +7,25 @@ chunkwise-parallel form (Katharopoulos et al., 2020; Hua et al., 2022; Yang et a
 cuts the sequence into chunks of ``b`` positions, carried as an axis ``(..., J, b, ·)``,
 and needs a fixed number of operations for all of them:
 
-1. **Per-chunk statistics**, one product for all chunks: per feature :math:`s`, the
-   chunk's largest key logit :math:`K^j_s` and its rescaled sums :math:`A^j_s = \sum_{m
-   \in j} e^{a_{ms} - K^j_s} [v_m, 1]`.
+1. **Per-chunk statistics**, one product for all chunks: the chunk's largest key
+   shift :math:`K^j` and its sums :math:`A^j` (S, Dv + 1) rescaled by it (one maximum
+   per chunk for the positive map, whose features are at most 1).
 2. **The state before each chunk**, an exclusive prefix over the chunk axis
    (:func:`exclusive_prefix`). Its stabilizer may depend only on earlier chunks, so there
    is no one global frame: the prefix merges (maximum, rescaled sums) pairs,
    :math:`P_j = \max_{i < j} K^i` and :math:`H_j = \sum_{i < j} e^{K^i - P_j} A^i`,
    every weight at most 1 and from earlier chunks only, through a lower-triangular
-   selection (a matrix product per feature). Up to :data:`PREFIX_GROUP` parts this is
+   selection (a matrix product). Up to :data:`PREFIX_GROUP` parts this is
    one selection; more parts are merged in groups, recursively: the groups' own
    statistics, the prefix over the groups, then the prefix inside each group. The number
    of operations grows with :math:`\log_g J` (g = :data:`PREFIX_GROUP`), the work stays
-   :math:`O(J g)` per feature and value column.
-3. **The exact pairs inside each chunk** (:func:`pair_kernel`), for all chunks at once:
-   :math:`\sum_s e^{x_{ns} + y_{ms}}` for :math:`m \le n`, directly inside groups of
-   :data:`DIRECT_PAIRS` positions, factorized through the first half's largest key logit
-   in the larger halves (a matrix product, no loss of accuracy: both factors are at most
-   1).
+   :math:`O(J g)` per sum.
+3. **The exact pairs inside each chunk**, for all chunks at once: with a rank-one
+   stabilizer (one shift per query and one per key, each from the tokens at or before
+   it) every pair's term is a product of a query feature, a key feature and a factor
+   that are all at most 1, so the pairs of a chunk are one (b, S) (S, b) matrix product
+   times a (b, b) factor that is zero above the diagonal
+   (:meth:`~xattn._estimators.feature_maps.PositiveMap.block`).
 
 No stabilizer of a query depends on a key it does not attend, and masked entries are
 selected away with ``where`` before any exponential, so no later key reaches an earlier
@@ -33,26 +34,22 @@ row's output or gradient.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
 import array_api_compat
 
-from xattn._core.array import Array, one_chunk_along, take
+from xattn._core.array import Array, one_chunk_along
 from xattn._core.delegation import stop_gradient
 from xattn._core.primitives import finite_shift
 
-__all__ = ["DIRECT_PAIRS", "PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix",
-           "pair_kernel"]
+__all__ = ["PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix"]
 
 PAIR_BLOCK = 64
 """Positions per chunk (a power of two): their query-key pairs are computed exactly, the
-chunks before a query come to it through the prefix state."""
-
-DIRECT_PAIRS = 8
-"""Groups of positions (a power of two) whose pairs :func:`pair_kernel` computes directly,
-one exponential per pair and feature; larger halves are factorized."""
+chunks before a query come to it through the prefix state. 64, as the head dimension
+of most models: the states before the chunks, S x (Dv + 1) numbers per chunk, then
+weigh about as much as the inputs (Yang et al., 2023, chose the same for their chunks)."""
 
 PREFIX_GROUP = 8
 """Parts merged by one lower-triangular selection in :func:`exclusive_prefix` (fewest)."""
@@ -126,8 +123,8 @@ def exclusive_prefix(xp: Any, carried: tuple[Array, Array] | None, part_max: Arr
     :data:`PREFIX_GROUP`, at most :data:`PREFIX_GROUP_MAX`): their statistics, the prefix
     over the groups (this function again, on at most g parts: one selection while
     :math:`P \le` ``PREFIX_GROUP_MAX`` :sup:`2`), then inside each group one selection
-    over the state before the group and the group's parts. So up to 4,096 parts (65,536
-    positions in chunks of 16) the prefix is two selections, a fixed number of
+    over the state before the group and the group's parts. So up to 4,096 parts (262,144
+    positions in chunks of 64) the prefix is two selections, a fixed number of
     operations, and its work :math:`O(P g)` stays below the readout's.
     """
     num_parts = part_max.shape[-1]
@@ -159,77 +156,3 @@ def exclusive_prefix(xp: Any, carried: tuple[Array, Array] | None, part_max: Arr
     before_max = xp.reshape(within_max, (*lead, padded))[..., :num_parts]
     before_sums = xp.reshape(within_sums, (*lead, padded, width))[..., :num_parts, :]
     return before_max, before_sums, after
-
-
-def pair_kernel(xp: Any, queries: Array, keys: Array) -> Array:
-    r"""The exact kernel of the pairs inside each chunk: (..., J, b, b), entry ``(n, m)``
-    :math:`\sum_s e^{x_{ns} + y_{ms}}` for ``m <= n`` and 0 above the diagonal.
-
-    ``queries`` :math:`x` and ``keys`` :math:`y` are (..., J, b, S), b a power of two, with
-    :math:`x_{ns} + y_{ms} \le 0` for every ``m <= n`` (the queries are shifted by their
-    rows' largest terms); a masked key has :math:`y_{ms} = -\infty`.
-
-    Inside groups of :data:`DIRECT_PAIRS` positions the pairs are computed directly, the
-    pairs above the diagonal set to :math:`-\infty` before the exponential (so that none
-    can overflow, in the backward pass either). The larger halves, for groups of 2g
-    positions with g = DIRECT_PAIRS, 2 DIRECT_PAIRS, ..., b / 2: the second half's queries
-    against the first half's keys, every one of which they attend, factorized through
-    :math:`c_s = \max_m y_{ms}` over the first half:
-    :math:`e^{x_{ns} + y_{ms}} = e^{x_{ns} + c_s} e^{y_{ms} - c_s}`, one matrix product.
-    Both factors are at most 1, so a factor that underflows leaves a product that
-    underflows anyway, and the exponents add up to the exact one without cancellation.
-    One gather puts every piece in place.
-    """
-    size = queries.shape[-2]
-    direct = min(DIRECT_PAIRS, size)
-    num_samples = queries.shape[-1]
-    device = array_api_compat.device(queries)
-
-    def split(x: Array, *shape: int) -> Array:  # x's positions as `shape` (leading dims kept)
-        return xp.reshape(x, (*x.shape[:-2], *shape, num_samples))
-
-    # the pairs inside groups of `direct` positions: (..., J, b / direct, direct, direct)
-    group_queries, group_keys = split(queries, size // direct, direct), split(keys, size // direct,
-                                                                               direct)
-    lower = (xp.arange(direct, device=device)[:, None]
-             >= xp.arange(direct, device=device)[None, :])[..., None]  # (direct, direct, 1)
-    exponents = xp.where(lower, group_queries[..., :, None, :] + group_keys[..., None, :, :],
-                         -xp.inf)
-    direct_sums = xp.sum(xp.exp(exponents), axis=-1)
-    pieces = [xp.reshape(direct_sums, (*direct_sums.shape[:-3], size * direct))]
-    group = direct
-    while group < size:  # the second halves of groups of 2 * group against the first
-        halves = size // (2 * group)
-        second = split(queries, halves, 2, group)[..., 1, :, :]
-        first = split(keys, halves, 2, group)[..., 0, :, :]
-        key_max = xp.max(stop_gradient(first), axis=-2, keepdims=True)  # c_s
-        cross = (xp.exp(second + key_max)
-                 @ xp.matrix_transpose(xp.exp(first - finite_shift(xp, key_max))))
-        pieces.append(xp.reshape(cross, (*cross.shape[:-3], halves * group * group)))
-        group *= 2
-    pieces.append(xp.zeros_like(pieces[0][..., :1]))  # above the diagonal
-    kernel = take(one_chunk_along(xp.concat(pieces, axis=-1), -1),
-                  _pair_places(size, direct), axis=-1)
-    kernel = xp.reshape(kernel, (*kernel.shape[:-1], size, size))
-    return one_chunk_along(one_chunk_along(kernel, -1), -2)  # Dask: one chunk per chunk
-
-
-@functools.cache
-def _pair_places(size: int, direct: int) -> list[int]:
-    """For each entry ``(n, m)`` of a (size, size) kernel, row-major, its place in the
-    pieces of :func:`pair_kernel`: the direct groups, the factorized levels, a zero."""
-    offsets, place, group = {}, size * direct, direct
-    while group < size:
-        offsets[group], place, group = place, place + size * group // 2, group * 2
-    places = []
-    for row in range(size):
-        for column in range(size):
-            if column > row:
-                places.append(place)  # the zero, after the last level
-            elif row // direct == column // direct:  # the same direct group
-                places.append(row * direct + column % direct)
-            else:
-                group = 1 << ((row ^ column).bit_length() - 1)  # the halves they differ in
-                places.append(offsets[group] + (row // (2 * group)) * group * group
-                              + (row % group) * group + column % group)
-    return places

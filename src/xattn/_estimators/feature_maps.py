@@ -15,7 +15,7 @@ import array_api_compat
 from xattn._core.array import Array
 from xattn._core.delegation import cumulative_max, ignore_invalid, stop_gradient
 from xattn._core.primitives import finite_shift, key_logits_in_range, merge_maxima
-from xattn._estimators.chunks import PAIR_BLOCK, exclusive_prefix, pair_kernel
+from xattn._estimators.chunks import PAIR_BLOCK, exclusive_prefix
 from xattn._estimators.rf_scan import Partial, State
 
 __all__ = ["PositiveMap", "TrigonometricMap"]

@@ -11,18 +11,20 @@ fits, so that a call is a fixed number of array operations):
   maximum per random feature that is rescaled as it grows (online softmax per feature):
   :math:`K_s = \max_m a_{ms}`, :math:`A'_s = \sum_m e^{a_{ms} - K_s} [v_m, 1]` for the
   positive map, :math:`a_{ms} = \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2`;
-* inside a block, the chunkwise-parallel form of :mod:`xattn._estimators.chunks`: chunks of
-  :data:`~xattn._estimators.chunks.PAIR_BLOCK` positions carried as an axis, the state before each
-  chunk (the carried state and the earlier chunks) an exclusive prefix over the chunk
-  axis (:func:`~xattn._estimators.chunks.exclusive_prefix`), and a query and a key of the same
-  chunk paired **exactly**: :math:`\log \kappa_{nm} = \operatorname{LSE}_s (\omega_s
-  \cdot \hat q_n + a_{ms})` (:func:`~xattn._estimators.chunks.pair_kernel`), all summed with one
-  shift per query, the largest term of its row.
+* inside a block, the chunkwise-parallel form of :mod:`xattn._estimators.chunks`: chunks
+  of :data:`~xattn._estimators.chunks.PAIR_BLOCK` positions carried as an axis, the state
+  before each chunk (the carried state and the earlier chunks) an exclusive prefix over
+  the chunk axis (:func:`~xattn._estimators.chunks.exclusive_prefix`), and a query and a
+  key of the same chunk paired **exactly**, :math:`\kappa_{nm} = \sum_s e^{\omega_s
+  \cdot \hat q_n + a_{ms}}`, with one shift per query and one per key (rank one:
+  :meth:`~xattn._estimators.feature_maps.PositiveMap.block`).
 
-Every query therefore gets its sums with the shift of its own dominant term: the result
-equals the non-causal formula applied to its prefix, up to rounding, whatever the size
-of the scores (the dominant term is computed as :math:`e^0 = 1`, so no row can underflow
-to zero), and no stabilizer of a query depends on a key it does not attend.
+Every query gets its sums with the shift :math:`\alpha_n + \mu_n`, its largest query
+logit plus the largest key shift it attends: the result equals the non-causal formula
+applied to its prefix, up to rounding, while the spread of a row's terms fits the
+dtype's exponent range (typical scores up to about 100 in float32 and :math:`10^4` in
+float64; beyond, a row's largest terms can underflow), and no stabilizer of a query
+depends on a key it does not attend.
 
 Results are *partials* ``(shift, sums, weight)``: ``sums[..., :Dv]`` and
 ``sums[..., Dv]`` are numerator and denominator times :math:`e^{-\text{shift}}`, and
@@ -58,7 +60,7 @@ from xattn._core.primitives import (
     pad_rows,
     value_columns,
 )
-from xattn._estimators.chunks import DIRECT_PAIRS, PAIR_BLOCK
+from xattn._estimators.chunks import PAIR_BLOCK
 
 __all__ = [
     "PAIR_BLOCK",
@@ -174,18 +176,18 @@ def block_positions(*, length: int, batch_size: int, num_features: int, width: i
                     itemsize: int, working_memory: int, band: int = 0) -> int:
     r"""Positions per block of :func:`scan_partials` under a working-memory budget.
 
-    The intermediates of a block of B positions, per batch-head, are about
-    :math:`(12 + 2 \cdot \text{DIRECT\_PAIRS}) F + 5 F E / b + 4 E + 2 b + 3 \cdot
-    \text{band}` numbers per position, F features (2S for the trigonometric and hyperbolic
-    maps), E = Dv + 1 value columns, b = :data:`PAIR_BLOCK`, ``band`` the exact keys per
-    query of a window (the working set of :mod:`xattn._estimators.chunks`, measured on NumPy). The
+    The intermediates of a block of B positions, per batch-head, are about :math:`6 F + 4
+    b + 4 E + 3 F E / b + 3 \cdot \text{band}` numbers per position, F features (2S for
+    the trigonometric and hyperbolic maps), E = Dv + 1 value columns, b =
+    :data:`PAIR_BLOCK`, ``band`` the exact keys per query of a window (the features of
+    queries and keys, the (b, b) pairs of each chunk, the states before the chunks). The
     block is as long as ``working_memory`` bytes allow (a multiple of b, at least one
     chunk), whatever the length, so the working set does not depend on it. Below the
     budget the whole sequence is one block: a fixed number of array operations at any
     length.
     """
-    per_position = ((12 + 2 * DIRECT_PAIRS) * num_features + 5 * num_features * width
-                    // PAIR_BLOCK + 4 * width + 2 * PAIR_BLOCK + 3 * band)
+    per_position = (6 * num_features + 4 * PAIR_BLOCK + 4 * width
+                    + 3 * num_features * width // PAIR_BLOCK + 3 * band)
     per_position *= max(batch_size, 1) * itemsize
     largest = max(PAIR_BLOCK, working_memory // per_position // PAIR_BLOCK * PAIR_BLOCK)
     return min(largest, -(-max(length, 1) // PAIR_BLOCK) * PAIR_BLOCK)
