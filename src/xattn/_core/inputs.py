@@ -28,7 +28,8 @@ class AttentionInputs:
     xp : namespace
         The Array API namespace of the inputs.
     q, k, v : arrays
-        ``(..., N, D)``, ``(..., M, D)``, ``(..., M, Dv)`` in :attr:`compute_dtype`.
+        ``(..., N, D)``, ``(..., M, D)``, ``(..., M, Dv)`` in :attr:`compute_dtype` (in
+        :attr:`dtype`, half precision, where the estimator asked to keep it).
     key_mask, query_mask : arrays or None
         Boolean, broadcast to ``(..., M)`` / ``(..., N)`` in their last axis.
     scale : float
@@ -112,6 +113,7 @@ def prepare_attention(
     query_mask: Any = None,
     check_finite: bool = False,
     continuing: bool = False,
+    keep_half: bool = False,
 ) -> AttentionInputs:
     """Validate ``q, k, v`` and the masks of an attention call.
 
@@ -119,7 +121,9 @@ def prepare_attention(
     ``M`` of k equals ``M`` of v; real floating dtypes; boolean masks of shape
     ``(..., M)`` / ``(..., N)``; leading dims that broadcast. Half-precision inputs are
     cast to float32 for the computation (:meth:`AttentionInputs.finish` casts back).
-    With ``continuing`` (a call with ``state=`` or ``return_state=True``) q, k and v are
+    With ``keep_half`` half-precision q, k and v of one dtype keep it where the library
+    multiplies half matrices with float32 accumulation (an estimator that multiplies them
+    in half precision; :attr:`AttentionInputs.compute_dtype` is float32 all the same). With ``continuing`` (a call with ``state=`` or ``return_state=True``) q, k and v are
     the new tokens of one sequence: ``N = M`` is required, and ``M = 0`` is allowed (the
     state holds the keys seen before).
 
@@ -190,7 +194,11 @@ def prepare_attention(
 
     dtype = xp.result_type(q, k, v)
     work = compute_dtype(xp, dtype)
-    q, k, v = (x if x.dtype == work else xp.astype(x, work) for x in (q, k, v))
+    from xattn._core.delegation import has_half_products  # it imports this module
+
+    if not (keep_half and q.dtype == k.dtype == v.dtype == dtype
+            and has_half_products(xp, dtype)):
+        q, k, v = (x if x.dtype == work else xp.astype(x, work) for x in (q, k, v))
     return AttentionInputs(
         xp=xp, q=q, k=k, v=v, key_mask=key_mask, query_mask=query_mask,
         scale=check_scale(scale, q.shape[-1]), dtype=dtype, compute_dtype=work,

@@ -41,6 +41,10 @@ def _broadcast_concat(xp: Any, arrays: list[Array], axis: int) -> Array:
         joined.append(x if tuple(x.shape) == tuple(target) else xp.broadcast_to(x, tuple(target)))
     return xp.concat(joined, axis=axis)
 
+def _as(xp: Any, x: Array, dtype: Any) -> Array:
+    """``x`` in ``dtype`` (no operation when it has it)."""
+    return x if x.dtype == dtype else xp.astype(x, dtype)
+
 def _lower_triangle(xp: Any, size: int, device: Any, *, strict: bool) -> Array:
     """Boolean (size, size): True where column <= row (< row if ``strict``)."""
     rows = xp.arange(size, device=device)[:, None]
@@ -66,6 +70,7 @@ class PositiveMap:
         self.num_samples = omega.shape[0]
         self.multiple = 1 << (pair_block.bit_length() - 1)  # a power of two, <= pair_block
         self._omega_t: Array | None = None
+        self._omega_t_half: Array | None = None
 
     @property
     def omega_t(self) -> Array:
@@ -76,8 +81,17 @@ class PositiveMap:
             self._omega_t = self.xp.matrix_transpose(self.omega)
         return self._omega_t
 
+    def samples_for(self, x: Array) -> Array:
+        """:attr:`omega_t` in the dtype of ``x``: half-precision queries and keys are
+        multiplied in their own dtype (the product accumulates in float32)."""
+        if x.dtype == self.omega_t.dtype:
+            return self.omega_t
+        if self._omega_t_half is None or self._omega_t_half.dtype != x.dtype:
+            self._omega_t_half = self.xp.astype(self.omega_t, x.dtype)
+        return self._omega_t_half
+
     def queries(self, q_hat: Array) -> Array:
-        return q_hat @ self.omega_t  # p_ns, (..., B, S)
+        return q_hat @ self.samples_for(q_hat)  # p_ns, (..., B, S)
 
     @property
     def log_mean(self) -> float:
@@ -104,11 +118,14 @@ class PositiveMap:
         attended, and nothing is ever NaN or ``+inf`` (:math:`a_{ms} \le \lVert \omega_s
         \rVert^2/2`)."""
         xp = self.xp
+        # beta_m in the samples' dtype (float32 for half-precision keys: an exponent's
+        # argument), the centred projections in the keys' own
+        work = self.omega.dtype
         with ignore_invalid(xp):  # NumPy: an overflowing norm or projection, quietly
-            projections = k_hat @ self.omega_t
+            projections = k_hat @ self.samples_for(k_hat)
             largest = stop_gradient(xp.max(projections, axis=-1, keepdims=True))
-            half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True)
-            key_max = key_logits_in_range(xp, largest - half_sq_norm)  # beta_m
+            half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True, dtype=work)
+            key_max = key_logits_in_range(xp, _as(xp, largest, work) - half_sq_norm)
             # a key whose projections overflow (inf - inf): every feature alike, 0
             centred = xp.where(xp.isfinite(largest), projections - largest, 0.0)
         return centred, (key_max if valid is None else xp.where(valid[..., None], key_max,
@@ -179,7 +196,10 @@ class PositiveMap:
         def chunked(x: Array) -> Array:  # (..., B, F) as (..., J, b, F)
             return xp.reshape(x, (*x.shape[:-2], num_chunks, chunk, x.shape[-1]))
 
-        # the features, each entry in [0, 1]: phi (..., J, b, S), psi (..., J, b, S)
+        # the features, each entry in [0, 1]: phi (..., J, b, S), psi (..., J, b, S), in
+        # the inputs' dtype (half precision too: the products accumulate in float32); the
+        # maxima, exponents' arguments and states in the samples' (float32 for half)
+        features, work = queries.dtype, key_max.dtype
         query_max = stop_gradient(xp.max(queries, axis=-1, keepdims=True))  # alpha_n
         q_features = chunked(xp.exp(queries - query_max))
         k_features = chunked(xp.exp(centred))
@@ -189,8 +209,9 @@ class PositiveMap:
 
         # (1) each chunk's largest beta_m and sums H^j (..., J, S, E)
         chunk_max = xp.max(fixed_key_max, axis=-2)  # (..., J, 1), -inf without keys
-        key_weights = xp.exp(key_max - finite_shift(xp, chunk_max)[..., None, :])
-        chunk_sums = xp.matrix_transpose(k_features) @ (key_weights * values)
+        key_weights = _as(xp, xp.exp(key_max - finite_shift(xp, chunk_max)[..., None, :]),
+                          features)
+        chunk_sums = _as(xp, xp.matrix_transpose(k_features) @ (key_weights * values), work)
 
         # (2) the states before the chunks and after the block, one maximum per state:
         # the carried state's sums are brought to their largest maximum first
@@ -206,7 +227,8 @@ class PositiveMap:
             _broadcast_lead(xp, xp.reshape(chunk_sums, (*chunk_sums.shape[:-3], 1, num_chunks,
                                                         flat)), lead, 3))
         before_max = xp.reshape(before_max, (*lead, num_chunks, 1, 1))
-        before_sums = xp.reshape(before_sums, (*lead, num_chunks, num_samples, width))
+        before_sums = _as(xp, xp.reshape(before_sums, (*lead, num_chunks, num_samples, width)),
+                          features)
 
         # (3) each query: mu_n over the state and the keys m <= n of its chunk
         running_max = xp.maximum(stop_gradient(before_max),
@@ -215,12 +237,14 @@ class PositiveMap:
         allowed = _lower_triangle(xp, chunk, device, strict=False)
         pair_factor = xp.exp(xp.where(allowed, xp.matrix_transpose(key_max) - row_shift,
                                       -xp.inf))  # e^{beta_m - mu_n} for m <= n, else 0
-        pair_weights = (q_features @ xp.matrix_transpose(k_features)) * pair_factor
-        sums = (xp.exp(before_max - row_shift) * (q_features @ before_sums)
-                + pair_weights @ values)
+        pair_weights = (q_features @ xp.matrix_transpose(k_features)) * _as(xp, pair_factor,
+                                                                            features)
+        state_factor = _as(xp, xp.exp(before_max - row_shift), features)
+        sums = state_factor * (q_features @ before_sums) + pair_weights @ values
         sums = xp.reshape(sums, (*sums.shape[:-3], length, width))
         # -inf for a query without keys: its partial adds nothing to another one's
-        shift = xp.reshape(running_max, (*running_max.shape[:-3], length, 1)) + query_max
+        shift = (xp.reshape(running_max, (*running_max.shape[:-3], length, 1))
+                 + _as(xp, query_max, work))
         shift = _broadcast_lead(xp, shift, sums.shape[:-2], 2)  # the partial's parts alike
         if not keep_state:
             return (shift, sums, sums[..., -1:]), None

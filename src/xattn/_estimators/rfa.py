@@ -378,8 +378,12 @@ def rfa(
             state, num_features=num_features, feature_map=feature_map, omega=omega,
             window=window, sinks=sinks, scale=scale)
         omega = state.omega
+    # causal RFA with positive features multiplies half inputs in their own dtype
+    half_scan = (causal and not stateful and not window and not sinks
+                 and feature_map in (None, "positive", "hyperbolic"))
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
-                               check_finite=check_finite, continuing=stateful)
+                               check_finite=check_finite, continuing=stateful,
+                               keep_half=half_scan)
     if state is not None:  # before the samples and the feature map are built from it
         check_state_inputs(state, inputs)
     feature_map = check_choice("positive" if feature_map is None else feature_map,
