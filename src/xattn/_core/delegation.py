@@ -251,7 +251,7 @@ def nonfinite_probe(x: Array) -> Array:
 
 
 def _scaled_row_sums(x: Any) -> Any:
-    """torch (..., L): the rows' sums times the power of two :math:`2^{-k} \le 1/(2D)`, by
+    r"""torch (..., L): the rows' sums times the power of two :math:`2^{-k} \le 1/(2D)`, by
     one matrix product: not finite exactly where the row holds a NaN or an infinity (they
     propagate; a finite row's sum cannot overflow), and one number per row written rather
     than a copy of ``x`` (a product with zeros would not do: a BLAS may skip zero
