@@ -24,8 +24,8 @@ from xattn._core.inputs import AttentionInputs
 
 __all__ = ["append_column", "append_ones_column", "clip_below", "cumulative_max",
            "has_half_products", "has_native_attention", "ignore_invalid", "nan_to_num",
-           "native_attention", "nonfinite_probe", "nonfinite_rows", "qr", "stop_gradient",
-           "zero_nonfinite"]
+           "native_attention", "nonfinite_probe", "nonfinite_rows", "qr", "squared_norms",
+           "stop_gradient", "zero_nonfinite"]
 
 
 def qr(xp: Any, a: Array) -> tuple[Array, Array]:
@@ -69,6 +69,20 @@ def stop_gradient(x: Array) -> Array:
     if array_api_compat.is_torch_array(x) and x.requires_grad:
         return x.detach()
     return x
+
+def squared_norms(x: Array, dtype: Any = None) -> Array:
+    """(..., L, 1): the squared Euclidean norms of the rows of ``x`` (..., L, F), in
+    ``dtype`` (None: that of ``x``). torch: ``linalg.vector_norm``, one pass that writes
+    one number per row (its gradient at a zero row is 0), squared; elsewhere ``sum(x *
+    x)``, which XLA fuses."""
+    xp = array_api_compat.array_namespace(x)
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype)
+        return norms * norms
+    return xp.sum(x * x, axis=-1, keepdims=True, dtype=dtype)
+
 
 def has_half_products(xp: Any, dtype: Any) -> bool:
     """Whether the library multiplies matrices of ``dtype`` (float16 or bfloat16) in that

@@ -13,7 +13,12 @@ from typing import Any
 import array_api_compat
 
 from xattn._core.array import Array
-from xattn._core.delegation import cumulative_max, ignore_invalid, stop_gradient
+from xattn._core.delegation import (
+    cumulative_max,
+    ignore_invalid,
+    squared_norms,
+    stop_gradient,
+)
 from xattn._core.primitives import finite_shift, key_logits_in_range, merge_maxima
 from xattn._estimators.chunks import PAIR_BLOCK, exclusive_prefix
 from xattn._estimators.rf_scan import Partial, State
@@ -124,7 +129,7 @@ class PositiveMap:
         with ignore_invalid(xp):  # NumPy: an overflowing norm or projection, quietly
             projections = k_hat @ self.samples_for(k_hat)
             largest = stop_gradient(xp.max(projections, axis=-1, keepdims=True))
-            half_sq_norm = 0.5 * xp.sum(k_hat * k_hat, axis=-1, keepdims=True, dtype=work)
+            half_sq_norm = 0.5 * squared_norms(k_hat, dtype=work)
             key_max = key_logits_in_range(xp, _as(xp, largest, work) - half_sq_norm)
             # a key whose projections overflow (inf - inf): every feature alike, 0
             centred = xp.where(xp.isfinite(largest), projections - largest, 0.0)

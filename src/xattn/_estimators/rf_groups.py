@@ -34,7 +34,7 @@ import math
 from typing import Any
 
 from xattn._core.array import Array, stream_bounds
-from xattn._core.delegation import ignore_invalid
+from xattn._core.delegation import ignore_invalid, squared_norms
 from xattn._core.primitives import (
     RowPieces,
     finite_entries,
@@ -102,7 +102,7 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
         # a_ms (a key whose squared norm overflows: the dtype's floor, still attended;
         # NumPy computes the overflow quietly)
         with ignore_invalid(xp):
-            minus_half_sq_norm = -half_scale * xp.sum(keys * keys, axis=-1, keepdims=True)
+            minus_half_sq_norm = -half_scale * squared_norms(keys)
             logits = key_logits_in_range(
                 xp, affine_logits(xp, keys, minus_half_sq_norm, omega_t, ones_row))
         if key_mask is not None:

@@ -164,26 +164,31 @@ def rfa(
     (it computes them chunk by chunk and the result keeps the chunks of ``q``).
 
     **Causal mode** is the chunkwise-parallel form (Katharopoulos et al., 2020; Hua et
-    al., 2022; Yang et al., 2023): chunks of 16 positions carried as an axis, each
-    chunk's key statistics from one product for all chunks, the ``(S, Dv)`` state
-    :math:`K_s, A'_s, b'_s` before each chunk an exclusive prefix over the chunks (a
-    running maximum per sample with sums rescaled to it, merged through
-    lower-triangular selections: two matrix products per sample for up to 4,096
-    chunks), and a query and a key of the same chunk paired exactly,
-    :math:`\log \kappa_{nm} = \operatorname{LSE}_s(\omega_s \cdot \hat q_n + a_{ms})`
-    (positive and hyperbolic maps; the trigonometric map's chunks likewise, with one
-    shared maximum). The whole sequence is one block while its intermediates fit
-    ``working_memory`` (1 GiB on a GPU, 64 MiB on a CPU): a call is then a fixed number
-    of array operations at any length (:doc:`/guide/10_scaling`), longer sequences are
-    walked in blocks of that size with the state carried. Every row is stabilized by its
-    own largest term, so the causal result equals the non-causal formula applied to each
-    prefix up to rounding, for scores as large as the non-causal path takes (the
-    log-domain terms only need to be finite), and no row underflows to zero while it has
-    an allowed key. Memory is at most ``working_memory`` besides inputs and output
-    (**Memory** below), and every stabilizer a query uses depends only on keys at or
-    before it: outputs at positions ``<= n``, and the gradients of a loss on them, do not
-    depend on tokens after ``n``. A
-    NaN or infinite key or value ``m`` makes the rows that attend it NaN (rows ``>= m``
+    al., 2022; Yang et al., 2023): chunks of 64 positions carried as an axis, each
+    chunk's key statistics from one product for all chunks, the ``(S, Dv)`` state before
+    each chunk an exclusive prefix over the chunks (a running maximum with sums
+    rescaled to it, merged through lower-triangular selections: two matrix products for
+    up to 4,096 chunks), and the pairs of a chunk exactly, with a rank-one stabilizer:
+    one shift per query, :math:`\alpha_n = \max_s \omega_s \cdot \hat q_n`, and one per
+    key, :math:`\beta_m = \max_s a_{ms}`, so that every term :math:`e^{\omega_s \cdot
+    \hat q_n + a_{ms}}` is the product of features in :math:`[0, 1]` and a factor
+    :math:`e^{\beta_m - \mu_n}` with :math:`\mu_n = \max_{m' \le n} \beta_{m'}`: one
+    (64, S) (S, 64) matrix product per chunk (positive and hyperbolic maps; the
+    trigonometric map's chunks likewise, with one shared maximum). Half-precision
+    inputs keep their dtype for the features and products on torch, JAX and CuPy,
+    with the maxima and states in float32 (:doc:`/guide/05_half_precision`). The whole
+    sequence is one block while its intermediates fit ``working_memory`` (1 GiB on a
+    GPU, 64 MiB on a CPU): a call is then a fixed number of array operations at any
+    length (:doc:`/guide/10_scaling`), longer sequences are walked in blocks of that size
+    with the state carried. Each row is stabilized by :math:`\alpha_n + \mu_n`, so the
+    causal result equals the non-causal formula applied to each prefix up to rounding
+    while the spread of a row's terms fits the dtype's exponent range (tested for
+    typical scores up to 100 in float32 and :math:`10^4` in float64; beyond, a row's
+    largest terms can underflow, :doc:`/guide/03_masks_and_causal`). Memory is at most
+    ``working_memory`` besides inputs and output (**Memory** below), and every
+    stabilizer a query uses depends only on keys at or before it: outputs at positions
+    ``<= n``, and the gradients of a loss on them, do not depend on tokens after ``n``.
+    A NaN or infinite key or value ``m`` makes the rows that attend it NaN (rows ``>= m``
     in causal mode, every row otherwise) and leaves the others unchanged.
 
     **Window and sinks** (beyond the paper). With ``window=w`` (>= 1) the keys
