@@ -96,28 +96,19 @@ def has_half_products(xp: Any, dtype: Any) -> bool:
 
 
 def zero_nonfinite(x: Array) -> Array:
-    """``x`` with its NaN and infinite entries replaced by 0, their gradient 0 (how an
-    estimator reads its inputs). torch: one ``nan_to_num`` whose backward is one
-    ``where`` on the mask ``out == x`` (true exactly at the finite entries), made in the
-    backward pass; torch's own derivative forms ``isfinite(x)`` (an ``abs`` and three
-    boolean passes) and a product. Under ``torch.compile``, which fuses those passes, and
-    elsewhere: :func:`nan_to_num`."""
-    if array_api_compat.is_torch_array(x) and x.requires_grad:
-        import torch
-
-        if not torch.compiler.is_compiling():
-            return _torch_zero_nonfinite().apply(x)
+    """``x`` with its NaN and infinite entries replaced by 0, their gradient 0: how an
+    estimator reads its inputs (:func:`nan_to_num`)."""
     return nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @functools.cache
-def _torch_zero_nonfinite() -> Any:
+def _torch_nan_to_num() -> Any:
     import torch
 
-    class ZeroNonfinite(torch.autograd.Function):
+    class NanToNum(torch.autograd.Function):
         @staticmethod
-        def forward(x: Any) -> Any:
-            return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        def forward(x: Any, nan: float, posinf: float, neginf: float) -> Any:
+            return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -126,18 +117,27 @@ def _torch_zero_nonfinite() -> Any:
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
             x, out = ctx.saved_tensors
-            return torch.where(out == x, grad, 0.0)
+            return torch.where(out == x, grad, 0.0), None, None, None
 
-    return ZeroNonfinite
+    return NanToNum
 
 
 def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     """``x`` with NaN, ``+inf`` and ``-inf`` entries replaced by ``nan``, ``posinf`` and
     ``neginf``: the library's ``nan_to_num`` where it has one (one operation, whose
-    gradient is zero at the replaced entries), ``where`` elsewhere."""
+    gradient is zero at the replaced entries), ``where`` elsewhere.
+
+    torch, with finite replacements and a gradient to track: a ``nan_to_num`` whose
+    backward is one ``where`` on the mask ``out == x`` (true exactly at the entries kept),
+    made in the backward pass; torch's own derivative forms ``isfinite(x)`` (an ``abs``
+    and three boolean passes) and a product. Under ``torch.compile``, which fuses those
+    passes, torch's own."""
     if array_api_compat.is_torch_array(x):
         import torch
 
+        if (x.requires_grad and all(math.isfinite(value) for value in (nan, posinf, neginf))
+                and not torch.compiler.is_compiling()):
+            return _torch_nan_to_num().apply(x, nan, posinf, neginf)
         return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
     if array_api_compat.is_jax_array(x):
         import jax.numpy as jnp

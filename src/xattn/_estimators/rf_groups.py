@@ -34,7 +34,7 @@ import math
 from typing import Any
 
 from xattn._core.array import Array, stream_bounds
-from xattn._core.delegation import ignore_invalid, squared_norms
+from xattn._core.delegation import ignore_invalid, squared_norms, stop_gradient
 from xattn._core.primitives import (
     RowPieces,
     finite_entries,
@@ -105,11 +105,12 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
             minus_half_sq_norm = -half_scale * squared_norms(keys)
             logits = key_logits_in_range(
                 xp, affine_logits(xp, keys, minus_half_sq_norm, omega_t, ones_row))
+        # K_s is a stabilizer (no gradient): it cancels between the sums and the read-out
         if key_mask is not None:
             logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
-            key_max = finite_shift(xp, xp.max(logits, axis=-2, keepdims=True))
+            key_max = finite_shift(xp, stop_gradient(xp.max(logits, axis=-2, keepdims=True)))
         else:  # K_s = max_m a_ms is finite: at least one key
-            key_max = xp.max(logits, axis=-2, keepdims=True)
+            key_max = stop_gradient(xp.max(logits, axis=-2, keepdims=True))
         weights = xp.exp(logits - key_max)  # e^{a_ms - K_s}, masked keys 0
         part = (key_max, xp.matrix_transpose(weights) @ value_columns(
             xp, rows_of(v, start, stop)))
@@ -137,7 +138,7 @@ def positive_readout(xp: Any, logits: Array, sums: Array,
     :func:`positive_key_sums` (one product gives numerator and denominator);
     :math:`\alpha_{ns}` = ``coefficients`` (LARA's positive weights), 1 if None. A query
     without allowed keys (every sum 0) reads 0."""
-    weights = xp.exp(logits - xp.max(logits, axis=-1, keepdims=True))
+    weights = xp.exp(logits - stop_gradient(xp.max(logits, axis=-1, keepdims=True)))
     if coefficients is not None:
         weights = coefficients * weights
     row = weights @ sums
