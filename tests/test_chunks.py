@@ -1,10 +1,10 @@
 """The chunkwise-parallel causal scan (``xattn._estimators.chunks``, ``xattn._estimators.rf_scan``).
 
 Each piece against a float64 NumPy reference written here the slow, obvious way: the
-exclusive prefix of (maximum, sums) pairs by a sequential loop, and causal ``rfa`` by the
-non-causal formula applied to every prefix. Then the same result whatever the block (16 positions, the
-budget's, or one chunk per block), with leading dimensions that broadcast, and earlier
-rows bit-identical whatever a later key.
+exclusive prefix of (maximum, sums) pairs by a sequential loop, and causal ``rfa`` by
+the non-causal formula applied to every prefix. Then the same result whatever the block
+(16 positions, the budget's, or one chunk per block), with leading dimensions that
+broadcast, and earlier rows bit-identical whatever a later key.
 """
 
 from __future__ import annotations

@@ -262,8 +262,9 @@ PREFIX_ROUNDING_EPS = 512
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
 def test_causal_equals_noncausal_formula_on_each_prefix(backend, feature_map, dtype_name,
                                                         masked):
-    """A sweep of score magnitudes (:data:`PREFIX_MAGNITUDES`; the non-causal path takes any scores
-    whose log-domain terms are finite) and seeds, with and without a key mask: the causal
+    """A sweep of score magnitudes (:data:`PREFIX_MAGNITUDES`; the non-causal path takes
+    any scores whose log-domain terms are finite) and seeds, with and without a key mask:
+    the causal
     result equals the non-causal formula on each prefix within the estimator's own
     rounding, and no row with an allowed key is zero (the causal path once underflowed to
     zero rows from |score| ~ 80 in float32 and ~ 400 in float64); a row without one is."""
@@ -346,8 +347,9 @@ LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 640, (64, 640)
 def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, feature_map,
                                                                       dtype_name):
     """As above for the paths that only longer blocks take: a block of several chunks,
-    and the states before more than 8 chunks merged in groups. Scores over :data:`PREFIX_MAGNITUDES`, a random key mask:
-    each row equals the non-causal formula on its prefix, and no row with a key is zero."""
+    and the states before more than 8 chunks merged in groups. Scores over
+    :data:`PREFIX_MAGNITUDES`, a random key mask: each row equals the non-causal formula
+    on its prefix, and no row with a key is zero."""
     xp = backend.ns
     dtype, host_dtype = getattr(xp, dtype_name), np.dtype(dtype_name)
     tolerance = PREFIX_ROUNDING_EPS * np.finfo(host_dtype).eps

@@ -23,7 +23,8 @@ from xattn._core.array import Array, one_chunk_along
 from xattn._core.inputs import AttentionInputs
 
 __all__ = ["append_column", "append_ones_column", "clip_below", "cumulative_max",
-           "has_half_products", "has_native_attention", "ignore_invalid", "nan_to_num",
+           "has_half_products", "has_native_attention", "ignore_invalid", "matmul_add",
+           "nan_to_num",
            "native_attention", "nonfinite_probe", "nonfinite_rows", "qr", "squared_norms",
            "stop_gradient", "zero_nonfinite"]
 
@@ -69,6 +70,25 @@ def stop_gradient(x: Array) -> Array:
     if array_api_compat.is_torch_array(x) and x.requires_grad:
         return x.detach()
     return x
+
+def matmul_add(x: Array, matrix: Array, addend: Array) -> Array:
+    """``x @ matrix + addend``: ``x`` (..., N, D), ``matrix`` (D, S) or (..., D, S),
+    ``addend`` (..., N or 1, S or 1), both with the leading dims of ``x``. torch: one
+    ``baddbmm``, which writes the (N, S) result once (a product and an addition write it
+    twice); elsewhere the two operations, which XLA fuses."""
+    lead = tuple(x.shape[:-2])
+    if (array_api_compat.is_torch_array(x) and x.ndim >= 3 and tuple(addend.shape[:-2]) == lead
+            and (matrix.ndim == 2 or tuple(matrix.shape[:-2]) == lead)):
+        import torch
+
+        batch = math.prod(lead)
+        matrices = (matrix.expand(batch, *matrix.shape) if matrix.ndim == 2
+                    else matrix.reshape(batch, *matrix.shape[-2:]))
+        out = torch.baddbmm(addend.reshape(batch, *addend.shape[-2:]),
+                            x.reshape(batch, *x.shape[-2:]), matrices)
+        return out.reshape(*lead, x.shape[-2], matrix.shape[-1])
+    return x @ matrix + addend
+
 
 def squared_norms(x: Array, dtype: Any = None) -> Array:
     """(..., L, 1): the squared Euclidean norms of the rows of ``x`` (..., L, F), in

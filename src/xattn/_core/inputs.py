@@ -123,7 +123,8 @@ def prepare_attention(
     cast to float32 for the computation (:meth:`AttentionInputs.finish` casts back).
     With ``keep_half`` half-precision q, k and v of one dtype keep it where the library
     multiplies half matrices with float32 accumulation (an estimator that multiplies them
-    in half precision; :attr:`AttentionInputs.compute_dtype` is float32 all the same). With ``continuing`` (a call with ``state=`` or ``return_state=True``) q, k and v are
+    in half precision; :attr:`AttentionInputs.compute_dtype` is float32 all the same).
+    With ``continuing`` (a call with ``state=`` or ``return_state=True``) q, k and v are
     the new tokens of one sequence: ``N = M`` is required, and ``M = 0`` is allowed (the
     state holds the keys seen before).
 

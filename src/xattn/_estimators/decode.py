@@ -105,11 +105,13 @@ def _updated_sinks(xp: Any, state: RFAState, keys: Array, values: Array, valid: 
             xp.where(taken, xp.any(lands & valid[..., None, :count], axis=-1), state.sink_valid))
 
 
-def _returned(partials: Generator[Partial, None, State]) -> State:
-    """The state that a finished :func:`~xattn._estimators.rf_scan.scan_partials` returns."""
+def _returned(partials: Generator[Partial, None, State | None]) -> State:
+    """The state that a finished :func:`~xattn._estimators.rf_scan.scan_partials` returns
+    (with ``keep_state``, as here: never None)."""
     try:
         next(partials)
     except StopIteration as finished:
+        assert finished.value is not None
         return finished.value
     raise AssertionError("scan_partials yielded more blocks than asked for")
 

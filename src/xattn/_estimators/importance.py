@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from xattn._core.array import Array, array_namespace
-from xattn._core.delegation import clip_below
+from xattn._core.delegation import clip_below, stop_gradient
 from xattn._core.options import check_choice, check_finite_real
 from xattn._core.primitives import finite_shift, masked_softmax, merge_maxima, nonzero_divisor
 
@@ -192,7 +192,8 @@ class QuerySoftmax:
         for start, stop in pieces:
             rows = q if (start, stop) == (0, q.shape[-2]) else q[..., start:stop, :]
             scores = self._masked(rows @ landmarks_t, start, stop)  # (..., B, C)
-            piece_max = xp.max(scores, axis=-2, keepdims=True)  # -inf: no allowed query
+            # a stabilizer (no gradient): it cancels in the softmax over queries
+            piece_max = stop_gradient(xp.max(scores, axis=-2, keepdims=True))  # -inf: none
             if query_mask is not None:
                 piece_max = finite_shift(xp, piece_max)
             exponential = xp.exp(scores - piece_max)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from xattn._core.array import Array
+from xattn._core.delegation import matmul_add
 from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
@@ -136,10 +137,13 @@ def query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means: 
     out = RowPieces(inputs.num_queries)
     for index, (start, stop) in enumerate(groups):
         queries = finite_entries(xp, rows_of(q, start, stop))  # rows marked NaN by lara
-        logits = queries @ projection_t
         scores = None
         if recompute:  # s_nc, then the logits of omega
+            logits = queries @ projection_t
             scores, logits = logits[..., :num_samples], logits[..., num_samples:]
+            logits = logits + logit_offset
+        else:  # one pass for the product and the offset (torch: baddbmm)
+            logits = matmul_add(queries, projection_t, logit_offset)
         affinity = None if affinities is None else affinities.piece(index, scores)
         if weighting == "query_proposal":  # r_nc = softmax_c of q^_n . mu_c, then eq. 38
             affinity = (query_proposal_affinity(xp, root_scale * queries,
@@ -147,8 +151,7 @@ def query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means: 
         weights = importance_weights(xp, own_weight, affinity,
                                      "decoupled" if weighting == "query_proposal" else weighting,
                                      beta, as_row=True)  # alpha_nc
-        rows_out = positive_readout(xp, logits + logit_offset, sums,
-                                    coefficients=weights)
+        rows_out = positive_readout(xp, logits, sums, coefficients=weights)
         if query_mask is not None:
             rows_out = xp.where(query_mask[..., start:stop, None], rows_out, 0.0)
         out.put(start, rows_out)

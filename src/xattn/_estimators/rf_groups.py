@@ -33,8 +33,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import array_api_compat
+
 from xattn._core.array import Array, stream_bounds
-from xattn._core.delegation import ignore_invalid, squared_norms, stop_gradient
+from xattn._core.delegation import ignore_invalid, matmul_add, squared_norms, stop_gradient
 from xattn._core.primitives import (
     RowPieces,
     finite_entries,
@@ -74,6 +76,16 @@ def affine_logits(xp: Any, x: Array, column: Array, projection_t: Array,
     return xp.concat([x, column], axis=-1) @ projection
 
 
+def _affine(xp: Any, x: Array, column: Array, projection_t: Array, row: Array) -> Array:
+    """:func:`affine_logits` with ``row`` all ones: ``x @ projection_t + column``, one
+    ``baddbmm`` on torch (:func:`~xattn._core.delegation.matmul_add`), the one product
+    of :func:`affine_logits` elsewhere."""
+    if array_api_compat.is_torch_array(x) and (projection_t.ndim == 2 or tuple(
+            projection_t.shape[:-2]) == tuple(x.shape[:-2])):
+        return matmul_add(x, projection_t, column)
+    return affine_logits(xp, x, column, projection_t, row)
+
+
 def _with_lead(xp: Any, x: Array, lead: tuple[int, ...]) -> Array:
     """``x`` broadcast to the leading dims ``lead`` (``x`` itself when it has them)."""
     return x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
@@ -103,8 +115,8 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
         # NumPy computes the overflow quietly)
         with ignore_invalid(xp):
             minus_half_sq_norm = -half_scale * squared_norms(keys)
-            logits = key_logits_in_range(
-                xp, affine_logits(xp, keys, minus_half_sq_norm, omega_t, ones_row))
+            logits = key_logits_in_range(xp, _affine(xp, keys, minus_half_sq_norm, omega_t,
+                                                     ones_row))
         # K_s is a stabilizer (no gradient): it cancels between the sums and the read-out
         if key_mask is not None:
             logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
@@ -155,7 +167,7 @@ def positive_rfa(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
     out = RowPieces(inputs.num_queries)
     for start, stop in stream_bounds(inputs.q, -2, rows):
         queries = finite_entries(xp, rows_of(inputs.q, start, stop))
-        out.put(start, positive_readout(xp, queries @ omega_t + key_max, sums))  # c_ns
+        out.put(start, positive_readout(xp, matmul_add(queries, omega_t, key_max), sums))
     return out.result()
 
 

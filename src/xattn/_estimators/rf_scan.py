@@ -263,7 +263,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
 
     query_rows, key_rows, value_rows = (RowBlocks(xp, x, block_size) for x in (q, k, v))
 
-    def run() -> Generator[Partial, None, State]:
+    def run() -> Generator[Partial, None, State | None]:
         nonlocal state
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start

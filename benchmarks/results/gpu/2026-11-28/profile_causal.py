@@ -19,23 +19,28 @@ parser.add_argument("--rows", type=int, default=18)
 args = parser.parse_args()
 device = torch.device("cuda")
 sdpa = torch.nn.functional.scaled_dot_product_attention
+
+
+def step(call, leaves):
+    """One training step: the call, then the backward of its output's sum."""
+    for leaf in leaves:
+        leaf.grad = None
+    call(*leaves).sum().backward()
+
+
 for dtype in (torch.float32, torch.bfloat16):
     generator = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(4, 8, args.length, 64, device=device, generator=generator,
-                           dtype=dtype).requires_grad_() for _ in range(3))
+    leaves = [torch.randn(4, 8, args.length, 64, device=device, generator=generator,
+                          dtype=dtype).requires_grad_() for _ in range(3)]
     calls = {"xattn.rfa(causal=True, num_features=64)":
-             lambda: xattn.rfa(q, k, v, num_features=64, rng=0, causal=True),
-             "sdpa(is_causal=True)": lambda: sdpa(q, k, v, is_causal=True)}
+             lambda q, k, v: xattn.rfa(q, k, v, num_features=64, rng=0, causal=True),
+             "sdpa(is_causal=True)": lambda q, k, v: sdpa(q, k, v, is_causal=True)}
     for name, call in calls.items():
-        def step():
-            for leaf in (q, k, v):
-                leaf.grad = None
-            call().sum().backward()
         for _ in range(3):
-            step()
+            step(call, leaves)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            step()
+            step(call, leaves)
             torch.cuda.synchronize()
         events = prof.key_averages()
         kernel_events = [event for event in events if event.device_type.name == "CUDA"]
