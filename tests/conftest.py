@@ -59,8 +59,19 @@ def _quick_xla_compiles() -> None:
     backend optimizations (a JAX-compiled windowed ``rfa`` ~40 % less CPU), and XLA's
     CPU loop emitters rather than its newer fusion emitters (about half the compile time
     of a small program again: 47 to 24 ms each). Both change how fast the machine code
-    runs, not its arithmetic (no fast-math either way)."""
-    _add_xla_flags("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+    runs, not its arithmetic (no fast-math either way). XLA stops a process whose
+    ``XLA_FLAGS`` name a flag it does not know, and newer XLA retired the CPU loop
+    emitters with their flag: the second flag only for the jaxlib versions measured
+    (before 0.11)."""
+    _add_xla_flags("--xla_backend_optimization_level=0")
+    try:
+        from importlib.metadata import version
+
+        major, minor = (int(part) for part in version("jaxlib").split(".")[:2])
+    except Exception:  # no jaxlib, or a version string of another form
+        return
+    if (major, minor) < (0, 11):
+        _add_xla_flags("--xla_cpu_use_fusion_emitters=false")
 
 
 _one_thread_per_worker()
@@ -137,6 +148,21 @@ class Backend:
         thinned = [value for value in values if value in kept]
         assert thinned, f"thin: none of {kept!r} is among {values!r}"
         return thinned
+
+    def settled(self, state: Any) -> Any:
+        """A state (or any dataclass or collection of arrays) as the next call of a loop
+        takes it: on Dask with its arrays computed into chunks (``dask.persist``), else
+        as it is. A loop of calls that each continue the last one's state (decoding,
+        pieces of a sequence) otherwise hands each call a graph that holds every earlier
+        call, so that computing the n-th output runs the n calls before it again:
+        quadratic in the number of calls. The calls themselves are the same (lazy: the
+        fixture's check that they compute nothing still holds), and so are their
+        outputs."""
+        if self.name != "dask":
+            return state
+        import dask
+
+        return dask.persist(state)[0]
 
     def to_numpy(self, x: Any) -> np.ndarray:
         """A float64 (or bool) NumPy copy of a backend array."""

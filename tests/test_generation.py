@@ -70,6 +70,7 @@ def in_pieces(function, backend, arrays, lengths, key_mask=None, dtype=None, fir
         extra = dict(first or {}) if state is None else {"state": state}
         out, state = function(*piece, key_mask=mask, causal=True, return_state=True,
                               **extra, **options)
+        state = backend.settled(state)
         assert out.dtype == piece[0].dtype
         assert tuple(out.shape[-2:]) == (length, arrays[2].shape[-1])
         outputs.append(backend.to_numpy(out))

@@ -26,7 +26,7 @@ xflax = pytest.importorskip("xattn.flax")
 jnp = jax.numpy
 
 EMBED_DIM, NUM_HEADS, LENGTH = 16, 4, 12
-PIECES = ((0, 5), (5, 6), (6, 7), (7, 10), (10, 11), (11, 12))  # prompt, tokens, a chunk
+PIECES = ((0, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 12))  # prompt, tokens, a chunk
 CASES = {
     "softmax": ("softmax", {}),
     "rfa": ("rfa", {"num_features": 16}),

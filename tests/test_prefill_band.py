@@ -48,6 +48,7 @@ def prefill_then_steps(backend, arrays, key_mask, omega, prefill, steps, **optio
         mask = None if key_mask is None else backend.asarray(key_mask[..., start:start + length])
         extra = {"omega": backend.asarray(omega), **options} if state is None else {"state": state}
         out, state = xattn.rfa(*piece, key_mask=mask, causal=True, return_state=True, **extra)
+        state = backend.settled(state)
         assert tuple(out.shape[-2:]) == (length, arrays[2].shape[-1])
         outputs.append(backend.to_numpy(out))
         start += length

@@ -22,7 +22,7 @@ import numpy as np
 
 __all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "TORCH_GPU_DEVICES", "array_namespace",
            "chunked_like", "compute_dtype", "concrete_count", "default_working_memory",
-           "host_namespace",
+           "has_half_products", "host_namespace",
            "host_to_device", "index_sizes", "is_real_floating", "library_name",
            "one_chunk_along", "register_pytree", "sequence_positions", "split_rows",
            "stream_bounds", "take", "take_rows", "written_in_place"]
@@ -92,6 +92,17 @@ def compute_dtype(xp: Any, dtype: Any) -> Any:
     if dtype == xp.float64 or dtype == xp.float32:
         return dtype
     return xp.float32
+
+
+def has_half_products(xp: Any, dtype: Any) -> bool:
+    """Whether the library multiplies matrices of ``dtype`` (float16 or bfloat16) in that
+    dtype with float32 accumulation: torch (CPU and CUDA), JAX and CuPy (cuBLAS). NumPy
+    has no BLAS for float16 (its product loops in float16), Dask computes with NumPy's,
+    and array-api-strict too: there half inputs are computed in float32."""
+    if not any(dtype == getattr(xp, name, None) for name in ("float16", "bfloat16")):
+        return False
+    return bool(array_api_compat.is_torch_namespace(xp) or array_api_compat.is_jax_namespace(xp)
+                or array_api_compat.is_cupy_namespace(xp))
 
 
 _PYTREES: list[tuple[type, tuple[str, ...], tuple[str, ...]]] = []

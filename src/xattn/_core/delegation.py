@@ -23,7 +23,7 @@ from xattn._core.array import Array, one_chunk_along
 from xattn._core.inputs import AttentionInputs
 
 __all__ = ["append_column", "append_ones_column", "clip_below", "cumulative_max",
-           "has_half_products", "has_native_attention", "ignore_invalid", "matmul_add",
+           "has_native_attention", "ignore_invalid", "matmul_add",
            "nan_to_num",
            "native_attention", "nonfinite_probe", "nonfinite_rows", "qr", "squared_norms",
            "stop_gradient", "zero_nonfinite"]
@@ -102,17 +102,6 @@ def squared_norms(x: Array, dtype: Any = None) -> Array:
         norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype)
         return norms * norms
     return xp.sum(x * x, axis=-1, keepdims=True, dtype=dtype)
-
-
-def has_half_products(xp: Any, dtype: Any) -> bool:
-    """Whether the library multiplies matrices of ``dtype`` (float16 or bfloat16) in that
-    dtype with float32 accumulation: torch (CPU and CUDA), JAX and CuPy (cuBLAS). NumPy
-    has no BLAS for float16 (its product loops in float16), Dask computes with NumPy's,
-    and array-api-strict too: there half inputs are computed in float32."""
-    if not any(dtype == getattr(xp, name, None) for name in ("float16", "bfloat16")):
-        return False
-    return bool(array_api_compat.is_torch_namespace(xp) or array_api_compat.is_jax_namespace(xp)
-                or array_api_compat.is_cupy_namespace(xp))
 
 
 def zero_nonfinite(x: Array) -> Array:

@@ -12,7 +12,13 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from xattn._core.array import Array, array_namespace, compute_dtype, is_real_floating
+from xattn._core.array import (
+    Array,
+    array_namespace,
+    compute_dtype,
+    has_half_products,
+    is_real_floating,
+)
 from xattn._core.options import check_bool, check_scale
 
 __all__ = ["AttentionInputs", "check_attention_inputs", "check_device", "check_proposal_means",
@@ -195,8 +201,6 @@ def prepare_attention(
 
     dtype = xp.result_type(q, k, v)
     work = compute_dtype(xp, dtype)
-    from xattn._core.delegation import has_half_products  # it imports this module
-
     if not (keep_half and q.dtype == k.dtype == v.dtype == dtype
             and has_half_products(xp, dtype)):
         q, k, v = (x if x.dtype == work else xp.astype(x, work) for x in (q, k, v))
