@@ -341,6 +341,13 @@ def check_nonfinite_reaches_its_rows(backend, rng, num_tokens, block_sizes, corr
 LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS = 640, (64, 640)
 
 
+def long_blocks(backend):
+    """The block sizes a backend walks: JAX compiles the ten blocks of 64 as one long
+    program, and Dask computes them with NumPy, whose run walks them too; both take the
+    whole-sequence block, which takes every path."""
+    return LONG_CAUSAL_BLOCKS[1:] if backend.name in ("jax", "dask") else LONG_CAUSAL_BLOCKS
+
+
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
 @pytest.mark.thin(dtype_name=("float32",), feature_map=("positive",))
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])
@@ -367,8 +374,7 @@ def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, f
         has_key = np.cumsum(key_mask, axis=-1) > 0
         # JAX compiles the ten blocks of 16 as one long program: its whole-sequence block
         # takes both paths (the other backends walk the blocks too)
-        for block_size in (LONG_CAUSAL_BLOCKS[1:] if backend.name == "jax"
-                           else LONG_CAUSAL_BLOCKS):
+        for block_size in long_blocks(backend):
             out = attend(backend, *(backend.asarray(a, dtype=dtype) for a in (q, k, v)),
                          omega=backend.asarray(omega, dtype=dtype), feature_map=feature_map,
                          scale=1.0, causal=True, block_size=block_size,
@@ -380,16 +386,17 @@ def test_causal_factorized_pairs_and_grouped_states_equal_each_prefix(backend, f
                           atol=tolerance * np.abs(expected).max())
 
 
-CORRUPTIONS_IN_LONG_BLOCKS = (("key", 3, np.nan), ("value", 12, np.inf), ("key", 77, -np.inf),
-                              ("value", 141, np.nan))
+CORRUPTIONS_IN_LONG_BLOCKS = (("key", 3, np.nan), ("value", 40, np.inf), ("key", 300, -np.inf),
+                              ("value", 600, np.nan))
 
 
 def test_nonfinite_key_reaches_exactly_its_rows_in_long_blocks(backend, rng):
-    """NaN or infinity in a key or value m, in the first or a later group of chunks, or in
-    the first or second half of a chunk: causal rows >= m are NaN, rows < m
-    unchanged, with blocks of 16 and of 160 positions (see above)."""
+    """NaN or infinity in a key or value m, in the first or second half of the first
+    chunk, in a later chunk of the first group of 8 chunks or in the second group:
+    causal rows >= m are NaN, rows < m unchanged, with blocks of 64 and of 640
+    positions (see above)."""
     check_nonfinite_reaches_its_rows(
-        backend, rng, LONG_CAUSAL_TOKENS, LONG_CAUSAL_BLOCKS,
+        backend, rng, LONG_CAUSAL_TOKENS, long_blocks(backend),
         backend.thin(CORRUPTIONS_IN_LONG_BLOCKS, kept=CORRUPTIONS_IN_LONG_BLOCKS[2:],
                      on=("dask",)))  # Dask, in NumPy: a later group of chunks, both halves
 
