@@ -44,7 +44,6 @@ from xattn._core.primitives import (
     group_rows,
     key_logits_in_range,
     merge_maxima,
-    value_columns,
 )
 from xattn._estimators.rf_scan import FeatureMap, finish_partial, state_over_keys
 
@@ -94,7 +93,7 @@ def _with_lead(xp: Any, x: Array, lead: tuple[int, ...]) -> Array:
 def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Array, Array]:
     r"""RFA's stabilized key statistics of every key, :math:`K_s` (..., 1, S) and
     :math:`[A'_s, b'_s]` (..., S, Dv + 1) (the module docstring; :math:`b'_s` is the last
-    column, the sum of the weights times a column of ones appended to the values), in
+    column, the sum of the weights), in
     groups of ``rows`` keys merged by a running maximum per sample (one group when all
     fit).
 
@@ -124,8 +123,13 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
         else:  # K_s = max_m a_ms is finite: at least one key
             key_max = stop_gradient(xp.max(logits, axis=-2, keepdims=True))
         weights = xp.exp(logits - key_max)  # e^{a_ms - K_s}, masked keys 0
-        part = (key_max, xp.matrix_transpose(weights) @ value_columns(
-            xp, rows_of(v, start, stop)))
+        # [A'_s, b'_s]: the values' product and the weights' sum, joined at (S, Dv + 1)
+        # (no column of ones appended to the (M, Dv) values)
+        weighted_values = xp.matrix_transpose(weights) @ finite_entries(xp, rows_of(v, start,
+                                                                                    stop))
+        part = (key_max, xp.concat(
+            [weighted_values, xp.matrix_transpose(xp.sum(weights, axis=-2, keepdims=True))],
+            axis=-1))
         sums = part if sums is None else _merge_key_sums(xp, sums, part)
     assert sums is not None  # M >= 1: at least one group
     return sums
