@@ -254,7 +254,8 @@ class PositiveMap:
         if not keep_state:
             return (shift, sums, sums[..., -1:]), None
 
-        # the state after the block, one maximum per feature: K_s = max_m a_ms
+        # the state after the block, one maximum per feature: K_s = max_m a_ms, the key
+        # logits a_ms = (a_ms - beta_m) + beta_m from the keys as they came (not chunked)
         feature_max = xp.max(stop_gradient(centred + keys[1]), axis=-2)
         if state is not None:
             feature_max = xp.maximum(feature_max, state[0])
