@@ -26,7 +26,7 @@ __all__ = ["append_column", "append_ones_column", "clip_below", "cumulative_max"
            "has_native_attention", "ignore_invalid", "matmul_add",
            "nan_to_num",
            "native_attention", "nonfinite_probe", "nonfinite_rows", "qr", "squared_norms",
-           "stop_gradient", "zero_nonfinite"]
+           "stop_gradient"]
 
 
 def qr(xp: Any, a: Array) -> tuple[Array, Array]:
@@ -102,12 +102,6 @@ def squared_norms(x: Array, dtype: Any = None) -> Array:
         norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype)
         return norms * norms
     return xp.sum(x * x, axis=-1, keepdims=True, dtype=dtype)
-
-
-def zero_nonfinite(x: Array) -> Array:
-    """``x`` with its NaN and infinite entries replaced by 0, their gradient 0: how an
-    estimator reads its inputs (:func:`nan_to_num`)."""
-    return nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @functools.cache

@@ -17,12 +17,7 @@ import array_api_compat
 import array_api_extra as xpx
 
 from xattn._core.array import Array, chunked_like, one_chunk_along, split_rows, written_in_place
-from xattn._core.delegation import (
-    append_ones_column,
-    nan_to_num,
-    nonfinite_rows,
-    zero_nonfinite,
-)
+from xattn._core.delegation import append_ones_column, nan_to_num, nonfinite_rows
 from xattn._core.inputs import AttentionInputs
 
 __all__ = [
@@ -290,7 +285,7 @@ def finite_entries(xp: Any, x: Array) -> Array:
     """``x`` with its NaN and infinite entries replaced by 0, by ``where`` (no product with
     a NaN, in the backward pass either): how an estimator reads a piece of its inputs,
     whose non-finite rows :func:`quarantine` has located."""
-    return zero_nonfinite(x)
+    return nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def value_columns(xp: Any, v: Array) -> Array:

@@ -33,8 +33,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import array_api_compat
-
 from xattn._core.array import Array, stream_bounds
 from xattn._core.delegation import ignore_invalid, matmul_add, squared_norms, stop_gradient
 from xattn._core.primitives import (
@@ -47,47 +45,13 @@ from xattn._core.primitives import (
 )
 from xattn._estimators.rf_scan import FeatureMap, finish_partial, state_over_keys
 
-__all__ = ["affine_logits", "lara_group_rows", "positive_key_sums", "positive_readout",
+__all__ = ["lara_group_rows", "positive_key_sums", "positive_readout",
            "positive_rfa", "rfa_group_rows", "rows_of", "trigonometric_rfa"]
 
 def rows_of(x: Array, start: int, stop: int) -> Array:
     """Rows ``start:stop`` (axis -2) of ``x``; ``x`` itself when they are all of them (no
     view: one group is a fixed number of array operations)."""
     return x if (start, stop) == (0, x.shape[-2]) else x[..., start:stop, :]
-
-
-def affine_logits(xp: Any, x: Array, column: Array, projection_t: Array,
-                  row: Array) -> Array:
-    r""":math:`x P + c\,\mathbf 1^\top \cdot r` as one product: ``[x, column] @ [P; row]``.
-
-    ``x`` (..., B, D), ``column`` (..., B, 1), ``projection_t`` :math:`P` (..., D, S) or
-    (D, S), ``row`` (..., 1, S) or (1, S): entry :math:`(n, s)` is :math:`x_n \cdot P_s +
-    c_n r_s`. The key logits :math:`a_{ms}` take :math:`c_m = -\tfrac{s}{2}\lVert k_m
-    \rVert^2`, :math:`r_s = 1`; the query logits :math:`c_{ns}` take :math:`c_n = 1`,
-    :math:`r_s = K_s`. Folding the term into the product saves a pass over the (B, S)
-    logits (the operation that adds it), for a pass over B (D + 1) numbers to build
-    ``[x, column]``.
-    """
-    lead = tuple(projection_t.shape[:-2]) if projection_t.ndim >= row.ndim else tuple(
-        row.shape[:-2])
-    projection = xp.concat([_with_lead(xp, projection_t, lead), _with_lead(xp, row, lead)],
-                           axis=-2)
-    return xp.concat([x, column], axis=-1) @ projection
-
-
-def _affine(xp: Any, x: Array, column: Array, projection_t: Array, row: Array) -> Array:
-    """:func:`affine_logits` with ``row`` all ones: ``x @ projection_t + column``, one
-    ``baddbmm`` on torch (:func:`~xattn._core.delegation.matmul_add`), the one product
-    of :func:`affine_logits` elsewhere."""
-    if array_api_compat.is_torch_array(x) and (projection_t.ndim == 2 or tuple(
-            projection_t.shape[:-2]) == tuple(x.shape[:-2])):
-        return matmul_add(x, projection_t, column)
-    return affine_logits(xp, x, column, projection_t, row)
-
-
-def _with_lead(xp: Any, x: Array, lead: tuple[int, ...]) -> Array:
-    """``x`` broadcast to the leading dims ``lead`` (``x`` itself when it has them)."""
-    return x if tuple(x.shape[:-2]) == lead else xp.broadcast_to(x, (*lead, *x.shape[-2:]))
 
 
 def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Array, Array]:
@@ -100,13 +64,12 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
     ``omega_t`` is :math:`(\sqrt{s}\,\omega)^\top`, (D, S) or (..., D, S), so that
     :math:`a_{ms} = k_m \cdot \sqrt{s}\,\omega_s - \tfrac{s}{2}\lVert k_m \rVert^2 =
     \omega_s \cdot \hat k_m - \lVert \hat k_m \rVert^2/2` without forming
-    :math:`\hat k` (one product, :func:`affine_logits`). With ``key_mask`` a sample
+    :math:`\hat k` (a product plus the column of norms, one pass on torch:
+    :func:`~xattn._core.delegation.matmul_add`). With ``key_mask`` a sample
     without allowed keys, which happens only when every key is masked, has :math:`K_s =
     0` and sums 0; otherwise :math:`b'_s \ge 1` (its largest term is :math:`e^0`).
     """
     k, v, key_mask, half_scale = inputs.k, inputs.v, inputs.key_mask, 0.5 * inputs.scale
-    ones_row = xp.ones((1, omega_t.shape[-1]), dtype=omega_t.dtype,
-                       device=inputs.device)
     sums = None
     for start, stop in stream_bounds(k, -2, rows):
         keys = finite_entries(xp, rows_of(k, start, stop))  # non-finite rows: marked NaN
@@ -114,8 +77,7 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
         # NumPy computes the overflow quietly)
         with ignore_invalid(xp):
             minus_half_sq_norm = -half_scale * squared_norms(keys)
-            logits = key_logits_in_range(xp, _affine(xp, keys, minus_half_sq_norm, omega_t,
-                                                     ones_row))
+            logits = key_logits_in_range(xp, matmul_add(keys, omega_t, minus_half_sq_norm))
         # K_s is a stabilizer (no gradient): it cancels between the sums and the read-out
         if key_mask is not None:
             logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
