@@ -25,7 +25,8 @@ from xattn._core.inputs import AttentionInputs
 __all__ = ["append_column", "append_ones_column", "clip_below", "cumulative_max",
            "has_native_attention", "ignore_invalid", "matmul_add",
            "nan_to_num",
-           "native_attention", "nonfinite_probe", "nonfinite_rows", "qr", "squared_norms",
+           "native_attention", "nonfinite_probe", "nonfinite_rows", "qr",
+           "ratio_to_last_column", "squared_norms",
            "stop_gradient"]
 
 
@@ -157,6 +158,59 @@ def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     xp = array_api_compat.array_namespace(x)
     x = xp.where(xp.isnan(x), nan, x)
     return xp.where(x == xp.inf, posinf, xp.where(x == -xp.inf, neginf, x))
+
+@functools.cache
+def _torch_ratio_to_last_column() -> Any:
+    import torch
+
+    class RatioToLastColumn(torch.autograd.Function):
+        @staticmethod
+        def forward(x: Any, floor: float) -> Any:
+            return x[..., :-1] / torch.clamp(x[..., -1:], min=floor)
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            x, floor = inputs
+            ctx.floor = floor
+            ctx.save_for_backward(x, output)  # inputs and outputs: a graph of the backward too
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            x, out = ctx.saved_tensors
+            last = x[..., -1:]
+            divisor = torch.clamp(last, min=ctx.floor)
+            if torch.is_grad_enabled():  # a graph of the backward (create_graph): traced ops
+                scaled = grad / divisor
+                dot = (scaled.unsqueeze(-2) @ out.unsqueeze(-1))[..., 0]
+                return torch.cat([scaled, torch.where(last >= ctx.floor, -dot, 0.0)], -1), None
+            grad_x = grad.new_empty((*grad.shape[:-1], grad.shape[-1] + 1))
+            scaled = grad_x[..., :-1]
+            torch.div(grad, divisor, out=scaled)  # d out / d x[:-1], written in place
+            # d out / d x[-1] = -sum_j g_j out_j / d, where the clamp passes (last >= floor)
+            dot = (scaled.unsqueeze(-2) @ out.unsqueeze(-1))[..., 0]
+            grad_x[..., -1:] = torch.where(last >= ctx.floor, -dot, 0.0)
+            return grad_x, None
+
+    return RatioToLastColumn
+
+
+def ratio_to_last_column(x: Array, floor: float) -> Array:
+    """``x[..., :-1] / max(x[..., -1:], floor)``: numerators over the denominator in the
+    last column (the sums of an estimator's read-out, with ``floor`` a tiny positive
+    bound, so a row without keys gives 0 / floor = 0).
+
+    torch, with a gradient to track: one operation whose backward writes the gradient of
+    ``x`` once (the numerators' part divided in place, the denominators' from one dot
+    product per row); torch's own derivative of the two slices and the division writes
+    five arrays of that size. Elsewhere, and under ``torch.compile``, which fuses them,
+    the slices and the division."""
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        if x.requires_grad and not torch.compiler.is_compiling():
+            return _torch_ratio_to_last_column().apply(x, floor)
+    return x[..., :-1] / clip_below(x[..., -1:], floor)
+
 
 def nonfinite_rows(*arrays: Array) -> Array:
     """Boolean (..., L): whether row ``i`` of any of ``arrays`` (each (..., L, ·), their

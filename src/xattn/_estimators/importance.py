@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import array_api_compat
+
 from xattn._core.array import Array, array_namespace
-from xattn._core.delegation import clip_below, stop_gradient
+from xattn._core.delegation import clip_below, matmul_add, stop_gradient
 from xattn._core.options import check_choice, check_finite_real
 from xattn._core.primitives import finite_shift, masked_softmax, merge_maxima, nonzero_divisor
 
@@ -247,8 +249,17 @@ def importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array]
         return clip_below(weights, WEIGHT_FLOOR)
     exponential, rho = affinity
     if weighting == "decoupled":  # w_c + beta (r_nc - mean_c' r_nc')
-        correction = exponential * (beta * rho)  # beta r_nc, (..., B, C)
-        mean = xp.sum(correction, axis=-1, keepdims=True) * (1.0 / correction.shape[-1])
-        return clip_below(correction + (weights - mean), WEIGHT_FLOOR)
+        # beta r_nc - mean_c' beta r_nc' is e_n @ P with P = diag(beta rho) - (beta rho)^T
+        # 1 / C, (..., C, C): with w_c, one product and its addend (torch: one pass over
+        # the (B, C) weights instead of a product, a mean, a difference and a sum)
+        count = exponential.shape[-1]
+        identity = xp.eye(count, dtype=exponential.dtype,
+                          device=array_api_compat.device(exponential))
+        if isinstance(rho, float):  # one rho for every proposal
+            centring = beta * rho * (identity - 1.0 / count)
+        else:  # beta rho_c, (..., 1, C)
+            scaled = beta * xp.broadcast_to(rho, (*exponential.shape[:-2], 1, count))
+            centring = identity * scaled - xp.matrix_transpose(scaled) * (1.0 / count)
+        return clip_below(matmul_add(exponential, centring, weights), WEIGHT_FLOOR)
     return clip_below(lara_weights(weights[..., 0, :], exponential * rho,
                                    weighting=weighting, beta=beta), WEIGHT_FLOOR)

@@ -34,7 +34,13 @@ import math
 from typing import Any
 
 from xattn._core.array import Array, stream_bounds
-from xattn._core.delegation import ignore_invalid, matmul_add, squared_norms, stop_gradient
+from xattn._core.delegation import (
+    ignore_invalid,
+    matmul_add,
+    ratio_to_last_column,
+    squared_norms,
+    stop_gradient,
+)
 from xattn._core.primitives import (
     RowPieces,
     finite_entries,
@@ -120,10 +126,9 @@ def positive_readout(xp: Any, logits: Array, sums: Array,
     if coefficients is not None:
         weights = coefficients * weights
     row = weights @ sums
-    # a denominator with keys is >= the weight floor, which the smallest normal number
-    # leaves unchanged; without keys 0 / tiny = 0 (a sum, not a clip: on Dask a clip
-    # broadcasts its bound to one block of every row)
-    return row[..., :-1] / (row[..., -1:] + xp.finfo(row.dtype).smallest_normal)
+    # a denominator with keys is >= the weight floor, above the smallest normal number;
+    # without keys 0 / tiny = 0
+    return ratio_to_last_column(row, xp.finfo(row.dtype).smallest_normal)
 
 
 def positive_rfa(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:

@@ -53,6 +53,7 @@ from typing import Any, Protocol
 import array_api_compat
 
 from xattn._core.array import Array, one_chunk_along, stream_bounds
+from xattn._core.delegation import ratio_to_last_column
 from xattn._core.primitives import (
     RowBlocks,
     finite_entries,
@@ -147,11 +148,10 @@ def finish_partial(xp: Any, partial: Partial, *, guard: bool) -> tuple[Array, Ar
     were clamped (None without ``guard``).
     """
     _, sums, weight = partial
-    numerator, denominator = sums[..., :-1], sums[..., -1:]
     if not guard:  # a row with keys has a denominator >= 1 (its largest term is e^0 b' and
         # b' >= 1 likewise), a row without has 0 / 0: the floor makes it 0 / tiny = 0
-        tiny = xp.finfo(denominator.dtype).smallest_normal
-        return numerator / xp.clip(denominator, min=tiny), None
+        return ratio_to_last_column(sums, xp.finfo(sums.dtype).smallest_normal), None
+    numerator, denominator = sums[..., :-1], sums[..., -1:]
     floor = math.sqrt(xp.finfo(denominator.dtype).eps) * weight
     has_keys = weight > 0
     invalid = has_keys & (denominator <= floor)
