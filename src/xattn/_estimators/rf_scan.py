@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import array_api_compat
 
 from xattn._core.array import Array, one_chunk_along, stream_bounds
-from xattn._core.delegation import ratio_to_last_column
+from xattn._core.delegation import append_ones_column, ratio_to_last_column
 from xattn._core.primitives import (
     RowBlocks,
     finite_entries,
@@ -194,10 +194,15 @@ def block_positions(*, length: int, batch_size: int, num_features: int, width: i
 
 
 def _key_inputs(xp: Any, mapping: FeatureMap, k: RowBlocks, v: RowBlocks, root_scale: float,
-                key_mask: Array | None, first_key: int, start: int,
-                stop: int) -> tuple[tuple[Array, ...], Array]:
-    """The mapped keys ``start:stop`` and their value columns."""
-    values, keys = value_columns(xp, v.get(start, stop)), finite_entries(xp, k.get(start, stop))
+                key_mask: Array | None, first_key: int, start: int, stop: int,
+                finite: bool = False) -> tuple[tuple[Array, ...], Array]:
+    """The mapped keys ``start:stop`` and their value columns (``finite``: k and v have
+    no NaN or infinity, :func:`~xattn._core.primitives.finite_inputs`, read as they are)."""
+    keys, values = k.get(start, stop), v.get(start, stop)
+    if finite:
+        values = append_ones_column(values)
+    else:
+        keys, values = finite_entries(xp, keys), value_columns(xp, values)
     device = array_api_compat.device(keys)
     valid = _key_validity(xp, key_mask, first_key, start, stop, device)
     return mapping.keys(root_scale * keys, valid), values
@@ -205,8 +210,10 @@ def _key_inputs(xp: Any, mapping: FeatureMap, k: RowBlocks, v: RowBlocks, root_s
 
 def state_over_keys(xp: Any, mapping: FeatureMap, k: Array, v: Array, *, root_scale: float,
                     key_mask: Array | None, first_key: int, start: int, stop: int,
-                    chunk_size: int, batch_shape: tuple[int, ...]) -> State:
-    """The state of the keys ``start:stop`` (all of them for every query), streamed."""
+                    chunk_size: int, batch_shape: tuple[int, ...],
+                    finite: bool = False) -> State:
+    """The state of the keys ``start:stop`` (all of them for every query), streamed
+    (``finite``: as :func:`_key_inputs`)."""
     state = mapping.empty_state(batch_shape, v.shape[-1] + 1, k.dtype,
                                 array_api_compat.device(k))
     if start >= stop:
@@ -214,7 +221,7 @@ def state_over_keys(xp: Any, mapping: FeatureMap, k: Array, v: Array, *, root_sc
     key_rows, value_rows = RowBlocks(xp, k, chunk_size), RowBlocks(xp, v, chunk_size)
     for chunk_start, chunk_stop in stream_bounds(k[..., start:stop, :], -2, chunk_size):
         keys, values = _key_inputs(xp, mapping, key_rows, value_rows, root_scale, key_mask,
-                                   first_key, start + chunk_start, start + chunk_stop)
+                                   first_key, start + chunk_start, start + chunk_stop, finite)
         state = mapping.merge_states(state, mapping.key_state(keys, values))
     return state
 
@@ -222,8 +229,8 @@ def state_over_keys(xp: Any, mapping: FeatureMap, k: Array, v: Array, *, root_sc
 def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *, root_scale: float,
                   key_mask: Array | None, first_key: int, offset: int, reverse: bool,
                   block_size: int, chunk_size: int, batch_shape: tuple[int, ...],
-                  initial: State | None = None,
-                  keep_state: bool = True) -> Generator[Partial, None, State | None]:
+                  initial: State | None = None, keep_state: bool = True,
+                  finite: bool = False) -> Generator[Partial, None, State | None]:
     """Partials of the queries over their prefix (or suffix) keys, block by block.
 
     Query ``n`` takes the keys ``m <= n - offset`` (``reverse=False``) or ``m >= n +
@@ -234,6 +241,8 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     (forward only) is the state of keys before all of ``k``, every query's (a sequence continued,
     :mod:`xattn._estimators.decode`); the generator returns the state after the last block
     (None may be returned instead without ``keep_state``: the caller does not read it).
+    With ``finite`` q, k and v hold no NaN or infinity
+    (:func:`~xattn._core.primitives.finite_inputs`) and are read as they are.
 
     Design: a generator, so that a caller walks the blocks in lock-step with its own
     work on the same positions: :func:`xattn._estimators.window.windowed_rfa` runs one scan for the
@@ -267,7 +276,9 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
         nonlocal state
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start
-            queries = mapping.queries(root_scale * finite_entries(xp, query_rows.get(start, stop)))
+            queries = query_rows.get(start, stop)
+            queries = mapping.queries(root_scale * (queries if finite
+                                                    else finite_entries(xp, queries)))
             # the block's keys, aligned so that key i is allowed for query j iff i <= j
             key_start, key_stop = ((start + offset, stop + offset) if reverse
                                    else (start - offset, stop - offset))
@@ -276,7 +287,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                 yield mapping.readout(queries, carried())
                 continue
             keys, values = _key_inputs(xp, mapping, key_rows, value_rows, root_scale, key_mask,
-                                       first_key, low, high)
+                                       first_key, low, high, finite)
             keys = tuple(pad_rows(xp, x, low - key_start, key_stop - high, fill)
                          for x, fill in zip(keys, mapping.key_fills, strict=True))
             values = pad_rows(xp, values, low - key_start, key_stop - high, 0.0)

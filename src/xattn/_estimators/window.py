@@ -42,10 +42,12 @@ from typing import Any
 import array_api_compat
 
 from xattn._core.array import Array, chunked_like
+from xattn._core.delegation import append_ones_column, matmul_add
 from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
     finite_entries,
+    finite_inputs,
     finite_shift,
     join,
     pad_rows,
@@ -136,8 +138,8 @@ every key valid), as :func:`exact_partial` reads them (non-finite entries as 0).
 
 
 def _band_scores(xp: Any, band: KeyRows, queries: Array, start: int, stop: int, size: int,
-                 count: int, window: int, first_key: int,
-                 causal: bool) -> tuple[Array, Array] | None:
+                 count: int, window: int, first_key: int, causal: bool,
+                 finite: bool = False) -> tuple[Array, Array] | None:
     r"""Scores and values of the band keys of queries ``start:stop``, chunk by chunk.
 
     Parameters
@@ -182,8 +184,10 @@ def _band_scores(xp: Any, band: KeyRows, queries: Array, start: int, stop: int, 
     if low >= high:
         return None
     before, after = low - first, first + span - high
-    keys = pad_rows(xp, finite_entries(xp, k[..., low:high, :]), before, after, 0.0)
-    values = pad_rows(xp, value_columns(xp, v[..., low:high, :]), before, after, 0.0)
+    keys, values = k[..., low:high, :], v[..., low:high, :]
+    keys = pad_rows(xp, keys if finite else finite_entries(xp, keys), before, after, 0.0)
+    values = pad_rows(xp, append_ones_column(values) if finite else value_columns(xp, values),
+                      before, after, 0.0)
     chunk_queries = xp.reshape(queries, (*queries.shape[:-2], count, size, queries.shape[-1]))
     scores = chunk_queries @ xp.matrix_transpose(_unfold(xp, keys, size, count, width))
     rows = xp.arange(size, device=device)[:, None]
@@ -200,15 +204,15 @@ def _band_scores(xp: Any, band: KeyRows, queries: Array, start: int, stop: int, 
     return scores, _unfold(xp, values, size, count, width)
 
 
-def _sink_scores(xp: Any, sinks: KeyRows, queries: Array,
-                 first_position: int | Array | None) -> tuple[Array, Array]:
+def _sink_scores(xp: Any, sinks: KeyRows, queries: Array, first_position: int | Array | None,
+                 finite: bool = False) -> tuple[Array, Array]:
     """Scores ``(..., R, K)`` of the ``R`` rows of ``queries`` against the sink keys
     (``-inf`` where not valid, or, unless ``first_position`` is None, where the slot
     ``s`` comes after the row's position ``first_position + i``: an int or a 0-d integer
     array), and the sinks' values with their column of ones ``(..., K, Dv + 1)``."""
     k, v, valid = sinks
     device = array_api_compat.device(k)
-    scores = queries @ xp.matrix_transpose(finite_entries(xp, k))
+    scores = queries @ xp.matrix_transpose(k if finite else finite_entries(xp, k))
     allowed = None
     if first_position is not None:
         rows = queries.shape[-2]
@@ -223,12 +227,13 @@ def _sink_scores(xp: Any, sinks: KeyRows, queries: Array,
         allowed = sink_valid if allowed is None else (allowed & sink_valid)
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)
-    return scores, value_columns(xp, v)
+    return scores, append_ones_column(v) if finite else value_columns(xp, v)
 
 
 def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: bool,
                   band: KeyRows | None, first_key: int = 0, sinks: KeyRows | None = None,
-                  sink_position: int | Array | None = None) -> Partial | None:
+                  sink_position: int | Array | None = None,
+                  finite: bool = False) -> Partial | None:
     r"""Exact sums of a block of queries over their band keys and the sink keys.
 
     Query ``i`` of the block, at position :math:`n = \text{start} + i` of the sequence of
@@ -268,6 +273,9 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
     sink_position : int or array or None
         The position of the first query, against which the sink slots count (slot
         ``s`` is the key at position ``s``); None: every query takes every sink.
+    finite : bool
+        The keys and values of ``band`` and ``sinks`` hold no NaN or infinity and are
+        read as they are (else non-finite entries as 0).
 
     Returns
     -------
@@ -283,8 +291,9 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
     size, count = _band_chunks(window, length) if band is not None else (length, 1)
     padded = pad_rows(xp, queries, 0, size * count - length, 0.0)
     scored = (_band_scores(xp, band, padded, start, start + length, size, count, window,
-                           first_key, causal) if band is not None else None)
-    sink = _sink_scores(xp, sinks, padded, sink_position) if sinks is not None else None
+                           first_key, causal, finite) if band is not None else None)
+    sink = (_sink_scores(xp, sinks, padded, sink_position, finite) if sinks is not None
+            else None)
     maxima = []
     if scored is not None:
         band_max = xp.max(scored[0], axis=-1, keepdims=True)  # (..., count, size, 1)
@@ -302,8 +311,9 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
         sums = xp.reshape(chunk_sums, (*chunk_sums.shape[:-3], size * count,
                                        chunk_sums.shape[-1]))
     if sink is not None:
-        sink_sums = xp.exp(sink[0] - offset) @ sink[1]
-        sums = sink_sums if sums is None else sums + sink_sums
+        sink_weights = xp.exp(sink[0] - offset)
+        sums = sink_weights @ sink[1] if sums is None else matmul_add(sink_weights, sink[1],
+                                                                       sums)
     assert sums is not None
     # Dask: the rows in the chunks of the block's queries, like the other partials
     shift = chunked_like(shift[..., :length, :], queries, -2)
@@ -312,7 +322,7 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
 
 
 def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, window: int,
-                   sinks: int, causal: bool) -> Partial | None:
+                   sinks: int, causal: bool, finite: bool = False) -> Partial | None:
     r"""Exact sums of queries ``start:stop`` of ``inputs`` over their band and sink keys
     (:func:`exact_partial`).
 
@@ -333,6 +343,8 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
         ``w`` and ``K``.
     causal : bool
         Whether a query takes only the keys ``m <= n``.
+    finite : bool
+        q, k and v hold no NaN or infinity (:func:`~xattn._core.primitives.finite_inputs`).
 
     Returns
     -------
@@ -340,14 +352,16 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
         As :func:`exact_partial`.
     """
     k, v, key_mask = inputs.k, inputs.v, inputs.key_mask
-    queries = inputs.scale * finite_entries(xp, inputs.q[..., start:stop, :])
+    queries = inputs.q[..., start:stop, :]
+    queries = inputs.scale * (queries if finite else finite_entries(xp, queries))
     sink_rows = None
     if sinks:
         sink_rows = (k[..., :sinks, :], v[..., :sinks, :],
                      None if key_mask is None else key_mask[..., :sinks])
     return exact_partial(xp, queries, start, window=window, causal=causal,
                          band=(k, v, key_mask) if window else None, first_key=sinks,
-                         sinks=sink_rows, sink_position=start if causal else None)
+                         sinks=sink_rows, sink_position=start if causal else None,
+                         finite=finite)
 
 
 def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, window: int,
@@ -366,11 +380,17 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
     per query and a working set per block (the result of every block is joined as
     :class:`~xattn._core.primitives.RowPieces` does).
     """
-    q, k, v = inputs.q, inputs.k, inputs.v
-    num_queries, num_keys = q.shape[-2], k.shape[-2]
-    root_scale = math.sqrt(inputs.scale)
+    num_queries = inputs.q.shape[-2]
     blocks = [(start, min(start + block_size, num_queries))
               for start in range(0, num_queries, block_size)]
+    # one block holds the whole sequence anyway: the inputs are read as finite once, not
+    # by each of the scans and the band (several blocks: each reads its own rows)
+    finite = len(blocks) == 1
+    if finite:
+        inputs = finite_inputs(inputs)
+    q, k, v = inputs.q, inputs.k, inputs.v
+    num_keys = k.shape[-2]
+    root_scale = math.sqrt(inputs.scale)
     out = RowPieces(num_queries)
     suffix = None  # shift, denominator and weight of the partials over the keys after the band
     if window and not causal:  # the keys m >= n + w + 1, from the last block back
@@ -379,7 +399,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
                                  key_mask=inputs.key_mask, first_key=sinks,
                                  offset=window + 1, reverse=True, block_size=block_size,
                                  chunk_size=chunk_size, batch_shape=inputs.batch_shape,
-                                 keep_state=False)
+                                 keep_state=False, finite=finite)
         for (start, _), (shift, sums, weight) in zip(reversed(blocks), backward, strict=True):
             out.put(start, sums[..., :-1])
             suffix.put(start, xp.concat([shift, sums[..., -1:], weight], axis=-1))
@@ -389,16 +409,19 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
                                 key_mask=inputs.key_mask, first_key=sinks,
                                 offset=window + 1 if window else 0, reverse=False,
                                 block_size=block_size, chunk_size=chunk_size,
-                                batch_shape=inputs.batch_shape, keep_state=False)
+                                batch_shape=inputs.batch_shape, keep_state=False,
+                                finite=finite)
     state = None
     if not window and not causal:  # sinks only: every key m >= K, for every query
         state = state_over_keys(xp, mapping, k, v, root_scale=root_scale,
                                 key_mask=inputs.key_mask, first_key=sinks,
                                 start=min(sinks, num_keys), stop=num_keys,
-                                chunk_size=chunk_size, batch_shape=inputs.batch_shape)
+                                chunk_size=chunk_size, batch_shape=inputs.batch_shape,
+                                finite=finite)
     clamped = RowPieces(num_queries) if guard else None
     for start, stop in blocks:
-        q_hat = root_scale * finite_entries(xp, q[..., start:stop, :])
+        queries = q[..., start:stop, :]
+        q_hat = root_scale * (queries if finite else finite_entries(xp, queries))
         constant = mapping.query_constant(q_hat)  # makes the estimate e^{q.k} itself
         random_parts: list[Partial] = []
         if forward is not None:
@@ -410,7 +433,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
         if state is not None:
             random_parts.append(mapping.readout(mapping.queries(q_hat), state))
         partials = [(shift + constant, sums, weight) for shift, sums, weight in random_parts]
-        exact = _exact_partial(xp, inputs, start, stop, window, sinks, causal)
+        exact = _exact_partial(xp, inputs, start, stop, window, sinks, causal, finite)
         if exact is not None:
             partials.append(exact)
         rows, invalid = finish_partial(xp, combine_partials(xp, partials), guard=guard)
