@@ -61,6 +61,7 @@ from xattn._estimators.lara_sampling import build_proposals, draw_samples, query
 from xattn._estimators.rf_groups import (
     lara_group_rows,
 )
+from xattn._estimators.sequence import check_parallel_call
 
 __all__ = ["PROPOSALS", "lara"]
 
@@ -92,6 +93,7 @@ def lara(
     state: Any = None,
     return_state: bool = False,
     working_memory: int | None = None,
+    sequence_parallel: Any = None,
 ) -> Array:
     r"""Linear randomized attention (LARA), O((N + M) C) in time and memory.
 
@@ -241,6 +243,14 @@ def lara(
         group by group into the result on NumPy and CuPy, joined once elsewhere) at
         about this budget, whatever N and M. None: :func:`xattn.default_working_memory`.
         Dask arrays are one group (Dask computes them chunk by chunk).
+    sequence_parallel : str, tuple of str or torch.distributed.ProcessGroup, optional
+        With ``causal=True``: one sequence split across devices, as :func:`xattn.rfa`'s
+        ``sequence_parallel`` (LASP [4]_): a JAX mesh axis name inside
+        :func:`jax.shard_map`, or a ``torch.distributed`` process group, q, k, v being
+        this device's contiguous piece. The devices exchange the fixed-size prefix sums of
+        their pieces (``C (Dv + 2)`` numbers per head and device, whatever ``N``); the
+        samples must be the same on every device (an int ``rng``, a replicated JAX key,
+        or ``deterministic``). :doc:`/guide/13_sequence_parallel`.
 
     Returns
     -------
@@ -258,12 +268,14 @@ def lara(
         leading dims that broadcast against the batch, or comes with a ``proposal`` other
         than the default, or on another device than ``q``; if ``defensive`` is not in
         0..C; with ``state=``, if ``num_samples``, ``weighting``, ``beta`` or
-        ``proposal_means`` is given and differs from the state's.
+        ``proposal_means`` is given and differs from the state's; ``sequence_parallel``
+        without ``causal=True``, with ``state=`` or with a group of one device.
     TypeError
         If ``num_samples`` is not an int (a pair ``(c_h, c_w)`` without ``grid``, or an
         int with ``grid``), ``grid`` is not a pair of ints, ``proposal`` /
         ``weighting`` is not a string, a flag is not a bool, ``defensive`` is not an int,
-        or ``proposal_means`` is not a real floating array of the library of ``q``.
+        or ``proposal_means`` is not a real floating array of the library of ``q``;
+        ``sequence_parallel`` neither a mesh axis name nor a process group.
 
     See Also
     --------
@@ -283,6 +295,8 @@ def lara(
     .. [3] A. B. Owen, "Monte Carlo theory, methods and examples", 2013, chapter 9
        (self-normalized and multiple importance sampling).
        https://artowen.su.domains/mc/
+    .. [4] W. Sun, Z. Qin, D. Li, X. Shen, Y. Qiao, Y. Zhong, "Linear Attention Sequence
+       Parallelism", 2024. https://arxiv.org/abs/2404.02882
 
     Derivation: :doc:`/theory/04_lara`; all papers: :doc:`/bibliography`.
 
@@ -316,6 +330,7 @@ def lara(
     (3, 196, 8)
     """
     stateful = check_state_call(state, return_state, check_bool(causal, "causal"), LARAState)
+    stateful |= check_parallel_call("lara", sequence_parallel, causal=causal, state=state)
     if state is None:  # the defaults (with state=: the state's)
         weighting = "decoupled" if weighting is None else weighting
         beta = 2.0 if beta is None else beta
@@ -396,7 +411,8 @@ def lara(
         result = causal_lara(inputs, omega, proposal_means, weighting=weighting, beta=beta,
                              chunk_size=DEFAULT_CHUNK_SIZE if chunk_size is None
                              else chunk_size, working_memory=working_memory,
-                             stateful=stateful, state=state)
+                             stateful=stateful, state=state,
+                             sequence_parallel=sequence_parallel)
         out, state = result if stateful else (result, None)
     else:  # keys, then queries, in groups as long as working_memory allows
         rows = lara_group_rows(inputs, num_samples, working_memory, chunk_size)

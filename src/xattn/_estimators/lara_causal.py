@@ -41,11 +41,11 @@ from xattn._core.state import (
     empty_rfa_state,
     refuse,
 )
-from xattn._estimators.decode import continue_rfa
 from xattn._estimators.feature_maps import PositiveMap
 from xattn._estimators.importance import importance_weights, own_proposal_weights
 from xattn._estimators.rf_scan import PAIR_BLOCK, block_positions
 from xattn._estimators.rfa import causal_scan
+from xattn._estimators.sequence import continue_sequence
 
 __all__ = ["CAUSAL_WEIGHTINGS", "ImportanceMap", "causal_lara",
            "check_lara_causal_options", "query_proposal_affinity", "state_options",
@@ -137,7 +137,8 @@ class ImportanceMap(PositiveMap):
 
 def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
                 weighting: str, beta: float, chunk_size: int, working_memory: int,
-                stateful: bool = False, state: LARAState | None = None) -> Any:
+                stateful: bool = False, state: LARAState | None = None,
+                sequence_parallel: Any = None) -> Any:
     """Causal LARA with the samples ``omega`` (..., C, D) of the proposals
     ``proposal_means``: the output (..., N, Dv), masked queries 0; with ``stateful``, the
     pair ``(out, LARAState)`` continuing ``state`` (None: a new sequence). The scan's
@@ -154,9 +155,10 @@ def causal_lara(inputs: AttentionInputs, omega: Array, proposal_means: Array, *,
     if stateful:
         features = (state.features if state is not None
                     else empty_rfa_state(inputs, mapping, omega, IMPORTANCE_FEATURES, 0, 0))
-        out, _, features = continue_rfa(xp, inputs, mapping, features,
-                                        block_size=block_size, chunk_size=chunk_size,
-                                        guard=False)
+        # sequence_parallel: this device's piece of one sequence (xattn._estimators.sequence)
+        out, _, features = continue_sequence(xp, inputs, mapping, features, sequence_parallel,
+                                             estimator="lara", block_size=block_size,
+                                             chunk_size=chunk_size, guard=False)
     else:
         out, _ = causal_scan(xp, inputs, mapping, block_size, chunk_size, guard=False)
     if inputs.query_mask is not None:

@@ -49,7 +49,6 @@ from xattn._core.state import (
     empty_rfa_state,
     rfa_state_options,
 )
-from xattn._estimators.decode import continue_rfa
 from xattn._estimators.feature_maps import PositiveMap, TrigonometricMap
 from xattn._estimators.rf_groups import positive_rfa, rfa_group_rows, trigonometric_rfa
 from xattn._estimators.rf_scan import (
@@ -59,6 +58,7 @@ from xattn._estimators.rf_scan import (
     finish_partial,
     scan_partials,
 )
+from xattn._estimators.sequence import check_parallel_call, continue_sequence
 from xattn._estimators.window import band_width, windowed_rfa
 from xattn.features import FEATURE_MAPS, SAMPLE_NORMS, sample_omega
 
@@ -114,6 +114,7 @@ def rfa(
     state: RFAState | None = None,
     return_state: bool = False,
     working_memory: int | None = None,
+    sequence_parallel: Any = None,
 ) -> Any:
     r"""Random feature attention (RFA / Performer FAVOR+), a linear-cost estimate of
     softmax attention.
@@ -299,6 +300,23 @@ def rfa(
     return_state : bool
         Return ``(out, state)``, the :class:`~xattn.RFAState` after these tokens
         (``causal=True``; ``N = M``).
+    sequence_parallel : str, tuple of str or torch.distributed.ProcessGroup, optional
+        Split one causal sequence across devices (context parallelism, as LASP [5]_): the
+        name of a JAX mesh axis, inside :func:`jax.shard_map` with the sequence axis of q,
+        k, v (and ``key_mask``) sharded over it, or a ``torch.distributed`` process group
+        whose rank ``r`` holds the ``r``-th contiguous piece (lengths may differ). q, k, v
+        are this device's piece (``N = M``); the samples must be the same on every device
+        (an int ``rng``, a replicated JAX key, or ``omega=``). Each device computes the
+        state of its piece's keys, all-gathers these fixed-size states (``S (Dv + 2)``
+        numbers per head and device, plus ``w (D + Dv + 1)`` with ``window`` and ``K (D +
+        Dv + 1)`` with ``sinks``, whatever ``N``), merges those of the pieces ``j`` before
+        it, :math:`K_s = \max_j K^{(j)}_s`, :math:`A'_s = \sum_j e^{K^{(j)}_s - K_s}
+        A'^{(j)}_s`, and continues that state over its piece (as ``state=``). Outputs and
+        gradients (carried back by the collective's own transpose) are those of one call
+        on the whole sequence up to rounding, a NaN reaches exactly the rows that attend
+        it, and ``return_state`` gives the state after the whole sequence on every
+        device. Every map, ``key_mask``, ``window`` (each piece at least ``w`` long) and
+        ``sinks`` (in the first piece): :doc:`/guide/13_sequence_parallel`.
 
     {{returns}}
 
@@ -307,11 +325,16 @@ def rfa(
     ValueError
         ``num_features`` < 1, ``omega`` not of shape ``(S, D)``, unknown ``feature_map``
         or ``sample_norm``, negative ``window`` or ``sinks``, ``sinks`` > M, and the input
-        errors of :func:`xattn.softmax_attention`.
+        errors of :func:`xattn.softmax_attention`; ``sequence_parallel`` without
+        ``causal=True`` or with ``state=``, with a group of one device, outside a
+        :func:`jax.shard_map` over that axis, or with a piece shorter than ``window``
+        (the first shorter than ``sinks``).
     TypeError
         Non-integer ``num_features``, ``block_size``, ``chunk_size``, ``window`` or
         ``sinks``, non-bool ``causal`` or ``orthogonal``, non-string ``feature_map`` or
-        ``sample_norm``, ``omega`` from another library or not floating.
+        ``sample_norm``, ``omega`` from another library or not floating;
+        ``sequence_parallel`` neither a mesh axis name nor a process group, or of another
+        library than q (a mesh axis needs JAX arrays, a process group torch tensors).
 
     Warns
     -----
@@ -339,6 +362,9 @@ def rfa(
     .. [4] L. Zheng, C. Wang, L. Kong, "Linear Complexity Randomized Self-attention
        Mechanism", ICML 2022, §3.1 (RFA as self-normalized importance sampling).
        https://arxiv.org/abs/2204.04667
+    .. [5] W. Sun, Z. Qin, D. Li, X. Shen, Y. Qiao, Y. Zhong, "Linear Attention Sequence
+       Parallelism", 2024 (LASP: fixed-size states exchanged between devices).
+       https://arxiv.org/abs/2404.02882
 
     Derivations: :doc:`/theory/01_random_features`,
     :doc:`/theory/02_rfa_importance_sampling`, :doc:`/theory/05_stabilization`; all
@@ -378,6 +404,7 @@ def rfa(
     """
     causal = check_bool(causal, "causal")
     stateful = check_state_call(state, return_state, causal, RFAState)
+    stateful |= check_parallel_call("rfa", sequence_parallel, causal=causal, state=state)
     if state is not None:  # the options of the sequence that the state continues
         feature_map, window, sinks, scale = rfa_state_options(
             state, num_features=num_features, feature_map=feature_map, omega=omega,
@@ -438,10 +465,11 @@ def rfa(
 
     tainted = None
     if stateful:  # a piece of a sequence (xattn._estimators.decode), the first one without state
-        out, invalid, state = continue_rfa(
+        out, invalid, state = continue_sequence(
             xp, inputs, mapping, state or empty_rfa_state(inputs, mapping, samples, feature_map,
                                                           window, sinks),
-            block_size=block_size, chunk_size=chunk_size, guard=trigonometric)
+            sequence_parallel, estimator="rfa", block_size=block_size,
+            chunk_size=chunk_size, guard=trigonometric)
     else:  # non-finite rows reach exactly the rows that attend them (outputs, gradients)
         tainted, _ = quarantine(inputs, causal=causal)
         if window or sinks:

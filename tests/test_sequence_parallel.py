@@ -1,0 +1,435 @@
+"""One causal sequence split across devices: ``sequence_parallel=`` of ``rfa`` and ``lara``.
+
+* JAX, in a subprocess with 8 forced host CPU devices (the device count must be set
+  before JAX starts): under ``jax.shard_map``, outputs, gradients and the returned state
+  equal one device's call (float64 and float32), a NaN reaches exactly the rows that
+  attend it, the state after the whole sequence is the same on every device, and the
+  compiled program's collectives move a fixed number of bytes whatever N (counted in
+  the HLO, forward and backward).
+* torch, 4 ``gloo`` processes on 127.0.0.1: each rank's slice of the one-process outputs
+  and gradients (pieces of equal and of unequal lengths), the state, a NaN.
+* The refused setups, in this process where they can be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import xattn
+from conftest import selected_backends
+
+needs_jax = pytest.mark.skipif("jax" not in selected_backends(),
+                               reason="jax is not among the selected backends")
+needs_torch = pytest.mark.skipif("torch" not in selected_backends(),
+                                 reason="torch is not among the selected backends")
+
+# the tolerances of one device's call against the pieces: relative to the largest entry
+RTOL = {"float64": {"out": 1e-10, "grad": 1e-10}, "float32": {"out": 1e-5, "grad": 1e-4}}
+
+CASES = {  # name -> options of the causal call (every case with a key mask)
+    "rfa_positive": dict(estimator="rfa", num_features=16, rng=3),
+    "rfa_trigonometric": dict(estimator="rfa", num_features=16, rng=3,
+                              feature_map="trigonometric"),
+    "rfa_hyperbolic": dict(estimator="rfa", num_features=8, rng=3, feature_map="hyperbolic"),
+    "rfa_window_sinks": dict(estimator="rfa", num_features=16, rng=3, window=5, sinks=3),
+    "rfa_trigonometric_window_sinks": dict(estimator="rfa", num_features=16, rng=3,
+                                           feature_map="trigonometric", window=4, sinks=2),
+    "lara": dict(estimator="lara", num_samples=6, rng=3, weighting="query_proposal",
+                 proposal_means="means"),
+}
+
+JAX_SCRIPT = textwrap.dedent("""
+    import json, os, re
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import xattn
+
+    CASES = json.loads(os.environ["SP_CASES"])
+    JAX_CASES = json.loads(os.environ["SP_JAX_CASES"])
+    mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
+    rows, seq = P(None, None, "sp", None), P(None, None, "sp")
+    rng = np.random.default_rng(0)
+    B, H, N, D, DV = 1, 2, 64, 8, 5
+    data = [0.7 * rng.normal(size=(B, H, N, d)) for d in (D, D, DV)]
+    mask = rng.random((B, H, N)) > 0.2
+    means = 0.3 * rng.normal(size=(6, D))
+    weights = np.cos(np.arange(N * DV)).reshape(N, DV)
+
+    def call(options, q, k, v, key_mask, **extra):
+        options = dict(options)
+        estimator = getattr(xattn, options.pop("estimator"))
+        if options.get("proposal_means") == "means":
+            options["proposal_means"] = jnp.asarray(means, q.dtype)
+        return estimator(q, k, v, key_mask=key_mask, causal=True, return_state=True,
+                         **options, **extra)
+
+    def loss_of(function, w):
+        def loss(q, k, v, m):
+            out, state = function(q, k, v, m)
+            return jnp.sum(out * w), (out, state)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.size == 0:
+            return 0.0
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+    compiled = {}
+
+    def programs(name, dtype):  # compiled once per case and dtype (the NaN run reuses them)
+        if (name, dtype) in compiled:
+            return compiled[name, dtype]
+        options = CASES[name]
+
+        def piece(q, k, v, m):
+            out, state = call(options, q, k, v, m, sequence_parallel="sp")
+            return out, jax.tree.map(lambda x: x[None], state)  # one copy per device
+        parallel = jax.shard_map(piece, mesh=mesh, in_specs=(rows, rows, rows, seq),
+                                 out_specs=(rows, P("sp")))
+        w = jnp.asarray(weights, dtype)
+        compiled[name, dtype] = (jax.jit(loss_of(lambda *a: call(options, *a), w)),
+                                 jax.jit(loss_of(parallel, jax.device_put(
+                                     w, NamedSharding(mesh, P("sp", None))))))
+        return compiled[name, dtype]
+
+    def run(name, dtype, inputs):
+        q, k, v = (jnp.asarray(x, dtype) for x in inputs)
+        m = jnp.asarray(mask)
+        whole, parallel = programs(name, dtype)
+        (_, (ref, ref_state)), ref_grads = whole(q, k, v, m)
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+        args = (put(q, rows), put(k, rows), put(v, rows), put(m, seq))
+        (_, (out, states)), grads = parallel(*args)
+        ref_leaves = jax.tree.leaves(ref_state)
+        state_err = 0.0
+        for device in range(8):
+            for mine, theirs in zip(jax.tree.leaves(states), ref_leaves):
+                mine, theirs = np.asarray(mine[device]), np.asarray(theirs)
+                if mine.dtype == bool or mine.dtype.kind == "i":
+                    state_err = max(state_err, float(np.any(mine != theirs)))
+                else:
+                    state_err = max(state_err, rel(mine, theirs))
+        return {"out": rel(out, ref),
+                "grad": max(rel(a, b) for a, b in zip(grads, ref_grads)),
+                "state": state_err, "nan_rows_equal": bool(np.array_equal(
+                    np.isnan(np.asarray(out)), np.isnan(np.asarray(ref)))),
+                "finite_out": rel(np.nan_to_num(np.asarray(out)),
+                                  np.nan_to_num(np.asarray(ref)))}
+
+    report = {"devices": jax.device_count()}
+    for name in JAX_CASES:
+        report[name + "/float64"] = run(name, jnp.float64, data)
+    report["rfa_trigonometric_window_sinks/float32"] = run("rfa_trigonometric_window_sinks",
+                                                          jnp.float32, data)
+    poisoned = [x.copy() for x in data]
+    poisoned[1][0, 1, 37, 2] = np.nan  # a key of piece 4, head 1 (unmasked: see below)
+    mask[0, 1, 37] = True
+    nan = run("rfa_window_sinks", jnp.float64, poisoned)
+    report["nan"] = nan
+
+    # pieces of 8 positions cannot hold a window of 9
+    try:
+        jax.shard_map(lambda q, k, v: xattn.rfa(q, k, v, num_features=4, rng=0, causal=True,
+                                                window=9, sequence_parallel="sp"),
+                      mesh=mesh, in_specs=(rows,) * 3, out_specs=rows)(
+            *(jnp.asarray(x) for x in data))
+        report["short_window_error"] = ""
+    except ValueError as error:
+        report["short_window_error"] = str(error)
+
+    # communication: the bytes of the collectives' results in the compiled HLO
+    collective = re.compile(r"\\b(all-reduce|all-gather|all-to-all|collective-permute|"
+                            r"reduce-scatter)(-start)?\\(")
+    shape = re.compile(r"\\b(f64|f32|s64|s32|pred)\\[([\\d,]*)\\]")
+    size = {"f64": 8, "f32": 4, "s64": 8, "s32": 4, "pred": 1}
+
+    def moved(text):
+        total = count = 0
+        for line in text.splitlines():
+            found = collective.search(line)
+            if found:
+                count += 1
+                for dtype, dims in shape.findall(line[:found.start()].split("=", 1)[-1]):
+                    total += size[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+        return total, count
+
+    S, DC = 16, 16
+    for label, extra in (("plain", {}), ("window", dict(window=32, sinks=4))):
+        def f(q, k, v, extra=extra):
+            return xattn.rfa(q, k, v, num_features=S, rng=0, causal=True,
+                             sequence_parallel="sp", **extra)
+        sm = jax.shard_map(f, mesh=mesh, in_specs=(rows,) * 3, out_specs=rows)
+        grad = jax.grad(lambda q, k, v: jnp.sum(sm(q, k, v) ** 2), argnums=(0, 1, 2))
+        for length in (4096, 32768):
+            x = jax.ShapeDtypeStruct((1, 2, length, DC), jnp.float32,
+                                     sharding=NamedSharding(mesh, rows))
+            # the collectives are in the lowered program already (explicit under
+            # shard_map): compiling it (the slow part, at 32k) is not needed to count them
+            report[f"bytes/{label}/{length}"] = {
+                "forward": moved(jax.jit(sm).lower(x, x, x).as_text("hlo")),
+                "forward_backward": moved(jax.jit(grad).lower(x, x, x).as_text("hlo"))}
+    print("REPORT" + json.dumps(report))
+""")
+
+
+@pytest.fixture(scope="module")
+def jax_report() -> dict:
+    env = dict(os.environ, SP_CASES=json.dumps(CASES), SP_JAX_CASES=json.dumps(JAX_CASES),
+               JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    result = subprocess.run([sys.executable, "-c", JAX_SCRIPT], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT"))
+    return json.loads(line[len("REPORT"):])
+
+
+# under JAX (compiled: a few seconds a case) the cases that together cover every path;
+# torch (eager) runs all of them
+JAX_CASES = ["rfa_window_sinks", "lara"]
+
+
+@needs_jax
+@pytest.mark.parametrize("name", [*(f"{case}/float64" for case in JAX_CASES),
+                                  "rfa_trigonometric_window_sinks/float32"])
+def test_jax_pieces_equal_one_device(jax_report: dict, name: str) -> None:
+    assert jax_report["devices"] == 8
+    entry = jax_report[name]
+    tolerance = RTOL[name.split("/")[1]]
+    assert entry["out"] <= tolerance["out"], entry
+    assert entry["grad"] <= tolerance["grad"], entry
+    # the state after the whole sequence, on every device (positions and flags exactly)
+    assert entry["state"] <= tolerance["out"], entry
+
+
+@needs_jax
+def test_jax_nan_reaches_exactly_the_rows_that_attend_it(jax_report: dict) -> None:
+    entry = jax_report["nan"]
+    assert entry["nan_rows_equal"], entry  # rows >= 37 of head 1, as on one device
+    assert entry["finite_out"] <= 1e-10, entry
+
+
+@needs_jax
+def test_jax_piece_shorter_than_window_is_refused(jax_report: dict) -> None:
+    assert "at least window" in jax_report["short_window_error"]
+
+
+@needs_jax
+@pytest.mark.parametrize("label", ["plain", "window"])
+def test_jax_communication_does_not_grow_with_n(jax_report: dict, label: str) -> None:
+    devices, features, value_dim, head_dim, heads = 8, 16, 16, 16, 2
+    bound = devices * features * (value_dim + 2) * 4  # per head: the states' bytes
+    if label == "window":  # the halo (w keys, values, validity) and the sinks
+        bound += devices * (32 + 4) * (head_dim + value_dim + 1) * 4
+    short, long = (jax_report[f"bytes/{label}/{n}"] for n in (4096, 32768))
+    for key, calls in (("forward", 1), ("forward_backward", 2)):  # backward: its transpose
+        assert long[key][0] <= 1.1 * short[key][0], (short, long)
+        assert 0 < long[key][0] <= calls * heads * bound, (long, bound)
+        assert long[key][1] == short[key][1], (short, long)  # as many collectives
+
+
+TORCH_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    CASES = json.loads(os.environ["SP_CASES"])
+    # LARA's proposal means, the same in every rank (computed at import)
+    MEANS = 0.3 * torch.randn(6, 8, generator=torch.Generator().manual_seed(5),
+                              dtype=torch.float64)
+
+    def call(options, q, k, v, key_mask, **extra):
+        import xattn
+        options = dict(options)
+        estimator = getattr(xattn, options.pop("estimator"))
+        if options.get("proposal_means") == "means":
+            options["proposal_means"] = MEANS
+        return estimator(q, k, v, key_mask=key_mask, causal=True, return_state=True,
+                         **options, **extra)
+
+    def rel(a, b):
+        a, b = a.detach().double(), b.detach().double()
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+    def worker(rank, world, port, out_dir, data):
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        import xattn
+        q, k, v, mask, weights = data
+        report = {}
+        bounds = {"equal": [8 * r for r in range(5)], "unequal": [0, 5, 14, 22, 32]}
+        runs = [(name, "equal") for name in CASES] + [("rfa_window_sinks", "unequal"),
+                                                      ("lara", "unequal")]
+        for name, split in runs:
+            start, stop = bounds[split][rank], bounds[split][rank + 1]
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            ref, ref_state = call(CASES[name], *leaves, mask)
+            (ref * weights).sum().backward()
+            pieces = [x[..., start:stop, :].clone().requires_grad_(True) for x in (q, k, v)]
+            out, state = call(CASES[name], *pieces, mask[..., start:stop],
+                              sequence_parallel=dist.group.WORLD)
+            (out * weights[start:stop]).sum().backward()
+            mine = state.features if hasattr(state, "features") else state
+            theirs = ref_state.features if hasattr(ref_state, "features") else ref_state
+            report[f"{name}/{split}"] = {
+                "out": rel(out, ref[..., start:stop, :]),
+                "grad": max(rel(a.grad, b.grad[..., start:stop, :])
+                            for a, b in zip(pieces, leaves)),
+                "state": max(rel(mine.feature_sums, theirs.feature_sums),
+                             float(int(mine.position) != int(theirs.position)),
+                             float(not torch.equal(mine.window_valid, theirs.window_valid)))}
+        # a NaN key at position 13 (rank 1), head 0
+        poisoned = k.clone()
+        poisoned[0, 0, 13, 1] = float("nan")
+        keep = mask.clone()
+        keep[0, 0, 13] = True
+        start, stop = 8 * rank, 8 * rank + 8
+        ref, _ = call(CASES["rfa_window_sinks"], q, poisoned, v, keep)
+        out, _ = call(CASES["rfa_window_sinks"], q[..., start:stop, :],
+                      poisoned[..., start:stop, :], v[..., start:stop, :],
+                      keep[..., start:stop], sequence_parallel=dist.group.WORLD)
+        ref = ref[..., start:stop, :]
+        report["nan"] = {"nan_rows_equal": bool(torch.equal(out.isnan(), ref.isnan())),
+                         "finite_out": rel(out.nan_to_num(), ref.nan_to_num())}
+        # refused: a group of one, a piece shorter than the window
+        singles = [dist.new_group([r]) for r in range(world)]
+        errors = []
+        for extra in (dict(sequence_parallel=singles[rank]),
+                      dict(sequence_parallel=dist.group.WORLD, window=9)):
+            try:
+                xattn.rfa(q[..., start:stop, :], k[..., start:stop, :], v[..., start:stop, :],
+                          num_features=4, rng=0, causal=True, **extra)
+                errors.append("")
+            except ValueError as error:
+                errors.append(str(error))
+        report["errors"] = errors
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+            json.dump(report, handle)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (0.7 * torch.randn(1, 2, 32, d, generator=generator, dtype=torch.float64)
+                   for d in (8, 8, 5))
+        mask = torch.rand(1, 2, 32, generator=generator) > 0.2
+        weights = torch.cos(torch.arange(32 * 5, dtype=torch.float64)).reshape(32, 5)
+        mp.spawn(worker, args=(4, int(sys.argv[2]), sys.argv[1], (q, k, v, mask, weights)),
+                 nprocs=4)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def torch_reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("sequence_parallel")
+    script = folder / "ranks.py"
+    script.write_text(TORCH_SCRIPT)
+    env = dict(os.environ, SP_CASES=json.dumps(CASES), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, str(script), str(folder), str(_free_port())],
+                            env=env, capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
+TORCH_RUNS = [f"{case}/equal" for case in CASES] + ["rfa_window_sinks/unequal", "lara/unequal"]
+
+
+@needs_torch
+@pytest.mark.parametrize("name", TORCH_RUNS)
+def test_torch_ranks_equal_one_process(torch_reports: list[dict], name: str) -> None:
+    for report in torch_reports:
+        entry = report[name]
+        assert entry["out"] <= 1e-10, (name, entry)
+        assert entry["grad"] <= 1e-10, (name, entry)
+        assert entry["state"] <= 1e-10, (name, entry)
+
+
+@needs_torch
+def test_torch_nan_and_refused_setups(torch_reports: list[dict]) -> None:
+    for report in torch_reports:
+        assert report["nan"]["nan_rows_equal"], report["nan"]
+        assert report["nan"]["finite_out"] <= 1e-10, report["nan"]
+        one, short = report["errors"]
+        assert "one device" in one, one
+        assert "at least window" in short, short
+
+
+# ---- refused setups, in this process ------------------------------------------------
+
+def _inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(2, 8, 4)), rng.normal(size=(2, 8, 4)), rng.normal(size=(2, 8, 3))
+
+
+@pytest.mark.parametrize("estimator", ["rfa", "lara"])
+def test_non_causal_is_refused(estimator: str) -> None:
+    q, k, v = _inputs()
+    options = dict(num_features=4) if estimator == "rfa" else dict(num_samples=4)
+    with pytest.raises(ValueError, match="needs causal=True"):
+        getattr(xattn, estimator)(q, k, v, rng=0, sequence_parallel="sp", **options)
+
+
+def test_state_with_sequence_parallel_is_refused() -> None:
+    q, k, v = _inputs()
+    _, state = xattn.rfa(q, k, v, num_features=4, rng=0, causal=True, return_state=True)
+    with pytest.raises(ValueError, match="state= is not supported"):
+        xattn.rfa(q, k, v, causal=True, state=state, sequence_parallel="sp")
+
+
+def test_unknown_argument_and_wrong_library_are_refused() -> None:
+    q, k, v = _inputs()
+    with pytest.raises(TypeError, match="mesh axis"):
+        xattn.rfa(q, k, v, num_features=4, rng=0, causal=True, sequence_parallel=3)
+    with pytest.raises(TypeError, match="needs JAX arrays"):
+        xattn.rfa(q, k, v, num_features=4, rng=0, causal=True, sequence_parallel="sp")
+
+
+@needs_jax
+def test_jax_axis_outside_shard_map_and_group_of_one() -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, PartitionSpec
+
+    q, k, v = (jnp.asarray(x) for x in _inputs())
+    with pytest.raises(ValueError, match=r"no enclosing jax\.shard_map"):
+        xattn.rfa(q, k, v, num_features=4, rng=0, causal=True, sequence_parallel="sp")
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(AxisType.Auto,))
+    rows = PartitionSpec(None, "sp", None)
+    alone = jax.shard_map(lambda q, k, v: xattn.rfa(q, k, v, num_features=4, rng=0,
+                                                    causal=True, sequence_parallel="sp"),
+                          mesh=mesh, in_specs=(rows,) * 3, out_specs=rows)
+    with pytest.raises(ValueError, match="one device"):
+        alone(q, k, v)
+
+
+@needs_torch
+def test_torch_tensors_with_a_mesh_axis_are_refused() -> None:
+    import torch
+
+    q, k, v = (torch.asarray(x) for x in _inputs())
+    with pytest.raises(TypeError, match="needs JAX arrays"):
+        xattn.rfa(q, k, v, num_features=4, rng=0, causal=True, sequence_parallel="sp")
