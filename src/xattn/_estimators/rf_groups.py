@@ -35,6 +35,7 @@ from typing import Any
 
 from xattn._core.array import Array, stream_bounds
 from xattn._core.delegation import (
+    clip_below,
     ignore_invalid,
     matmul_add,
     ratio_to_last_column,
@@ -48,11 +49,13 @@ from xattn._core.primitives import (
     group_rows,
     key_logits_in_range,
     merge_maxima,
+    pad_rows,
 )
 from xattn._estimators.rf_scan import FeatureMap, finish_partial, state_over_keys
 
-__all__ = ["lara_group_rows", "positive_key_sums", "positive_readout",
-           "positive_rfa", "rfa_group_rows", "rows_of", "trigonometric_rfa"]
+__all__ = ["FLOAT16_CHUNK", "lara_group_rows", "positive_key_sums", "positive_readout",
+           "positive_rfa", "positive_rfa_half", "rfa_group_rows", "rows_of",
+           "trigonometric_rfa"]
 
 def rows_of(x: Array, start: int, stop: int) -> Array:
     """Rows ``start:stop`` (axis -2) of ``x``; ``x`` itself when they are all of them (no
@@ -139,6 +142,103 @@ def positive_rfa(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
     for start, stop in stream_bounds(inputs.q, -2, rows):
         queries = finite_entries(xp, rows_of(inputs.q, start, stop))
         out.put(start, positive_readout(xp, matmul_add(queries, omega_t, key_max), sums))
+    return out.result()
+
+
+def _half_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Array, Array]:
+    r"""The key statistics of half-precision keys with a rank-one stabilizer, in groups of
+    ``rows`` keys: ``(B (..., 1, 1), [A, b] (..., S, Dv + 1))`` in float32.
+
+    With :math:`p_{ms} = \omega_s \cdot \hat k_m` (``omega_t`` carries
+    :math:`\sqrt{s}`), :math:`\beta_m = \max_s p_{ms} - \lVert \hat k_m
+    \rVert^2/2` and
+    :math:`B = \max_m \beta_m`, every key term factors as :math:`e^{a_{ms}} = e^B\,
+    \psi_{ms}\, w_m` with the feature :math:`\psi_{ms} = e^{p_{ms} - \max_s p_{ms}}` and
+    the weight :math:`w_m = e^{\beta_m - B}`, both in [0, 1]: :math:`A_s = \sum_m
+    \psi_{ms} w_m v_m` and :math:`b_s = \sum_m \psi_{ms} w_m` are two products of half
+    operands (accumulated in float32 by the libraries that multiply half matrices fast),
+    the logits' maxima and the exponents of the weights in float32. Groups merge by their
+    :math:`B` (:func:`~xattn._core.primitives.merge_maxima`); :math:`e^B` and the query
+    constant cancel in the read-out's ratio."""
+    k, v, key_mask, half_scale = inputs.k, inputs.v, inputs.key_mask, 0.5 * inputs.scale
+    work = inputs.compute_dtype
+    merged = None
+    for start, stop in stream_bounds(k, -2, rows):
+        keys = finite_entries(xp, rows_of(k, start, stop))
+        with ignore_invalid(xp):  # an overflowing norm or projection (the floor below)
+            projections = keys @ omega_t  # p_ms, half
+            largest = stop_gradient(xp.max(projections, axis=-1, keepdims=True))
+            key_max = key_logits_in_range(xp, xp.astype(largest, work)
+                                          - half_scale * squared_norms(keys, dtype=work))
+            centred = xp.where(xp.isfinite(largest), projections - largest, 0.0)
+        if key_mask is not None:
+            key_max = xp.where(key_mask[..., start:stop, None], key_max, -xp.inf)
+        values = finite_entries(xp, rows_of(v, start, stop))
+        # float16 (largest 65504): the keys in chunks of FLOAT16_CHUNK, each product's sums
+        # at most that many times the largest value, merged in float32; else one chunk
+        length = stop - start
+        chunk = (FLOAT16_CHUNK if keys.dtype == xp.float16 and length > FLOAT16_CHUNK
+                 else length)
+        count, padding = -(-length // chunk), -length % chunk
+
+        def chunked(x: Array, fill: float, chunk: int = chunk, count: int = count,
+                    padding: int = padding) -> Array:
+            x = pad_rows(xp, x, 0, padding, fill)
+            return xp.reshape(x, (*x.shape[:-2], count, chunk, x.shape[-1]))
+
+        key_max = chunked(key_max, -math.inf)  # (..., J, R, 1)
+        chunk_max = stop_gradient(xp.max(key_max, axis=-2, keepdims=True))  # B_j, -inf: none
+        key_weights = xp.astype(xp.exp(key_max - finite_shift(xp, chunk_max)), keys.dtype)
+        features_t = xp.matrix_transpose(xp.exp(chunked(centred, 0.0)))  # psi^T (..., J, S, R)
+        sums = xp.astype(xp.concat([features_t @ (key_weights * chunked(values, 0.0)),
+                                    features_t @ key_weights], axis=-1), work)
+        if count == 1:
+            part = (chunk_max[..., 0, :, :], sums[..., 0, :, :])
+        else:  # the chunks' sums at their largest B_j
+            group_max = xp.max(chunk_max, axis=-3)  # (..., 1, 1)
+            factors = xp.exp(chunk_max - finite_shift(xp, group_max)[..., None, :, :])
+            part = (group_max, xp.sum(factors * sums, axis=-3))
+        if merged is None:
+            merged = part
+        else:
+            maximum, _, (first, second) = merge_maxima(xp, merged[0], part[0])
+            merged = (maximum, first * merged[1] + second * part[1])
+    assert merged is not None  # M >= 1: at least one group
+    return merged
+
+
+#: Keys per product of non-causal RFA on float16 inputs: a product's sums are float16
+#: numbers (largest 65504), at most this many times the largest value (bfloat16 has
+#: float32's range: one product)
+FLOAT16_CHUNK = 1024
+
+
+def positive_rfa_half(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
+    r"""Non-causal positive-map RFA of half-precision inputs: features and products in
+    the input dtype, maxima and the sums across key groups in float32.
+
+    The keys by :func:`_half_key_sums`; a query reads them as :math:`y_n = \sum_s
+    \phi_{ns} A_s / \sum_s \phi_{ns} b_s` with :math:`\phi_{ns} = e^{p_{ns} - \max_s
+    p_{ns}}`, :math:`p_{ns} = \omega_s \cdot \hat q_n`: one product of half features
+    and the half-rounded sums (the shifts, :math:`e^B` and :math:`e^{-\lVert \hat q_n
+    \rVert^2/2}/S` cancel between numerator and denominator)."""
+    dtype = inputs.q.dtype
+    omega_t = xp.astype(xp.matrix_transpose(math.sqrt(inputs.scale) * omega), dtype)
+    _, sums = _half_key_sums(xp, inputs, omega_t, rows)
+    # in the half format at most 1 (denominators) and the values' size (numerators): the
+    # ratio does not depend on a common factor (0 without keys)
+    largest = xp.max(sums[..., -1:], axis=-2, keepdims=True)
+    sums = xp.astype(sums / clip_below(largest, xp.finfo(largest.dtype).smallest_normal),
+                     dtype)
+    # a row without keys (every key masked) reads 0 / floor = 0 (the half format's
+    # smallest normal number: XLA flushes subnormals to 0)
+    floor = xp.finfo(dtype).smallest_normal
+    out = RowPieces(inputs.num_queries)
+    for start, stop in stream_bounds(inputs.q, -2, rows):
+        projections = finite_entries(xp, rows_of(inputs.q, start, stop)) @ omega_t  # p_ns
+        features = xp.exp(projections - stop_gradient(xp.max(projections, axis=-1,
+                                                             keepdims=True)))
+        out.put(start, ratio_to_last_column(features @ sums, floor))
     return out.result()
 
 

@@ -50,7 +50,12 @@ from xattn._core.state import (
     rfa_state_options,
 )
 from xattn._estimators.feature_maps import PositiveMap, TrigonometricMap
-from xattn._estimators.rf_groups import positive_rfa, rfa_group_rows, trigonometric_rfa
+from xattn._estimators.rf_groups import (
+    positive_rfa,
+    positive_rfa_half,
+    rfa_group_rows,
+    trigonometric_rfa,
+)
 from xattn._estimators.rf_scan import (
     PAIR_BLOCK,
     FeatureMap,
@@ -410,8 +415,9 @@ def rfa(
             state, num_features=num_features, feature_map=feature_map, omega=omega,
             window=window, sinks=sinks, scale=scale)
         omega = state.omega
-    # causal RFA with positive features multiplies half inputs in their own dtype
-    half_scan = (causal and not stateful and not window and not sinks
+    # RFA with positive features, causal or not, multiplies half inputs in their own
+    # dtype (not yet with a window, sinks or a state)
+    half_scan = (not stateful and not window and not sinks
                  and feature_map in (None, "positive", "hyperbolic"))
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
                                check_finite=check_finite, continuing=stateful,
@@ -482,7 +488,9 @@ def rfa(
         else:  # non-causal: keys, then queries, in groups of this many rows
             rows = rfa_group_rows(inputs, width, itemsize, working_memory, chunk_size_given)
             out, invalid = (trigonometric_rfa(xp, inputs, mapping, rows) if trigonometric
-                             else (positive_rfa(xp, inputs, omega, rows), None))
+                             else (positive_rfa(xp, inputs, omega, rows)
+                                   if inputs.q.dtype == work
+                                   else positive_rfa_half(xp, inputs, omega, rows), None))
         out = mark_tainted(xp, out, tainted)
     if invalid is not None:
         _warn_if_any(xp, invalid if tainted is None else invalid & ~tainted)
