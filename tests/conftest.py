@@ -40,7 +40,10 @@ def _one_thread_per_worker() -> None:
         return
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(name, "1")
-    _add_xla_flags("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
+    # (XLA stops reading XLA_FLAGS at a word that is not a flag, such as the
+    # "intra_op_parallelism_threads=1" often quoted beside this one: the flags after it,
+    # the quick compiles below, were ignored in every worker)
+    _add_xla_flags("--xla_cpu_multi_thread_eigen=false")
 
 
 def _add_xla_flags(*flags: str) -> None:
