@@ -246,7 +246,7 @@ def lara(
     sequence_parallel : str, tuple of str or torch.distributed.ProcessGroup, optional
         With ``causal=True``: one sequence split across devices, as :func:`xattn.rfa`'s
         ``sequence_parallel`` (LASP [4]_): a JAX mesh axis name inside
-        :func:`jax.shard_map`, or a ``torch.distributed`` process group, q, k, v being
+        ``jax.shard_map``, or a ``torch.distributed`` process group, q, k, v being
         this device's contiguous piece. The devices exchange the fixed-size prefix sums of
         their pieces (``C (Dv + 2)`` numbers per head and device, whatever ``N``); the
         samples must be the same on every device (an int ``rng``, a replicated JAX key,

@@ -307,7 +307,7 @@ def rfa(
         (``causal=True``; ``N = M``).
     sequence_parallel : str, tuple of str or torch.distributed.ProcessGroup, optional
         Split one causal sequence across devices (context parallelism, as LASP [5]_): the
-        name of a JAX mesh axis, inside :func:`jax.shard_map` with the sequence axis of q,
+        name of a JAX mesh axis, inside ``jax.shard_map`` with the sequence axis of q,
         k, v (and ``key_mask``) sharded over it, or a ``torch.distributed`` process group
         whose rank ``r`` holds the ``r``-th contiguous piece (lengths may differ). q, k, v
         are this device's piece (``N = M``); the samples must be the same on every device
@@ -332,7 +332,7 @@ def rfa(
         or ``sample_norm``, negative ``window`` or ``sinks``, ``sinks`` > M, and the input
         errors of :func:`xattn.softmax_attention`; ``sequence_parallel`` without
         ``causal=True`` or with ``state=``, with a group of one device, outside a
-        :func:`jax.shard_map` over that axis, or with a piece shorter than ``window``
+        ``jax.shard_map`` over that axis, or with a piece shorter than ``window``
         (the first shorter than ``sinks``).
     TypeError
         Non-integer ``num_features``, ``block_size``, ``chunk_size``, ``window`` or

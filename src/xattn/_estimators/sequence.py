@@ -22,7 +22,7 @@ https://arxiv.org/abs/2404.02882). Each device
    halo's keys have left the window by :math:`p_r`), piece :math:`r - 1` without its
    halo, which becomes the window buffer; the first piece's sink tokens; the position
    :math:`p_r`. Selections by masks on the device index, so one program serves every
-   device (a traced index under :func:`jax.shard_map`);
+   device (a traced index under ``jax.shard_map``);
 4. continues that state over its own piece (:func:`~xattn._estimators.decode.continue_rfa`,
    what ``state=`` does on one device).
 

@@ -8,7 +8,7 @@ argument into a :class:`Group`: the device's index, the number of devices, the p
 lengths and a differentiable all-gather.
 
 * **JAX**: the name of a mesh axis (a string, or a tuple of names) of an enclosing
-  :func:`jax.shard_map` over which the sequence axis is sharded; the gather is
+  ``jax.shard_map`` over which the sequence axis is sharded; the gather is
   :func:`jax.lax.all_gather` (its transpose, a reduce-scatter, carries the gradients), the
   index :func:`jax.lax.axis_index`. The pieces have equal lengths (shard_map's blocks).
 * **torch**: a :class:`torch.distributed.ProcessGroup` (``torch.distributed.group.WORLD``
@@ -66,7 +66,7 @@ def resolve_group(sequence_parallel: Any, q: Array, length: int, estimator: str)
     """The :class:`Group` of ``sequence_parallel`` for inputs like ``q`` holding ``length``
     positions of the sequence. ``TypeError`` for an argument that is neither a mesh axis
     name nor a process group, or that does not match the array library of ``q``;
-    ``ValueError`` outside a :func:`jax.shard_map` over that axis, for an uninitialized
+    ``ValueError`` outside a ``jax.shard_map`` over that axis, for an uninitialized
     process group, and for a group of one device."""
     library = library_name(q)
     argument = f"{estimator}(sequence_parallel={sequence_parallel!r})"
