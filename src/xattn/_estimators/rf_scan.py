@@ -205,7 +205,7 @@ def _key_inputs(xp: Any, mapping: FeatureMap, k: RowBlocks, v: RowBlocks, root_s
         keys, values = finite_entries(xp, keys), value_columns(xp, values)
     device = array_api_compat.device(keys)
     valid = _key_validity(xp, key_mask, first_key, start, stop, device)
-    return mapping.keys(root_scale * keys, valid), values
+    return mapping.keys(keys if root_scale == 1.0 else root_scale * keys, valid), values
 
 
 def state_over_keys(xp: Any, mapping: FeatureMap, k: Array, v: Array, *, root_scale: float,
@@ -277,8 +277,8 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start
             queries = query_rows.get(start, stop)
-            queries = mapping.queries(root_scale * (queries if finite
-                                                    else finite_entries(xp, queries)))
+            queries = queries if finite else finite_entries(xp, queries)
+            queries = mapping.queries(queries if root_scale == 1.0 else root_scale * queries)
             # the block's keys, aligned so that key i is allowed for query j iff i <= j
             key_start, key_stop = ((start + offset, stop + offset) if reverse
                                    else (start - offset, stop - offset))

@@ -36,6 +36,7 @@ their band and sink slots by the same :func:`exact_partial`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -232,8 +233,8 @@ def _sink_scores(xp: Any, sinks: KeyRows, queries: Array, first_position: int | 
 
 def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: bool,
                   band: KeyRows | None, first_key: int = 0, sinks: KeyRows | None = None,
-                  sink_position: int | Array | None = None,
-                  finite: bool = False) -> Partial | None:
+                  sink_position: int | Array | None = None, finite: bool = False,
+                  base: Partial | None = None) -> Partial | None:
     r"""Exact sums of a block of queries over their band keys and the sink keys.
 
     Query ``i`` of the block, at position :math:`n = \text{start} + i` of the sequence of
@@ -276,6 +277,12 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
     finite : bool
         The keys and values of ``band`` and ``sinks`` hold no NaN or infinity and are
         read as they are (else non-finite entries as 0).
+    base : Partial, optional
+        The same queries' partial over other keys (the random features'), whose sums
+        ``exact_partial`` adds to its own, rescaled to the common shift: the products of
+        the band and the sinks are added in place of a separate merge
+        (:func:`~xattn._estimators.rf_scan.combine_partials`). Its weight must be its
+        denominator (not the trigonometric map's bound).
 
     Returns
     -------
@@ -301,13 +308,25 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
     if sink is not None:
         maxima.append(xp.max(sink[0], axis=-1, keepdims=True))
     if not maxima:
-        return None
-    shift = maxima[0] if len(maxima) == 1 else xp.maximum(maxima[0], maxima[1])
+        return base
+    padding = size * count - length
+    if base is not None:  # its rows padded like the queries' (-inf: no key there)
+        maxima.append(pad_rows(xp, base[0], 0, padding, -math.inf))
+    shift = maxima[0]
+    for maximum in maxima[1:]:
+        shift = xp.maximum(shift, maximum)
     offset = finite_shift(xp, shift)
     sums = None
+    if base is not None:  # e^{base shift - shift} times its sums (0 where it has no key)
+        sums = xp.exp(maxima[-1] - offset) * pad_rows(xp, base[1], 0, padding, 0.0)
     if scored is not None:
         chunk_offset = xp.reshape(offset, (*offset.shape[:-2], count, size, 1))
-        chunk_sums = xp.exp(scored[0] - chunk_offset) @ scored[1]  # (..., count, size, Dv + 1)
+        weights = xp.exp(scored[0] - chunk_offset)
+        if sums is None:
+            chunk_sums = weights @ scored[1]  # (..., count, size, Dv + 1)
+        else:  # added to the base's sums by the product
+            chunk_sums = matmul_add(weights, scored[1], xp.reshape(
+                sums, (*sums.shape[:-2], count, size, sums.shape[-1])))
         sums = xp.reshape(chunk_sums, (*chunk_sums.shape[:-3], size * count,
                                        chunk_sums.shape[-1]))
     if sink is not None:
@@ -322,7 +341,8 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
 
 
 def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, window: int,
-                   sinks: int, causal: bool, finite: bool = False) -> Partial | None:
+                   sinks: int, causal: bool, finite: bool = False,
+                   base: Partial | None = None) -> Partial | None:
     r"""Exact sums of queries ``start:stop`` of ``inputs`` over their band and sink keys
     (:func:`exact_partial`).
 
@@ -345,6 +365,8 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
         Whether a query takes only the keys ``m <= n``.
     finite : bool
         q, k and v hold no NaN or infinity (:func:`~xattn._core.primitives.finite_inputs`).
+    base : Partial, optional
+        As :func:`exact_partial`'s.
 
     Returns
     -------
@@ -353,7 +375,9 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
     """
     k, v, key_mask = inputs.k, inputs.v, inputs.key_mask
     queries = inputs.q[..., start:stop, :]
-    queries = inputs.scale * (queries if finite else finite_entries(xp, queries))
+    queries = queries if finite else finite_entries(xp, queries)
+    if inputs.scale != 1.0:  # (1: the inputs scaled already, windowed_rfa)
+        queries = inputs.scale * queries
     sink_rows = None
     if sinks:
         sink_rows = (k[..., :sinks, :], v[..., :sinks, :],
@@ -361,7 +385,7 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
     return exact_partial(xp, queries, start, window=window, causal=causal,
                          band=(k, v, key_mask) if window else None, first_key=sinks,
                          sinks=sink_rows, sink_position=start if causal else None,
-                         finite=finite)
+                         finite=finite, base=base)
 
 
 def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, window: int,
@@ -386,11 +410,14 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
     # one block holds the whole sequence anyway: the inputs are read as finite once, not
     # by each of the scans and the band (several blocks: each reads its own rows)
     finite = len(blocks) == 1
-    if finite:
+    root_scale = math.sqrt(inputs.scale)
+    if finite:  # and scaled once: q^ and k^, so that q^ . k^ = s q . k (scale 1 below)
         inputs = finite_inputs(inputs)
+        inputs = dataclasses.replace(inputs, q=root_scale * inputs.q, k=root_scale * inputs.k,
+                                     scale=1.0)
+        root_scale = 1.0
     q, k, v = inputs.q, inputs.k, inputs.v
     num_keys = k.shape[-2]
-    root_scale = math.sqrt(inputs.scale)
     out = RowPieces(num_queries)
     suffix = None  # shift, denominator and weight of the partials over the keys after the band
     if window and not causal:  # the keys m >= n + w + 1, from the last block back
@@ -421,7 +448,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
     clamped = RowPieces(num_queries) if guard else None
     for start, stop in blocks:
         queries = q[..., start:stop, :]
-        q_hat = root_scale * (queries if finite else finite_entries(xp, queries))
+        q_hat = queries if finite else root_scale * finite_entries(xp, queries)
         constant = mapping.query_constant(q_hat)  # makes the estimate e^{q.k} itself
         random_parts: list[Partial] = []
         if forward is not None:
@@ -433,10 +460,14 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
         if state is not None:
             random_parts.append(mapping.readout(mapping.queries(q_hat), state))
         partials = [(shift + constant, sums, weight) for shift, sums, weight in random_parts]
-        exact = _exact_partial(xp, inputs, start, stop, window, sinks, causal, finite)
-        if exact is not None:
-            partials.append(exact)
-        rows, invalid = finish_partial(xp, combine_partials(xp, partials), guard=guard)
+        if guard:  # the trigonometric map's weight bounds its denominator: merged apart
+            exact = _exact_partial(xp, inputs, start, stop, window, sinks, causal, finite)
+            combined = combine_partials(xp, partials if exact is None else [*partials, exact])
+        else:  # the exact sums added to the random features' by the band's products
+            combined = _exact_partial(xp, inputs, start, stop, window, sinks, causal, finite,
+                                      base=combine_partials(xp, partials))
+            assert combined is not None
+        rows, invalid = finish_partial(xp, combined, guard=guard)
         out.put(start, rows)
         if clamped is not None:
             clamped.put(start, invalid)
