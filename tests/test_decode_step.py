@@ -23,7 +23,7 @@ from xattn import TrigonometricDenominatorWarning
 
 lazy_xp_modules = [xattn]  # JIT-compiled on JAX, no hidden compute on Dask (conftest)
 
-LENGTH, HEAD_DIM, VALUE_DIM, NUM_FEATURES = 12, 8, 3, 16
+LENGTH, HEAD_DIM, VALUE_DIM, NUM_FEATURES = 10, 8, 3, 16
 OPTIONS = {
     "positive": {},
     "hyperbolic": {"feature_map": "hyperbolic"},
@@ -51,7 +51,8 @@ def token_by_token(backend, function, arrays, key_mask, later=None, **first_opti
         mask = None if key_mask is None else backend.asarray(key_mask[..., n:n + 1])
         options = first_options if state is None else {"state": state, **(later or {})}
         out, state = function(*piece, key_mask=mask, causal=True, return_state=True, **options)
-        state = backend.settled(state)
+        # Dask: the output computed with the state (one graph run, not two)
+        out, state = backend.settled((out, state))
         outputs.append(backend.to_numpy(out))
     return np.concatenate(outputs, axis=-2)
 
@@ -133,14 +134,21 @@ CONTINUE = {"softmax": lambda q, k, v, **o: xattn.softmax_attention(q, k, v, **o
             "lara": lambda q, k, v, **o: xattn.lara(q, k, v, num_samples=4, **o)}
 
 
+PREFILL = 4  # the tokens before the steps: two steps before the one at position 6,
+# (LENGTH: three after it)
+
+
 def steps_with(backend, name, q, k, v, key_mask=None, last_piece=1):
-    """A prefill of 2 tokens, then one call per token (``STEP_CASES[name]``); the last
-    ``last_piece`` tokens in one call."""
+    """A prefill of :data:`PREFILL` tokens, then one call per token
+    (``STEP_CASES[name]``); the last ``last_piece`` tokens in one call."""
     function = STEP_CASES[name]
-    singles = range(2, LENGTH - last_piece + 1)
-    pieces = [(0, 2), *((n, n + 1) for n in singles)]
+    singles = range(PREFILL, LENGTH if last_piece == 1 else LENGTH - last_piece)
+    pieces = [(0, PREFILL), *((n, n + 1) for n in singles)]
     if last_piece > 1:
         pieces.append((LENGTH - last_piece, LENGTH))
+    # each token once (the last piece once repeated the token before it)
+    assert [start for start, _ in pieces] == [0, *(stop for _, stop in pieces[:-1])]
+    assert pieces[-1][1] == LENGTH
     outputs, state = [], None
     for start, stop in pieces:
         piece = [backend.asarray(a[..., start:stop, :]) for a in (q, k, v)]
@@ -150,7 +158,8 @@ def steps_with(backend, name, q, k, v, key_mask=None, last_piece=1):
         else:
             out, state = quiet(CONTINUE.get(name, xattn.rfa))(
                 *piece, key_mask=mask, causal=True, state=state, return_state=True)
-        state = backend.settled(state)
+        # Dask: the output computed with the state (one graph run, not two)
+        out, state = backend.settled((out, state))
         outputs.append(backend.to_numpy(out))
     return np.concatenate(outputs, axis=-2)
 
@@ -197,7 +206,7 @@ def test_a_state_tainted_by_a_step_taints_a_longer_piece(backend, rng, name):
     the sums; a later call of several tokens reads the taint there too."""
     q, k, v, _ = sequence(rng, masked=False)
     k[..., 6, 1] = np.nan
-    out = steps_with(backend, name, q, k, v, last_piece=4)  # steps 2..7, then 8..11
+    out = steps_with(backend, name, q, k, v, last_piece=3)  # steps 4..6, then 7..9
     assert np.all(np.isnan(out[..., 6:, :]))
     assert np.all(np.isfinite(out[..., :6, :]))
 
