@@ -43,8 +43,7 @@ from xattn._core.state import (
 )
 from xattn._estimators.feature_maps import PositiveMap
 from xattn._estimators.importance import importance_weights, own_proposal_weights
-from xattn._estimators.rf_scan import PAIR_BLOCK, block_positions
-from xattn._estimators.rfa import causal_scan
+from xattn._estimators.rf_scan import PAIR_BLOCK, block_positions, causal_scan
 from xattn._estimators.sequence import continue_sequence
 
 __all__ = ["CAUSAL_WEIGHTINGS", "ImportanceMap", "causal_lara",

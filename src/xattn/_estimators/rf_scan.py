@@ -56,6 +56,7 @@ from xattn._core.array import Array, one_chunk_along, stream_bounds
 from xattn._core.delegation import append_ones_column, ratio_to_last_column
 from xattn._core.primitives import (
     RowBlocks,
+    RowPieces,
     finite_entries,
     merge_maxima,
     pad_rows,
@@ -67,6 +68,7 @@ __all__ = [
     "PAIR_BLOCK",
     "FeatureMap",
     "block_positions",
+    "causal_scan",
     "combine_partials",
     "finish_partial",
     "scan_partials",
@@ -319,3 +321,23 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
         return carried() if keep_state else state
 
     return run()
+
+
+def causal_scan(xp: Any, inputs: Any, mapping: FeatureMap, block_size: int, chunk_size: int,
+                guard: bool) -> tuple[Array, Array | None]:
+    """Causal attention by ``mapping``'s features over blocks of positions
+    (:func:`xattn._estimators.rf_scan.scan_partials`): RFA's, and causal LARA's."""
+    num_queries = inputs.q.shape[-2]
+    out = RowPieces(num_queries)
+    clamped = RowPieces(num_queries) if guard else None
+    partials = scan_partials(xp, mapping, inputs.q, inputs.k, inputs.v,
+                             root_scale=math.sqrt(inputs.scale), key_mask=inputs.key_mask,
+                             first_key=0, offset=0, reverse=False, block_size=block_size,
+                             chunk_size=chunk_size, batch_shape=inputs.batch_shape,
+                             keep_state=False)
+    for start, partial in zip(range(0, num_queries, block_size), partials, strict=True):
+        rows, invalid = finish_partial(xp, partial, guard=guard)
+        out.put(start, rows)
+        if clamped is not None:
+            clamped.put(start, invalid)
+    return out.result(), None if clamped is None else clamped.result()

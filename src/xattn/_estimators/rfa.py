@@ -41,7 +41,7 @@ from xattn._core.options import (
     check_window,
     default_num_features,
 )
-from xattn._core.primitives import RowPieces, mark_tainted, quarantine
+from xattn._core.primitives import mark_tainted, quarantine
 from xattn._core.state import (
     RFAState,
     check_state_call,
@@ -56,18 +56,12 @@ from xattn._estimators.rf_groups import (
     rfa_group_rows,
     trigonometric_rfa,
 )
-from xattn._estimators.rf_scan import (
-    PAIR_BLOCK,
-    FeatureMap,
-    block_positions,
-    finish_partial,
-    scan_partials,
-)
+from xattn._estimators.rf_scan import PAIR_BLOCK, block_positions, causal_scan
 from xattn._estimators.sequence import check_parallel_call, continue_sequence
 from xattn._estimators.window import band_width, windowed_rfa
 from xattn.features import FEATURE_MAPS, SAMPLE_NORMS, sample_omega
 
-__all__ = ["TrigonometricDenominatorWarning", "causal_scan", "default_num_features", "rfa"]
+__all__ = ["TrigonometricDenominatorWarning", "default_num_features", "rfa"]
 
 
 class TrigonometricDenominatorWarning(RuntimeWarning):
@@ -311,17 +305,13 @@ def rfa(
         k, v (and ``key_mask``) sharded over it, or a ``torch.distributed`` process group
         whose rank ``r`` holds the ``r``-th contiguous piece (lengths may differ). q, k, v
         are this device's piece (``N = M``); the samples must be the same on every device
-        (an int ``rng``, a replicated JAX key, or ``omega=``). Each device computes the
-        state of its piece's keys, all-gathers these fixed-size states (``S (Dv + 2)``
-        numbers per head and device, plus ``w (D + Dv + 1)`` with ``window`` and ``K (D +
-        Dv + 1)`` with ``sinks``, whatever ``N``), merges those of the pieces ``j`` before
-        it, :math:`K_s = \max_j K^{(j)}_s`, :math:`A'_s = \sum_j e^{K^{(j)}_s - K_s}
-        A'^{(j)}_s`, and continues that state over its piece (as ``state=``). Outputs and
-        gradients (carried back by the collective's own transpose) are those of one call
-        on the whole sequence up to rounding, a NaN reaches exactly the rows that attend
-        it, and ``return_state`` gives the state after the whole sequence on every
-        device. Every map, ``key_mask``, ``window`` (each piece at least ``w`` long) and
-        ``sinks`` (in the first piece): :doc:`/guide/13_sequence_parallel`.
+        (an int ``rng``, a replicated JAX key, or ``omega=``). The devices all-gather
+        the fixed-size states of their pieces' keys (``S (Dv + 2)`` numbers per head,
+        plus ``w (D + Dv + 1)`` with ``window`` and ``K (D + Dv + 1)`` with ``sinks``,
+        whatever ``N``) and each continues the merged state of the pieces before it over
+        its own. Outputs, gradients and ``return_state`` (on every device) are those of
+        one call on the whole sequence up to rounding; each piece at least ``w`` long,
+        the sinks in the first: :doc:`/guide/13_sequence_parallel`.
 
     {{returns}}
 
@@ -495,26 +485,6 @@ def rfa(
     if invalid is not None:
         _warn_if_any(xp, invalid if tainted is None else invalid & ~tainted)
     return (inputs.finish(out), state) if return_state else inputs.finish(out)
-
-
-def causal_scan(xp: Any, inputs: Any, mapping: FeatureMap, block_size: int, chunk_size: int,
-                guard: bool) -> tuple[Array, Array | None]:
-    """Causal attention by ``mapping``'s features over blocks of positions
-    (:func:`xattn._estimators.rf_scan.scan_partials`): RFA's, and causal LARA's."""
-    num_queries = inputs.q.shape[-2]
-    out = RowPieces(num_queries)
-    clamped = RowPieces(num_queries) if guard else None
-    partials = scan_partials(xp, mapping, inputs.q, inputs.k, inputs.v,
-                             root_scale=math.sqrt(inputs.scale), key_mask=inputs.key_mask,
-                             first_key=0, offset=0, reverse=False, block_size=block_size,
-                             chunk_size=chunk_size, batch_shape=inputs.batch_shape,
-                             keep_state=False)
-    for start, partial in zip(range(0, num_queries, block_size), partials, strict=True):
-        rows, invalid = finish_partial(xp, partial, guard=guard)
-        out.put(start, rows)
-        if clamped is not None:
-            clamped.put(start, invalid)
-    return out.result(), None if clamped is None else clamped.result()
 
 
 def _warn_if_any(xp: Any, invalid: Array) -> None:

@@ -460,13 +460,14 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
         if state is not None:
             random_parts.append(mapping.readout(mapping.queries(q_hat), state))
         partials = [(shift + constant, sums, weight) for shift, sums, weight in random_parts]
+        combined: Partial | None
         if guard:  # the trigonometric map's weight bounds its denominator: merged apart
             exact = _exact_partial(xp, inputs, start, stop, window, sinks, causal, finite)
             combined = combine_partials(xp, partials if exact is None else [*partials, exact])
         else:  # the exact sums added to the random features' by the band's products
             combined = _exact_partial(xp, inputs, start, stop, window, sinks, causal, finite,
                                       base=combine_partials(xp, partials))
-            assert combined is not None
+        assert combined is not None  # a random part at least
         rows, invalid = finish_partial(xp, combined, guard=guard)
         out.put(start, rows)
         if clamped is not None:
