@@ -317,7 +317,8 @@ def thinned(item: pytest.Item) -> bool:
     callspec = getattr(item, "callspec", None)
     if marker is None or callspec is None or os.environ.get("XATTN_FULL") == "1":
         return False
-    if callspec.params.get("backend") not in THIN_BACKENDS:
+    # the backend fixture's, or test_precision's half_backend
+    if callspec.params.get("backend", callspec.params.get("half_backend")) not in THIN_BACKENDS:
         return False
     return any(callspec.params.get(name) not in kept for name, kept in marker.kwargs.items())
 
