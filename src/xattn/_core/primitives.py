@@ -281,17 +281,19 @@ def group_rows(*, length: int, batch_size: int, row_numbers: int, itemsize: int,
     return max(1, min(rows, length))
 
 
-def finite_entries(xp: Any, x: Array) -> Array:
+def finite_entries(xp: Any, x: Array, finite: bool = False) -> Array:
     """``x`` with its NaN and infinite entries replaced by 0, by ``where`` (no product with
     a NaN, in the backward pass either): how an estimator reads a piece of its inputs,
-    whose non-finite rows :func:`quarantine` has located."""
-    return nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    whose non-finite rows :func:`quarantine` has located. ``finite``: ``x`` is read from
+    :func:`finite_inputs` already, and returned as it is (no second pass)."""
+    return x if finite else nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def value_columns(xp: Any, v: Array) -> Array:
+def value_columns(xp: Any, v: Array, finite: bool = False) -> Array:
     """Values with a column of ones appended (the denominator), non-finite entries 0
-    (:func:`~xattn._core.delegation.append_ones_column`: one operation where the library pads)."""
-    return append_ones_column(finite_entries(xp, v))
+    (``finite``: as :func:`finite_entries`;
+    :func:`~xattn._core.delegation.append_ones_column`: one operation where the library pads)."""
+    return append_ones_column(finite_entries(xp, v, finite))
 
 
 def running_max(xp: Any, x: Array) -> Array:

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import array_api_compat
 
 from xattn._core.array import Array, one_chunk_along, stream_bounds
-from xattn._core.delegation import append_ones_column, ratio_to_last_column
+from xattn._core.delegation import ratio_to_last_column
 from xattn._core.primitives import (
     RowBlocks,
     RowPieces,
@@ -200,11 +200,8 @@ def _key_inputs(xp: Any, mapping: FeatureMap, k: RowBlocks, v: RowBlocks, root_s
                 finite: bool = False) -> tuple[tuple[Array, ...], Array]:
     """The mapped keys ``start:stop`` and their value columns (``finite``: k and v have
     no NaN or infinity, :func:`~xattn._core.primitives.finite_inputs`, read as they are)."""
-    keys, values = k.get(start, stop), v.get(start, stop)
-    if finite:
-        values = append_ones_column(values)
-    else:
-        keys, values = finite_entries(xp, keys), value_columns(xp, values)
+    keys = finite_entries(xp, k.get(start, stop), finite)
+    values = value_columns(xp, v.get(start, stop), finite)
     device = array_api_compat.device(keys)
     valid = _key_validity(xp, key_mask, first_key, start, stop, device)
     return mapping.keys(keys if root_scale == 1.0 else root_scale * keys, valid), values
@@ -279,7 +276,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start
             queries = query_rows.get(start, stop)
-            queries = queries if finite else finite_entries(xp, queries)
+            queries = finite_entries(xp, queries, finite)
             queries = mapping.queries(queries if root_scale == 1.0 else root_scale * queries)
             # the block's keys, aligned so that key i is allowed for query j iff i <= j
             key_start, key_stop = ((start + offset, stop + offset) if reverse

@@ -43,7 +43,7 @@ from typing import Any
 import array_api_compat
 
 from xattn._core.array import Array, chunked_like
-from xattn._core.delegation import append_ones_column, matmul_add
+from xattn._core.delegation import matmul_add
 from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
@@ -186,9 +186,8 @@ def _band_scores(xp: Any, band: KeyRows, queries: Array, start: int, stop: int, 
         return None
     before, after = low - first, first + span - high
     keys, values = k[..., low:high, :], v[..., low:high, :]
-    keys = pad_rows(xp, keys if finite else finite_entries(xp, keys), before, after, 0.0)
-    values = pad_rows(xp, append_ones_column(values) if finite else value_columns(xp, values),
-                      before, after, 0.0)
+    keys = pad_rows(xp, finite_entries(xp, keys, finite), before, after, 0.0)
+    values = pad_rows(xp, value_columns(xp, values, finite), before, after, 0.0)
     chunk_queries = xp.reshape(queries, (*queries.shape[:-2], count, size, queries.shape[-1]))
     scores = chunk_queries @ xp.matrix_transpose(_unfold(xp, keys, size, count, width))
     rows = xp.arange(size, device=device)[:, None]
@@ -213,7 +212,7 @@ def _sink_scores(xp: Any, sinks: KeyRows, queries: Array, first_position: int | 
     array), and the sinks' values with their column of ones ``(..., K, Dv + 1)``."""
     k, v, valid = sinks
     device = array_api_compat.device(k)
-    scores = queries @ xp.matrix_transpose(k if finite else finite_entries(xp, k))
+    scores = queries @ xp.matrix_transpose(finite_entries(xp, k, finite))
     allowed = None
     if first_position is not None:
         rows = queries.shape[-2]
@@ -228,7 +227,7 @@ def _sink_scores(xp: Any, sinks: KeyRows, queries: Array, first_position: int | 
         allowed = sink_valid if allowed is None else (allowed & sink_valid)
     if allowed is not None:
         scores = xp.where(allowed, scores, -xp.inf)
-    return scores, append_ones_column(v) if finite else value_columns(xp, v)
+    return scores, value_columns(xp, v, finite)
 
 
 def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: bool,
@@ -375,7 +374,7 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
     """
     k, v, key_mask = inputs.k, inputs.v, inputs.key_mask
     queries = inputs.q[..., start:stop, :]
-    queries = queries if finite else finite_entries(xp, queries)
+    queries = finite_entries(xp, queries, finite)
     if inputs.scale != 1.0:  # (1: the inputs scaled already, windowed_rfa)
         queries = inputs.scale * queries
     sink_rows = None
