@@ -7,7 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xattn._core.delegation import nan_to_num, ratio_to_last_column
+from xattn._core.delegation import (
+    nan_to_num,
+    neighbour_scores,
+    neighbour_sums,
+    ratio_to_last_column,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -55,3 +60,61 @@ def test_nan_to_num_derivatives_are_zero_at_the_replaced_entries(rng):
     finite = torch.asarray(rng.normal(size=(3, 4)), dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradgradcheck(
         lambda y: nan_to_num(y, nan=0.0, posinf=0.0, neginf=0.0) ** 2, (finite,))
+
+
+def _dense_neighbour_sums(queries, keys, values, neighbours, biases, period, base):
+    """float64 NumPy: ``base + sum_d exp(q_c . k_{c+d} + bias_d) v_{c+d}`` over the
+    neighbours ``c + d`` of chunk ``c`` in the same sequence of ``period`` chunks, one
+    chunk at a time (no slices, no shift)."""
+    queries, keys, values = (np.asarray(x.detach(), dtype=np.float64)
+                             for x in (queries, keys, values))
+    out = base.detach().numpy().copy()
+    for chunk in range(queries.shape[0]):
+        for neighbour, bias in zip(neighbours, biases, strict=True):
+            other = chunk + neighbour
+            if not 0 <= other < queries.shape[0] or other // period != chunk // period:
+                continue
+            scores = queries[chunk] @ keys[other].T
+            if bias is not None:
+                scores = scores + np.asarray(bias)
+            out[chunk] += np.exp(scores) @ values[other]
+    return out
+
+
+@pytest.mark.parametrize("neighbours", [(0, -1), (0, -1, 1)])
+def test_neighbour_products_equal_chunk_by_chunk_sums_with_derivatives(rng, neighbours):
+    """The band's (chunk, neighbour) products: scores with their static band bias, and
+    the sums of ``exp(score) [v]`` added to a base, equal the chunk-by-chunk sums; no pair
+    crosses from one sequence (``period`` chunks) to the next; first and second
+    derivatives equal finite differences (the custom backward adds rows in place)."""
+    size, period = 3, 4
+    chunks = 2 * period  # two sequences
+    def tensor(*shape):
+        return torch.asarray(rng.normal(size=shape) * 0.5,
+                             dtype=torch.float64).requires_grad_()
+
+    queries, keys, values, base = (tensor(chunks, size, 2), tensor(chunks, size, 2),
+                                   tensor(chunks, size, 3), tensor(chunks, size, 3))
+    band = torch.asarray(np.triu(np.full((size, size), -np.inf), 1), dtype=torch.float64)
+    biases = (band, None, None)[:len(neighbours)]
+
+    def sums(q, k, v, b):
+        scores = neighbour_scores(q, k, neighbours, biases, period)
+        return neighbour_sums(tuple(torch.exp(piece) for piece in scores), v, neighbours, b)
+
+    out = sums(queries, keys, values, base)
+    assert type(out.grad_fn).__name__ == "NeighbourSumsBackward"  # the custom forms
+    expected = _dense_neighbour_sums(queries, keys, values, neighbours, biases, period, base)
+    np.testing.assert_allclose(out.detach().numpy(), expected, rtol=1e-13, atol=0)
+    with torch.no_grad():  # the portable form, as every other library runs it
+        np.testing.assert_allclose(sums(queries, keys, values, base).numpy(), expected,
+                                   rtol=1e-13, atol=0)
+    # a huge key at the end of the first sequence overflows its own pairs only
+    huge = keys.detach().clone()
+    huge[period - 1] = 1e308  # scores of +-inf, or NaN, in its own sequence
+    with torch.no_grad():
+        crossed = sums(queries, huge, values, base)
+    np.testing.assert_array_equal(crossed[period:].numpy(), out[period:].detach().numpy())
+    inputs = (queries, keys, values, base)
+    assert torch.autograd.gradcheck(sums, inputs)
+    assert torch.autograd.gradgradcheck(sums, inputs)

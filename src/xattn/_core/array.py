@@ -24,7 +24,8 @@ __all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "TORCH_GPU_DEVICES", "arr
            "chunked_like", "compute_dtype", "concrete_count", "default_working_memory",
            "has_half_products", "host_namespace",
            "host_to_device", "index_sizes", "is_real_floating", "library_name",
-           "one_chunk_along", "register_pytree", "sequence_positions", "split_rows",
+           "one_chunk_along", "register_pytree", "reshapes_freely", "sequence_positions",
+           "split_rows",
            "stream_bounds", "take", "take_rows", "written_in_place"]
 
 Array = Any
@@ -202,6 +203,12 @@ def one_chunk_along(x: Array, axis: int) -> Array:
     if array_api_compat.is_dask_array(x):
         return x.rechunk({axis % x.ndim: -1})
     return x
+
+
+def reshapes_freely(x: Array) -> bool:
+    """Whether ``x`` may be reshaped to merge its leading axes with its rows (not a Dask
+    array: its reshape merges chunked axes only where the chunks line up)."""
+    return not array_api_compat.is_dask_array(x)
 
 
 def chunked_like(x: Array, like: Array, axis: int) -> Array:

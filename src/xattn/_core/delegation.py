@@ -9,7 +9,6 @@ The estimators call these and never branch on the library themselves."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.abc
 import importlib.util
 import math
@@ -19,13 +18,16 @@ import array_api_compat
 import array_api_extra as xpx
 import numpy as np
 
+from xattn._core import torch_autograd
 from xattn._core.array import Array, one_chunk_along
 from xattn._core.inputs import AttentionInputs
+from xattn._core.torch_autograd import neighbour_slices
 
 __all__ = ["append_column", "append_ones_column", "clip_below", "cumulative_max",
            "has_native_attention", "ignore_invalid", "matmul_add",
            "nan_to_num",
-           "native_attention", "nonfinite_probe", "nonfinite_rows", "qr",
+           "native_attention", "neighbour_scores", "neighbour_sums", "nonfinite_probe",
+           "nonfinite_rows", "qr",
            "ratio_to_last_column", "squared_norms",
            "stop_gradient"]
 
@@ -74,21 +76,88 @@ def stop_gradient(x: Array) -> Array:
 
 def matmul_add(x: Array, matrix: Array, addend: Array) -> Array:
     """``x @ matrix + addend``: ``x`` (..., N, D), ``matrix`` (D, S) or (..., D, S),
-    ``addend`` (..., N or 1, S or 1), both with the leading dims of ``x``. torch: one
+    ``addend`` (..., N or 1, S or 1) or (N or 1, S or 1), the first two with the leading
+    dims of ``x``. torch: one
     ``baddbmm``, which writes the (N, S) result once (a product and an addition write it
     twice); elsewhere the two operations, which XLA fuses."""
     lead = tuple(x.shape[:-2])
-    if (array_api_compat.is_torch_array(x) and x.ndim >= 3 and tuple(addend.shape[:-2]) == lead
+    if (array_api_compat.is_torch_array(x) and x.ndim >= 3
+            and tuple(addend.shape[:-2]) in (lead, ())
             and (matrix.ndim == 2 or tuple(matrix.shape[:-2]) == lead)):
         import torch
 
         batch = math.prod(lead)
         matrices = (matrix.expand(batch, *matrix.shape) if matrix.ndim == 2
                     else matrix.reshape(batch, *matrix.shape[-2:]))
-        out = torch.baddbmm(addend.reshape(batch, *addend.shape[-2:]),
+        out = torch.baddbmm(addend.reshape(-1 if addend.ndim > 2 else 1, *addend.shape[-2:]),
                             x.reshape(batch, *x.shape[-2:]), matrices)
         return out.reshape(*lead, x.shape[-2], matrix.shape[-1])
     return x @ matrix + addend
+
+
+def _tracks_gradients(*arrays: Array | None) -> bool:
+    """torch tensors of which one needs a gradient, outside ``torch.compile`` (which fuses
+    the portable form itself)."""
+    import torch
+
+    return (any(x is not None and x.requires_grad for x in arrays)
+            and not torch.compiler.is_compiling())
+
+
+def _portable_neighbour_scores(queries: Array, keys: Array, neighbours: tuple[int, ...],
+                               biases: tuple[Array | None, ...], period: int) -> tuple[Array, ...]:
+    """:func:`neighbour_scores` by the standard's slices and products; the pairs across
+    two sequences set to ``-inf`` in place where the library writes in place (NumPy,
+    torch), by :func:`array_api_extra.at` elsewhere."""
+    xp = array_api_compat.array_namespace(queries, keys)
+    scores = []
+    for neighbour, bias in zip(neighbours, biases, strict=True):
+        rows, key_rows = neighbour_slices(queries.shape[0], neighbour)
+        product = (queries[rows, ...], xp.matrix_transpose(keys[key_rows, ...]))
+        piece = product[0] @ product[1] if bias is None else matmul_add(*product, bias)
+        if neighbour:  # chunk (l + 1) * period - 1 of the piece pairs two sequences
+            piece = xpx.at(piece)[period - 1::period, ...].set(-math.inf)
+        scores.append(piece)
+    return tuple(scores)
+
+
+def neighbour_scores(queries: Array, keys: Array, neighbours: tuple[int, ...],
+                     biases: tuple[Array | None, ...], period: int) -> tuple[Array, ...]:
+    """Each chunk's queries against the keys of a neighbouring chunk.
+
+    ``queries`` and ``keys`` (C, s, D) are sequences of ``period`` chunks one after
+    another. For each ``d`` of ``neighbours`` (0 first) and its ``bias`` ((s, s) or None):
+    the scores ``queries[c] @ keys[c + d].T + bias`` of the chunks ``c`` whose neighbour
+    ``c + d`` is one of the ``C`` chunks, ``(C - |d|, s, s)``, ``-inf`` where ``c + d``
+    is in another sequence than ``c`` (no value of another sequence, not even an
+    overflow, reaches a row). torch, with a gradient to track: one operation whose
+    backward writes the gradients of ``queries`` and ``keys`` once, adding each
+    neighbour's rows in place (autograd would write each slice's gradient again in full,
+    and add them); elsewhere the slices and the products."""
+    if array_api_compat.is_torch_array(queries) and _tracks_gradients(queries, keys):
+        return torch_autograd.neighbour_functions()[0].apply(queries, keys, neighbours, period,
+                                                     *biases)
+    return _portable_neighbour_scores(queries, keys, neighbours, biases, period)
+
+
+def neighbour_sums(weights: tuple[Array, ...], values: Array, neighbours: tuple[int, ...],
+                   base: Array | None) -> Array:
+    """``base + sum_d weights_d @ values[c + d]`` over the chunks' neighbours.
+
+    ``weights`` as :func:`neighbour_scores` gives the scores (``d = 0`` first, covering
+    every chunk), ``values`` (C, s, F), ``base`` (C, s, F) or None: (C, s, F). torch, with
+    a gradient to track: one operation that adds each neighbour's products in place,
+    forward and backward (autograd would join the rows and write each slice's gradient
+    in full); elsewhere the products, added and joined."""
+    if array_api_compat.is_torch_array(values) and _tracks_gradients(values, base, *weights):
+        return torch_autograd.neighbour_functions()[1].apply(values, base, neighbours, *weights)
+    xp = array_api_compat.array_namespace(values)
+    out = weights[0] @ values if base is None else matmul_add(weights[0], values, base)
+    for neighbour, piece in zip(neighbours[1:], weights[1:], strict=True):
+        rows, key_rows = neighbour_slices(values.shape[0], neighbour)
+        added = matmul_add(piece, values[key_rows, ...], out[rows, ...])
+        out = xp.concat([out[:rows.start, ...], added, out[rows.stop:, ...]], axis=0)
+    return out
 
 
 def squared_norms(x: Array, dtype: Any = None) -> Array:
@@ -103,27 +172,6 @@ def squared_norms(x: Array, dtype: Any = None) -> Array:
         norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype)
         return norms * norms
     return xp.sum(x * x, axis=-1, keepdims=True, dtype=dtype)
-
-
-@functools.cache
-def _torch_nan_to_num() -> Any:
-    import torch
-
-    class NanToNum(torch.autograd.Function):
-        @staticmethod
-        def forward(x: Any, nan: float, posinf: float, neginf: float) -> Any:
-            return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
-
-        @staticmethod
-        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            ctx.save_for_backward(inputs[0], output)
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            x, out = ctx.saved_tensors
-            return torch.where(out == x, grad, 0.0), None, None, None
-
-    return NanToNum
 
 
 def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
@@ -141,7 +189,7 @@ def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
 
         if (x.requires_grad and all(math.isfinite(value) for value in (nan, posinf, neginf))
                 and not torch.compiler.is_compiling()):
-            return _torch_nan_to_num().apply(x, nan, posinf, neginf)
+            return torch_autograd.nan_to_num_function().apply(x, nan, posinf, neginf)
         return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
     if array_api_compat.is_jax_array(x):
         import jax.numpy as jnp
@@ -159,41 +207,6 @@ def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     x = xp.where(xp.isnan(x), nan, x)
     return xp.where(x == xp.inf, posinf, xp.where(x == -xp.inf, neginf, x))
 
-@functools.cache
-def _torch_ratio_to_last_column() -> Any:
-    import torch
-
-    class RatioToLastColumn(torch.autograd.Function):
-        @staticmethod
-        def forward(x: Any, floor: float) -> Any:
-            return x[..., :-1] / torch.clamp(x[..., -1:], min=floor)
-
-        @staticmethod
-        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            x, floor = inputs
-            ctx.floor = floor
-            ctx.save_for_backward(x, output)  # inputs and outputs: a graph of the backward too
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            x, out = ctx.saved_tensors
-            last = x[..., -1:]
-            divisor = torch.clamp(last, min=ctx.floor)
-            if torch.is_grad_enabled():  # a graph of the backward (create_graph): traced ops
-                scaled = grad / divisor
-                dot = (scaled.unsqueeze(-2) @ out.unsqueeze(-1))[..., 0]
-                return torch.cat([scaled, torch.where(last >= ctx.floor, -dot, 0.0)], -1), None
-            grad_x = grad.new_empty((*grad.shape[:-1], grad.shape[-1] + 1))
-            scaled = grad_x[..., :-1]
-            torch.div(grad, divisor, out=scaled)  # d out / d x[:-1], written in place
-            # d out / d x[-1] = -sum_j g_j out_j / d, where the clamp passes (last >= floor)
-            dot = (scaled.unsqueeze(-2) @ out.unsqueeze(-1))[..., 0]
-            grad_x[..., -1:] = torch.where(last >= ctx.floor, -dot, 0.0)
-            return grad_x, None
-
-    return RatioToLastColumn
-
-
 def ratio_to_last_column(x: Array, floor: float) -> Array:
     """``x[..., :-1] / max(x[..., -1:], floor)``: numerators over the denominator in the
     last column (the sums of an estimator's read-out, with ``floor`` a tiny positive
@@ -208,7 +221,7 @@ def ratio_to_last_column(x: Array, floor: float) -> Array:
         import torch
 
         if x.requires_grad and not torch.compiler.is_compiling():
-            return _torch_ratio_to_last_column().apply(x, floor)
+            return torch_autograd.ratio_to_last_column_function().apply(x, floor)
     return x[..., :-1] / clip_below(x[..., -1:], floor)
 
 
