@@ -261,3 +261,23 @@ def test_torch_gradients_do_not_see_a_huge_key_outside_the_band(rows):
     for factor in (1e7, 1e15):
         for normal, with_huge in zip(gradients[1.0], gradients[factor], strict=True):
             np.testing.assert_allclose(with_huge, normal, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_sequence_of_the_batch_never_reaches_another(backend, rng, causal):
+    """Two sequences of 100 positions (chunks of 16, one flat axis of chunks when the
+    block is the whole sequence): a key of 1e308, whose scores overflow to infinities
+    (and NaN) in its own sequence, leaves every row of the other sequence bit for bit
+    as it was: the last key of the first sequence (the chunk before the second one's
+    first), the first key of the second (the chunk after the first one's last)."""
+    q, _, v, _ = make_inputs(rng, 100, 100, batch=(2,), masked=False)
+    k = rng.normal(size=q.shape)
+    plain = [backend.to_numpy(x) for x in run_partial(backend, q, k, v, 0, 100, 5, 1, causal)]
+    for sequence, position, other in ((0, 99, 1), (1, 0, 0)):
+        huge = k.copy()
+        huge[sequence, position, :] = 1e308
+        with np.errstate(over="ignore", invalid="ignore"):
+            partial = run_partial(backend, q, huge, v, 0, 100, 5, 1, causal)
+            changed = [backend.to_numpy(x) for x in partial]
+        for before, after in zip(plain, changed, strict=True):
+            np.testing.assert_array_equal(after[other], before[other])
