@@ -8,14 +8,16 @@ stabilized sums, :math:`S (D_v + 2)` numbers per head), so the pieces need to ex
 only such states (LASP: W. Sun et al., "Linear Attention Sequence Parallelism", 2024,
 https://arxiv.org/abs/2404.02882). Each device
 
-1. computes the state of its own piece's keys (:func:`piece_payload`): the random-feature
-   sums of the keys that a later piece reads through the state (with ``window=w``, all
-   but the piece's last :math:`w` keys, which it keeps as the *halo*; the first piece's
-   ``sinks`` left out and kept as they are), with a NaN maximum when a key or value of
-   the piece is not finite;
-2. all-gathers these, packed in one array of fixed size (:math:`S (D_v + 2)` per head, plus
-   :math:`w (D + D_v + 1)` for the halo and :math:`K (D + D_v + 1)` for the sinks),
-   whatever the sequence length (:mod:`xattn._integrations.sequence_parallel`);
+1. scans its own piece once, from no state (:func:`piece_scan`): per row the partial
+   (shift, sums, weight, not yet normalized) of the piece's own keys that the row reads
+   through the random features, and the state of the keys that a later piece reads
+   through them (with ``window=w``, all but the piece's last :math:`w` keys, which it
+   keeps as the *halo*; the first piece's ``sinks`` left out and kept as they are),
+   with a NaN maximum when a key or value of the piece is not finite;
+2. all-gathers these states, packed in one array of fixed size (:math:`S (D_v + 2)` per
+   head, plus :math:`w (D + D_v + 1)` for the halo and :math:`K (D + D_v + 1)` for the
+   sinks), whatever the sequence length (:mod:`xattn._estimators.sequence_state`,
+   :mod:`xattn._integrations.sequence_parallel`);
 3. merges the states of the pieces before it, an exclusive prefix over the devices with
    the online-softmax (maximum, sums) merge of the chunks
    (:func:`~xattn._core.primitives.merge_maxima`): pieces :math:`j < r - 1` whole (their
@@ -23,30 +25,49 @@ https://arxiv.org/abs/2404.02882). Each device
    halo, which becomes the window buffer; the first piece's sink tokens; the position
    :math:`p_r`. Selections by masks on the device index, so one program serves every
    device (a traced index under ``jax.shard_map``);
-4. continues that state over its own piece (:func:`~xattn._estimators.decode.continue_rfa`,
-   what ``state=`` does on one device).
+4. reads that state out for its rows and combines it with their partials of step 1
+   (:func:`piece_rows`; the halo's keys, which only the rows :math:`j < w` read apart
+   from the others, by a scan of :math:`w` rows), adds the exact band and sinks and
+   normalizes: what :func:`~xattn._estimators.decode.continue_rfa` (``state=`` on one
+   device) computes from the merged state, with one pass over the piece's keys in all.
 
 The state after the whole sequence is the same merge over all pieces, on every device.
-Gradients flow back through the gathered states by the collective's own transpose (a
-reduce-scatter under JAX, an all-reduce in torch), so outputs and gradients are those of
-one device's call up to rounding, and a NaN reaches exactly the rows that attend it.
+Gradients flow back through the gathered states by one all-reduce of their gradient
+(under JAX the transpose of their cast to device-varying, in torch the gather's
+backward), so outputs and gradients are those of one device's call up to rounding, and a
+NaN reaches exactly the rows that attend it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from xattn._core.array import Array
-from xattn._core.delegation import stop_gradient
 from xattn._core.inputs import AttentionInputs
-from xattn._core.primitives import finite_shift, quarantine
+from xattn._core.primitives import (
+    RowPieces,
+    finite_entries,
+    finite_inputs,
+    mark_tainted,
+    quarantine,
+)
 from xattn._core.state import RFAState
-from xattn._estimators.decode import _new_tokens, continue_rfa
-from xattn._estimators.rf_scan import FeatureMap, State, state_over_keys
+from xattn._estimators.decode import _new_tokens, _returned, _updated_sinks, continue_rfa
+from xattn._estimators.rf_scan import (
+    FeatureMap,
+    Partial,
+    State,
+    combine_partials,
+    finish_partial,
+    scan_partials,
+    state_over_keys,
+)
+from xattn._estimators.sequence_state import merged_state, piece_payload, unpack
+from xattn._estimators.window import exact_partial
 
-__all__ = ["Layout", "check_parallel_call", "continue_sequence", "merged_state",
-           "piece_payload", "unpack"]
+__all__ = ["check_parallel_call", "continue_sequence", "piece_rows", "piece_scan"]
 
 
 def check_parallel_call(estimator: str, sequence_parallel: Any, *, causal: bool,
@@ -95,24 +116,39 @@ def continue_sequence(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, sta
     def position(upto: Any) -> Array:  # the first position after the pieces before upto
         return xp.sum(xp.where(index < upto, lengths, xp.zeros_like(lengths)))
 
-    payload, layout = piece_payload(xp, inputs, mapping, state, position(group.rank),
-                                    chunk_size=chunk_size)
-    gathered = unpack(xp, group.gather(payload), layout)
-    halo_states = None
-    if window:  # the halos' own states, for the pieces whose halo left the window
-        halo_states = state_over_keys(
-            xp, mapping, gathered["halo_keys"], gathered["halo_values"],
-            root_scale=math.sqrt(inputs.scale), key_mask=gathered["halo_valid"] > 0.5,
-            first_key=0, start=0, stop=window, chunk_size=window,
-            batch_shape=(group.size, *layout.batch))
+    batch = tuple(state.sink_keys.shape[:-2])
+    valid = (xp.ones((*batch, inputs.num_keys), dtype=xp.bool, device=device)
+             if inputs.key_mask is None else xp.broadcast_to(inputs.key_mask,
+                                                             (*batch, inputs.num_keys)))
+    positions = position(group.rank) + xp.arange(inputs.num_keys, device=device)
+    summed = valid & (positions >= sinks)  # sink tokens never enter the sums
+    # one block holds the piece: its inputs are read as finite once, and scaled once (q^ and
+    # k^, q^ . k^ = s q . k), as on one device (xattn._estimators.window.windowed_rfa)
+    finite = inputs.num_queries <= block_size
+    read = inputs
+    if finite:
+        read = finite_inputs(inputs)
+        root_scale = math.sqrt(inputs.scale)
+        read = dataclasses.replace(read, q=root_scale * read.q, k=root_scale * read.k,
+                                   scale=1.0)
+    inner, features = piece_scan(xp, read, mapping, summed, window=window, batch=batch,
+                                 block_size=block_size, chunk_size=chunk_size, finite=finite)
+    payload, layout = piece_payload(xp, inputs, features, state, valid, summed)
+    gathered = group.gather(payload)
 
-    def prefix(upto: Any) -> RFAState:
-        return merged_state(xp, mapping, state, gathered, halo_states, index=index,
-                            upto=upto, position=position(upto))
+    def prefix(payloads: Array, upto: Any) -> RFAState:
+        return merged_state(xp, mapping, state, unpack(xp, payloads, layout), index=index,
+                            upto=upto, position=position(upto),
+                            root_scale=math.sqrt(inputs.scale))
 
-    out, invalid, _ = continue_rfa(xp, inputs, mapping, prefix(group.rank),
-                                   block_size=block_size, chunk_size=chunk_size, guard=guard)
-    return out, invalid, prefix(group.size)
+    # this device's rows mix the payloads with its index: its gradient of them is summed
+    # over the devices once (Group.varying); the state after the whole sequence is the
+    # same on every device, made of the payloads only
+    out, invalid = piece_rows(xp, inputs, read, mapping,
+                              prefix(group.varying(gathered), group.rank), inner, summed,
+                              block_size=block_size, chunk_size=chunk_size, guard=guard,
+                              finite=finite)
+    return out, invalid, prefix(gathered, group.size)
 
 
 class Layout:
@@ -123,113 +159,136 @@ class Layout:
         self.entries: list[tuple[str, tuple[int, ...]]] = []
 
 
-def piece_payload(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, empty: RFAState,
-                  start: Array, *, chunk_size: int) -> tuple[Array, Layout]:
-    """What this device's piece (positions ``start ..``) tells the others, packed into one
-    array (*batch, T) of the compute dtype, T independent of the piece's length: the
-    feature state of its keys (without the halo and the sinks), its maximum NaN if a key
-    or value is not finite; the halo (last ``w`` keys, values, validity); the first ``K``
-    tokens (the sinks, of the first piece)."""
-    window, sinks = empty.window, empty.sinks
-    batch = tuple(empty.sink_keys.shape[:-2])
+def piece_scan(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, summed: Array, *,
+               window: int, batch: tuple[int, ...], block_size: int, chunk_size: int,
+               finite: bool = False) -> tuple[list[Partial], State]:
+    r"""The one scan of this device's piece, from no state (step 1 of the module
+    docstring): per block of rows the partial of the piece's own keys that row :math:`j`
+    reads through the random features (:math:`m \le j - w - 1`; :math:`m \le j`
+    without a window), and the state of the keys that a later piece reads through them
+    (all but the last :math:`w`). ``summed``: the valid keys that are not sinks;
+    ``finite``: q, k and v hold no NaN or infinity and are read as they are."""
     length = inputs.num_queries
-    keys, values, valid = _new_tokens(xp, inputs, batch, finite=True)
-    positions = start + xp.arange(length, device=inputs.device)
-    summed = valid & (positions >= sinks)  # sink tokens never enter the sums
-    features = state_over_keys(xp, mapping, keys, values, root_scale=math.sqrt(inputs.scale),
-                               key_mask=summed, first_key=0, start=0,
-                               stop=max(length - window, 0), chunk_size=chunk_size,
-                               batch_shape=batch)
-    _, bad_keys = quarantine(inputs, causal=True)
-    bad = xp.any(bad_keys, axis=-1) if bad_keys.shape[-1] else xp.zeros(
-        bad_keys.shape[:-1], dtype=xp.bool, device=inputs.device)
-    bad = xp.broadcast_to(bad, batch)
-    maximum = features[0]
-    flag = xp.reshape(bad, (*batch, *(1,) * (maximum.ndim - len(batch))))
-    items: list[tuple[str, Array]] = [("feature_max", xp.where(flag, xp.nan, maximum))]
-    items += [(f"feature_{i}", x) for i, x in enumerate(features[1:], start=1)]
-    if window:  # the last w positions (invalid slots first when the piece is shorter)
-        items += [("halo_keys", xp.concat([empty.window_keys, keys], axis=-2)[..., -window:, :]),
-                  ("halo_values",
-                   xp.concat([empty.window_values, values], axis=-2)[..., -window:, :]),
-                  ("halo_valid", xp.concat([empty.window_valid, summed], axis=-1)[..., -window:])]
-    if sinks:
-        items += [("head_keys", keys[..., :sinks, :]), ("head_values", values[..., :sinks, :]),
-                  ("head_valid", valid[..., :sinks])]
-    layout = Layout(batch)
-    flat = []
-    for name, x in items:
-        layout.entries.append((name, tuple(x.shape[len(batch):])))
-        x = xp.astype(x, inputs.compute_dtype) if x.dtype == xp.bool else x
-        flat.append(xp.reshape(x, (*batch, -1)))
-    return xp.concat(flat, axis=-1), layout
+    root_scale = math.sqrt(inputs.scale)
+    scan = scan_partials(xp, mapping, inputs.q, inputs.k, inputs.v, root_scale=root_scale,
+                         key_mask=summed, first_key=0, offset=window + 1 if window else 0,
+                         reverse=False, block_size=block_size, chunk_size=chunk_size,
+                         batch_shape=batch, finite=finite)
+    inner = [next(scan) for _ in range(0, length, block_size)]
+    features = _returned(scan)
+    if window and length > window:  # the last key to leave the window (the scan stops before)
+        features = mapping.merge_states(features, state_over_keys(
+            xp, mapping, inputs.k, inputs.v, root_scale=root_scale, key_mask=summed,
+            first_key=0, start=length - window - 1, stop=length - window,
+            chunk_size=chunk_size, batch_shape=batch, finite=finite))
+    return inner, features
 
 
-def unpack(xp: Any, gathered: Array, layout: Layout) -> dict[str, Array]:
-    """The payloads of every device (size, *batch, T) as named arrays (size, *batch, ...)."""
-    out, offset = {}, 0
-    leading = tuple(gathered.shape[:-1])
-    for name, shape in layout.entries:
-        count = math.prod(shape)
-        out[name] = xp.reshape(gathered[..., offset:offset + count], (*leading, *shape))
-        offset += count
-    return out
+def _rows(xp: Any, parts: list[Partial], batch: tuple[int, ...]) -> Partial:
+    """The partials of consecutive rows as one partial (each at the leading dims ``batch``)."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(xp.concat([xp.broadcast_to(x[i], (*batch, *x[i].shape[-2:])) for x in parts],
+                           axis=-2) for i in range(3))
 
 
-def _where(xp: Any, keep: Array, state: State) -> State:
-    """``state`` where ``keep`` (broadcast from the left), else the state of no keys."""
-    return tuple(xp.where(xp.reshape(keep, (*keep.shape, *(1,) * (x.ndim - keep.ndim))), x,
-                          -xp.inf if i == 0 else 0.0) for i, x in enumerate(state))
+def _shifted(partial: Partial, constant: Array) -> Partial:
+    """``partial`` with the per-row ``constant`` added to its shift."""
+    shift, sums, weight = partial
+    return shift + constant, sums, weight
 
 
-def _merge_stacked(xp: Any, stacked: State) -> State:
-    r"""The state of the union of the key sets stacked along the first axis: one
-    online-softmax merge of all of them, :math:`m = \max_j m_j`, :math:`S = \sum_j
-    e^{m_j - m} S_j` (whatever the number of sets, a fixed number of operations)."""
-    maxima = stacked[0]
-    maximum = stop_gradient(xp.max(maxima, axis=0))  # the result does not depend on it
-    factors = xp.exp(maxima - finite_shift(xp, maximum)[None, ...])  # 0 for empty sets
-    merged = [maximum]
-    for x in stacked[1:]:  # the factor of a maximum (..., F) scales the rows (..., F, E)
-        factor = xp.reshape(factors, (*factors.shape, *(1,) * (x.ndim - factors.ndim)))
-        merged.append(xp.sum(factor * x, axis=0))
-    return tuple(merged)
+def piece_rows(xp: Any, inputs: AttentionInputs, read: AttentionInputs, mapping: FeatureMap,
+               before: RFAState, inner: list[Partial], summed: Array, *, block_size: int,
+               chunk_size: int, guard: bool, finite: bool = False) -> tuple[Array, Array | None]:
+    r"""The output rows of this device's piece (step 4 of the module docstring) from the
+    state ``before`` it and the partials ``inner`` of its own keys (:func:`piece_scan`):
+    what :func:`~xattn._estimators.decode.continue_rfa` computes from ``before`` in one
+    scan.
 
-
-def merged_state(xp: Any, mapping: FeatureMap, empty: RFAState, gathered: dict[str, Array],
-                 halo_states: State | None, *, index: Array, upto: Any,
-                 position: Array) -> RFAState:
-    """The state after the pieces ``j < upto`` (an exclusive prefix over the devices for
-    ``upto`` = this device's index; the whole sequence for ``upto`` = their number)."""
-    before, full, previous = index < upto, index < upto - 1, index == upto - 1
-    count = index.shape[0]
-    batch = tuple(empty.sink_keys.shape[:-2])
-    maxima = gathered["feature_max"]
-    tainted = xp.isnan(maxima)  # a piece with a non-finite key: every later row is NaN
-    pieces: State = (xp.where(tainted, -xp.inf, maxima),
-                     *(gathered[name] for name in sorted(gathered)
-                       if name.startswith("feature_") and name != "feature_max"))
-    if halo_states is not None:  # the halo's keys have left the window of piece upto
-        pieces = mapping.merge_states(pieces, _where(xp, full, halo_states))
-    total = _merge_stacked(xp, _where(xp, before, pieces))
-    seen = xp.any(xp.reshape(tainted, (count, *batch, -1)), axis=-1)  # (P, *batch)
-    seen = xp.any(seen & xp.reshape(before, (count, *(1,) * len(batch))), axis=0)
-    flag = xp.reshape(seen, (*batch, *(1,) * (total[0].ndim - len(batch))))
-    window_buffers = [empty.window_keys, empty.window_values, empty.window_valid]
-    if empty.window:  # the halo of piece upto - 1
-        pick = xp.reshape(previous, (count, *(1,) * len(batch)))
-        keys, values = gathered["halo_keys"], gathered["halo_values"]
-        window_buffers = [
-            xp.sum(xp.where(pick[..., None, None], keys, 0.0), axis=0),
-            xp.sum(xp.where(pick[..., None, None], values, 0.0), axis=0),
-            xp.any(pick[..., None] & (gathered["halo_valid"] > 0.5), axis=0)]
-    sink_buffers = [empty.sink_keys, empty.sink_values, empty.sink_valid]
-    if empty.sinks:  # the first piece's tokens, once it is before upto
-        sink_buffers = [gathered["head_keys"][0], gathered["head_values"][0],
-                        (gathered["head_valid"][0] > 0.5) & before[0]]
-    return RFAState(empty.omega, xp.where(flag, xp.nan, total[0]), total[1],
-                    total[2] if len(total) == 3 else None, position,
-                    window_keys=window_buffers[0], window_values=window_buffers[1],
-                    window_valid=window_buffers[2], sink_keys=sink_buffers[0],
-                    sink_values=sink_buffers[1], sink_valid=sink_buffers[2],
-                    feature_map=empty.feature_map, scale=empty.scale)
+    Row :math:`j` reads through the random features the keys of ``before``, the halo's
+    keys :math:`e \le j - 1` (``before``'s window buffer, positions :math:`p - w + e`)
+    and its own keys :math:`m \le j - w - 1`: rows :math:`j < w` a scan of the halo
+    from ``before`` (they read no key of their own), the others the readout of
+    ``before`` with the whole halo merged, each combined with its own partial (the
+    (maximum, sums) merge of :func:`~xattn._estimators.rf_scan.combine_partials`). The
+    exact terms read the halo's keys :math:`e \ge j` (rows :math:`j < w`), the piece's
+    own band and the sinks; the rows are normalized last. ``summed``: the piece's valid
+    keys that are not sinks; ``read``: the inputs as :func:`piece_scan` read them (with
+    ``finite``, read as finite and scaled once). Returns the output and the clamped rows
+    (trigonometric ``guard``, else None).
+    """
+    window, sinks = before.window, before.sinks
+    batch = tuple(before.sink_keys.shape[:-2])
+    length = inputs.num_queries
+    if length == 0:
+        return dataclasses.replace(inputs, batch_shape=batch).empty_result(), None
+    root_scale = math.sqrt(inputs.scale)
+    # a piece before with a non-finite key or value taints every row (its NaN maximum);
+    # the sums were computed without it (xattn._core.primitives.quarantine)
+    seen_before = xp.any(xp.isnan(xp.reshape(before.feature_max, (*batch, -1))), axis=-1)
+    tainted, _ = quarantine(inputs, causal=True)
+    tainted = tainted | seen_before[..., None, None]
+    known = before.feature_state
+    known = (xp.where(xp.isnan(known[0]), -xp.inf, known[0]), *known[1:])
+    sink_rows = None
+    if sinks:  # the sink slots after this piece's first tokens (those at positions < K)
+        count = min(sinks, length)
+        keys, values, valid = _new_tokens(xp, dataclasses.replace(
+            inputs, k=inputs.k[..., :count, :], v=inputs.v[..., :count, :],
+            key_mask=None if inputs.key_mask is None else inputs.key_mask[..., :count]),
+            batch, finite=True)
+        positions = before.position + xp.arange(count, device=inputs.device)
+        sink_keys, sink_values, sink_valid = _updated_sinks(xp, before, keys, values, valid,
+                                                            positions, inputs.device)
+        if read.scale != inputs.scale:  # scored by q^ (as the band): k^ = s^(1/2) k
+            sink_keys = root_scale * sink_keys
+        sink_rows = (sink_keys, sink_values, sink_valid)
+    head: Partial | None = None
+    halo = (before.window_keys, before.window_values, before.window_valid)
+    if window:  # rows j < w: the halo's keys e <= j - 1 after those of before
+        scan = scan_partials(xp, mapping, inputs.q[..., :window, :], halo[0], halo[1],
+                             root_scale=root_scale, key_mask=halo[2], first_key=0, offset=1,
+                             reverse=False, block_size=block_size, chunk_size=chunk_size,
+                             batch_shape=batch, initial=known)
+        head = _rows(xp, [next(scan) for _ in range(0, window, block_size)], batch)
+        known = mapping.merge_states(_returned(scan), state_over_keys(  # the whole halo
+            xp, mapping, halo[0], halo[1], root_scale=root_scale, key_mask=halo[2],
+            first_key=0, start=window - 1, stop=window, chunk_size=chunk_size,
+            batch_shape=batch))
+    exact_terms = bool(window or sinks)  # the random part must estimate e^{q.k} itself
+    out = RowPieces(length)
+    clamped = RowPieces(length) if guard else None
+    for start, own in zip(range(0, length, block_size), inner, strict=True):
+        stop = min(start + block_size, length)
+        queries = finite_entries(xp, read.q[..., start:stop, :], finite)
+        q_hat = queries if finite else root_scale * queries  # q^ = s^(1/2) q
+        constant = mapping.query_constant(q_hat) if exact_terms else None
+        middle = min(max(window, start), stop)  # rows start .. middle - 1 are j < w
+        parts: list[Partial] = []
+        if head is not None and middle > start:
+            part: Partial = tuple(x[..., start:middle, :] for x in head)
+            if constant is not None:
+                part = _shifted(part, constant[..., :middle - start, :])
+            # the halo's keys e >= j, exactly: row j sits at e = j + w of the halo's sequence
+            exact = exact_partial(xp, root_scale * q_hat[..., :middle - start, :],
+                                  start + window, window=window, causal=True, band=halo,
+                                  finite=True)
+            parts.append(part if exact is None else combine_partials(xp, [part, exact]))
+        if middle < stop:
+            part = mapping.readout(mapping.queries(q_hat[..., middle - start:, :]), known)
+            parts.append(part if constant is None
+                         else _shifted(part, constant[..., middle - start:, :]))
+        partials = [_rows(xp, parts, batch), own if constant is None else _shifted(own, constant)]
+        if exact_terms:  # the piece's own band and the sinks (slot s <= position)
+            exact = exact_partial(
+                xp, read.scale * queries, start, window=window, causal=True,
+                band=(read.k, read.v, summed) if window else None, finite=finite,
+                sinks=sink_rows, sink_position=before.position + start)
+            partials += [] if exact is None else [exact]
+        rows, invalid = finish_partial(xp, combine_partials(xp, partials), guard=guard)
+        out.put(start, rows)
+        if clamped is not None:
+            clamped.put(start, invalid)
+    return (mark_tainted(xp, out.result(), tainted),
+            None if clamped is None else clamped.result() & ~tainted)

@@ -9,8 +9,10 @@ lengths and a differentiable all-gather.
 
 * **JAX**: the name of a mesh axis (a string, or a tuple of names) of an enclosing
   ``jax.shard_map`` over which the sequence axis is sharded; the gather is
-  :func:`jax.lax.all_gather` (its transpose, a reduce-scatter, carries the gradients), the
-  index :func:`jax.lax.axis_index`. The pieces have equal lengths (shard_map's blocks).
+  :func:`jax.lax.all_gather` to an array invariant over the axis, cast to device-varying
+  where a device's own rows use it (the cast's transpose, one all-reduce of the gathered
+  array's gradient, carries the gradients), the index :func:`jax.lax.axis_index`. The
+  pieces have equal lengths (shard_map's blocks).
 * **torch**: a :class:`torch.distributed.ProcessGroup` (``torch.distributed.group.WORLD``
   for all processes); rank ``r`` of the group holds the ``r``-th piece. The pieces'
   lengths are exchanged first (one small all-gather of integers), so they may differ; the
@@ -42,7 +44,12 @@ class Group:
     lengths: tuple[int, ...]
     """The pieces' lengths, in order."""
     gather: Callable[[Array], Array]
-    """``x`` (...) of every device, stacked in device order: (size, ...); differentiable."""
+    """``x`` (...) of every device, stacked in device order: (size, ...); differentiable.
+    The same on every device (JAX: invariant over the axis)."""
+    varying: Callable[[Array], Array]
+    """A gathered array to be combined with what differs per device (JAX: cast to
+    device-varying, so that its gradient is summed over the devices once, one all-reduce
+    of the whole gathered array, not once per use); torch: the array itself."""
     described: str
     """The group in words, for error messages."""
 
@@ -103,15 +110,26 @@ def _jax_group(axis: Any, length: int, argument: str) -> Group:
                          f"({error}); call it inside jax.shard_map with the sequence axis "
                          "sharded over that mesh axis") from None
 
+    typed = [True]  # whether this JAX has manual-axis types (invariant and varying arrays)
+
     def gather(x: Array) -> Array:
         # the same on every device ("invarying"): what only the gathered arrays make, the
         # state after the whole sequence, can leave shard_map replicated (out_specs P())
         try:
             return jax.lax.all_gather(x, axis, to="invarying")
-        except TypeError:  # a JAX without manual-axis types
+        except TypeError:  # a JAX without manual-axis types: varying already
+            typed[0] = False
             return jax.lax.all_gather(x, axis)
 
-    return Group(rank, size, (length,) * size, gather, f"mesh axis {axis!r}")
+    def varying(x: Array) -> Array:
+        if not typed[0]:
+            return x
+        cast = getattr(jax.lax, "pcast", None)
+        if cast is not None:
+            return cast(x, axis, to="varying")
+        return jax.lax.pvary(x, axis)  # type: ignore[attr-defined]  # JAX before pcast
+
+    return Group(rank, size, (length,) * size, gather, varying, f"mesh axis {axis!r}")
 
 
 def _torch_group(group: Any, q: Array, length: int, argument: str) -> Group:
@@ -134,7 +152,7 @@ def _torch_group(group: Any, q: Array, length: int, argument: str) -> Group:
     def gather(x: Array) -> Array:
         return _TorchAllGather.apply(x, group, rank, size)
 
-    return Group(rank, size, lengths, gather, f"process group of {size} ranks")
+    return Group(rank, size, lengths, gather, lambda x: x, f"process group of {size} ranks")
 
 
 def _torch_all_gather_class() -> Any:
