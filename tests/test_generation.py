@@ -42,12 +42,27 @@ def random_pieces(seed, total, choices=PIECE_LENGTHS):
     return [*lengths, 1, 0, 1, 1]
 
 
-def pieces_for(backend, seed, total=23):
-    """:func:`random_pieces` for ``backend``: JAX compiles each new length of a piece and
-    Dask builds and computes a graph per call, so there the pieces are of 9 tokens (and
-    the rest), an empty prefill and the decode loop's tail of single tokens and an empty
-    call; the random mix of every length runs on NumPy, array-api-strict and torch."""
-    if backend.name.startswith(("jax", "dask")):
+def costly(backend):
+    """JAX compiles each new length of a piece and Dask builds and computes a graph per
+    call."""
+    return backend.name.startswith(("jax", "dask"))
+
+
+def length_for(backend):
+    """The length of the sequences split by :func:`pieces_for`: 23, and on JAX and Dask
+    21, which its pieces of 9 fill with no other length left over (each new length is one
+    more compile, one more graph); neither is a multiple of RFA's blocks of 4 and 8 or of
+    softmax attention's chunks of 4."""
+    return 21 if costly(backend) else 23
+
+
+def pieces_for(backend, seed, total=None):
+    """:func:`random_pieces` of ``total`` tokens (default :func:`length_for`) for
+    ``backend``: on JAX and Dask the pieces are of 9 tokens (and the rest), an empty
+    prefill and the decode loop's tail of single tokens and an empty call; the random mix
+    of every length runs on NumPy, array-api-strict and torch."""
+    total = length_for(backend) if total is None else total
+    if costly(backend):
         return random_pieces(seed, total, (9,))
     return random_pieces(seed, total)
 
@@ -172,8 +187,10 @@ def test_rfa_pieces_equal_one_call(backend, rng, case):
     if backend.name.startswith(("jax", "dask")) and case >= 4:
         pytest.skip("JAX, Dask: the first four cases take every path (each piece compiles)")
     xp = backend.ns
-    arrays = make_sequence(rng, spread=0.3 if feature_map == "trigonometric" else 0.5)
-    key_mask = key_mask_for(rng, (2, 3), 23) if masked else None
+    length = length_for(backend)
+    arrays = make_sequence(rng, length=length,
+                           spread=0.3 if feature_map == "trigonometric" else 0.5)
+    key_mask = key_mask_for(rng, (2, 3), length) if masked else None
     options = dict(num_features=32, rng=0, feature_map=feature_map, window=window, sinks=sinks)
     out, state = quiet(in_pieces, xattn.rfa, backend, arrays, pieces_for(backend, case),
                        key_mask=key_mask, first=options, block_size=4)
@@ -195,8 +212,8 @@ def test_rfa_pieces_equal_one_call(backend, rng, case):
 @pytest.mark.parametrize("window,sinks", [(None, None), (4, 3)])
 def test_rfa_pieces_float32(backend, rng, window, sinks):
     xp = backend.ns
-    arrays = make_sequence(rng)
-    key_mask = key_mask_for(rng, (2, 3), 23)
+    arrays = make_sequence(rng, length=length_for(backend))
+    key_mask = key_mask_for(rng, (2, 3), length_for(backend))
     options = dict(num_features=32, rng=0, window=window, sinks=sinks)
     out, state = in_pieces(xattn.rfa, backend, arrays, pieces_for(backend, 1),
                            key_mask=key_mask, dtype=xp.float32, first=options, block_size=8)
@@ -219,7 +236,7 @@ def test_rfa_pieces_with_large_scores(backend, rng, feature_map, window, sinks, 
         pytest.skip("JAX: one float32 case (compilation takes seconds)")
     xp = backend.ns
     dtype = getattr(xp, dtype_name)
-    q, k, v = make_sequence(rng, spread=1.0)
+    q, k, v = make_sequence(rng, length=length_for(backend), spread=1.0)
     arrays = (10 * q, 10 * k, v)
     options = dict(num_features=32, rng=0, feature_map=feature_map, window=window, sinks=sinks)
     out, state = in_pieces(xattn.rfa, backend, arrays, pieces_for(backend, 2), dtype=dtype,
@@ -298,16 +315,17 @@ def test_rfa_state_size_does_not_grow(backend, rng, window, sinks):
 def test_softmax_pieces_equal_one_call(backend, rng, dtype_name, masked):
     xp = backend.ns
     dtype = getattr(xp, dtype_name)
-    arrays = make_sequence(rng, spread=1.0)
-    key_mask = key_mask_for(rng, (2, 3), 23) if masked else None
+    arrays = make_sequence(rng, length=length_for(backend), spread=1.0)
+    key_mask = key_mask_for(rng, (2, 3), length_for(backend)) if masked else None
     out, cache = in_pieces(xattn.softmax_attention, backend, arrays, pieces_for(backend, 3),
                            key_mask=key_mask, dtype=dtype, chunk_size=4)
     expected = reference.softmax_attention(*arrays, key_mask=key_mask, causal=True)
     rtol = 1e-10 if dtype_name == "float64" else 1e-5
     np.testing.assert_allclose(out, expected, rtol=rtol, atol=rtol * np.max(np.abs(expected)))
-    assert isinstance(cache, xattn.SoftmaxState) and cache.position == 23
+    length = length_for(backend)
+    assert isinstance(cache, xattn.SoftmaxState) and cache.position == length
     assert cache.keys.dtype == dtype
-    kept = np.broadcast_to(key_mask if masked else True, (2, 3, 23))
+    kept = np.broadcast_to(key_mask if masked else True, (2, 3, length))
     np.testing.assert_array_equal(backend.to_numpy(cache.valid), kept)
     np.testing.assert_allclose(backend.to_numpy(cache.keys),
                                np.where(kept[..., None], arrays[1], 0.0), rtol=rtol)
@@ -320,11 +338,11 @@ def test_softmax_pieces_equal_one_call(backend, rng, dtype_name, masked):
 @pytest.mark.parametrize("masked", [False, True])
 def test_ra_deterministic_pieces_equal_one_call(backend, rng, masked):
     xp = backend.ns
-    arrays = make_sequence(rng, spread=1.0)
+    arrays = make_sequence(rng, spread=1.0)  # 23: not a multiple of the chunks of 3
     key_mask = key_mask_for(rng, (2, 3), 23) if masked else None
     options = dict(biased=True, deterministic=True, chunk_size=3)
-    out, cache = in_pieces(xattn.ra, backend, arrays, pieces_for(backend, 4), key_mask=key_mask,
-                           **options)
+    out, cache = in_pieces(xattn.ra, backend, arrays, pieces_for(backend, 4, 23),
+                           key_mask=key_mask, **options)
     expected, whole_cache = whole(xattn.ra, backend, arrays, key_mask=key_mask, **options)
     backend.check(expected, reference.randomized_attention(*arrays, biased=True,
                                                            key_mask=key_mask, causal=True),

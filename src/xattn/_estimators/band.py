@@ -33,7 +33,7 @@ from typing import Any
 
 import array_api_compat
 
-from xattn._core.array import Array, chunked_like, reshapes_freely
+from xattn._core.array import Array, chunked_like, compute_dtype, reshapes_freely
 from xattn._core.delegation import (
     matmul_add,
     neighbour_scores,
@@ -409,6 +409,12 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
     sink = (_sink_scores(xp, sinks, padded, sink_position, finite,
                          (start, window, causal) if sinks_in_band and band is not None else None)
             if sinks is not None else None)
+    # half-precision queries: the band's scores, weights and products in their dtype, the
+    # shifts and sums in float32 (the sinks' few scores in float32 too)
+    work = compute_dtype(xp, queries.dtype)
+    half = work != queries.dtype
+    if half and sink is not None:
+        sink = (xp.astype(sink[0], work), xp.astype(sink[1], work))
     maxima = []
     if whole is not None:
         maxima.append(whole.maximum())
@@ -419,28 +425,36 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
         maxima.append(stop_gradient(xp.max(sink[0], axis=-1, keepdims=True)))
     if not maxima:
         return base
+    maxima = [xp.astype(maximum, work) for maximum in maxima] if half else maxima
     padding = size * count - length
     if base is not None:  # its rows padded like the queries' (-inf: no key there)
         maxima.append(pad_rows(xp, base[0], 0, padding, -math.inf))
     shift = maxima[0]
     for maximum in maxima[1:]:
         shift = xp.maximum(shift, maximum)
-    offset = finite_shift(xp, shift)
+    offset = band_offset = finite_shift(xp, shift)
+    if half:  # one shift for the whole row: the one the band's weights take, rounded
+        band_offset = xp.astype(offset, queries.dtype)
+        offset = xp.astype(band_offset, work)
     sums = None
     if base is not None:  # e^{base shift - shift} times its sums (0 where it has no key)
         sums = xp.exp(maxima[-1] - offset) * pad_rows(xp, base[1], 0, padding, 0.0)
-    if whole is not None:
-        sums = whole.sums(offset, sums)
+    if whole is not None:  # added to the others' sums by the product (half: added after)
+        band_sums = whole.sums(band_offset, None if half else sums)
+        sums = band_sums if sums is None or not half else sums + band_sums
     if scored is not None:
-        chunk_offset = xp.reshape(offset, (*offset.shape[:-2], count, size, 1))
+        chunk_offset = xp.reshape(band_offset, (*offset.shape[:-2], count, size, 1))
         weights = xp.exp(scored[0] - chunk_offset)
-        if sums is None:
+        if sums is None or half:
             chunk_sums = weights @ scored[1]  # (..., count, size, Dv + 1)
         else:  # added to the base's sums by the product
             chunk_sums = matmul_add(weights, scored[1], xp.reshape(
                 sums, (*sums.shape[:-2], count, size, sums.shape[-1])))
-        sums = xp.reshape(chunk_sums, (*chunk_sums.shape[:-3], size * count,
-                                       chunk_sums.shape[-1]))
+        band_sums = xp.reshape(chunk_sums, (*chunk_sums.shape[:-3], size * count,
+                                            chunk_sums.shape[-1]))
+        sums = band_sums if sums is None or not half else sums + band_sums
+    if sums is not None and sums.dtype != work:  # a band alone, in half precision
+        sums = xp.astype(sums, work)
     if sink is not None:
         sink_weights = xp.exp(sink[0] - offset)
         sums = sink_weights @ sink[1] if sums is None else matmul_add(sink_weights, sink[1],

@@ -149,6 +149,8 @@ class PositiveMap:
         logits = centred + key_max  # a_ms, -inf for a dropped key
         feature_max = stop_gradient(xp.max(logits, axis=-2))  # raw: -inf without keys
         weights = xp.exp(logits - finite_shift(xp, feature_max)[..., None, :])
+        if values.dtype != weights.dtype:  # half-precision values: the state in float32
+            values = xp.astype(values, weights.dtype)
         return feature_max, xp.matrix_transpose(weights) @ values
 
     def merge_states(self, first: State, second: State) -> State:

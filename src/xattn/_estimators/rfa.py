@@ -405,10 +405,9 @@ def rfa(
             state, num_features=num_features, feature_map=feature_map, omega=omega,
             window=window, sinks=sinks, scale=scale)
         omega = state.omega
-    # RFA with positive features, causal or not, multiplies half inputs in their own
-    # dtype (not yet with a window, sinks or a state)
-    half_scan = (not stateful and not window and not sinks
-                 and feature_map in (None, "positive", "hyperbolic"))
+    # RFA with positive features, causal or not, with a window and sinks too, multiplies
+    # half inputs in their own dtype (not yet when it continues a state)
+    half_scan = not stateful and feature_map in (None, "positive", "hyperbolic")
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
                                check_finite=check_finite, continuing=stateful,
                                keep_half=half_scan)
