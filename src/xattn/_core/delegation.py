@@ -108,7 +108,7 @@ def _portable_neighbour_scores(queries: Array, keys: Array, neighbours: tuple[in
                                biases: tuple[Array | None, ...], period: int) -> tuple[Array, ...]:
     """:func:`neighbour_scores` by the standard's slices and products; the pairs across
     two sequences set to ``-inf`` in place where the library writes in place (NumPy,
-    torch), by :func:`array_api_extra.at` elsewhere."""
+    torch, under ``torch.compile`` too), by :func:`array_api_extra.at` elsewhere."""
     xp = array_api_compat.array_namespace(queries, keys)
     scores = []
     for neighbour, bias in zip(neighbours, biases, strict=True):
@@ -116,7 +116,10 @@ def _portable_neighbour_scores(queries: Array, keys: Array, neighbours: tuple[in
         product = (queries[rows, ...], xp.matrix_transpose(keys[key_rows, ...]))
         piece = product[0] @ product[1] if bias is None else matmul_add(*product, bias)
         if neighbour:  # chunk (l + 1) * period - 1 of the piece pairs two sequences
-            piece = xpx.at(piece)[period - 1::period, ...].set(-math.inf)
+            if array_api_compat.is_torch_array(piece) or array_api_compat.is_numpy_array(piece):
+                piece[period - 1::period, ...] = -math.inf  # a new array: written in place
+            else:
+                piece = xpx.at(piece)[period - 1::period, ...].set(-math.inf)
         scores.append(piece)
     return tuple(scores)
 

@@ -190,6 +190,14 @@ def _band_scores(xp: Any, band: KeyRows, queries: Array, start: int, stop: int, 
     return scores, _unfold(xp, values, size, count, width)
 
 
+def _common_lead(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """The leading dims that ``shapes`` broadcast to (shapes checked to broadcast)."""
+    ndim = max(len(shape) for shape in shapes)
+    padded = [(1,) * (ndim - len(shape)) + tuple(shape) for shape in shapes]
+    return tuple(next((size for size in sizes if size != 1), 1)
+                 for sizes in zip(*padded, strict=True))
+
+
 class _Band:
     """The band of a block that is the whole sequence, on one flat axis of ``chunks``
     chunks (batch elements and heads one after another): its row maxima, then its sums
@@ -251,7 +259,8 @@ def _whole_sequence_band(xp: Any, band: KeyRows, queries: Array, size: int, coun
     keys of ``band`` are as many as the block's queries (before the padding)."""
     k, v, key_mask = band
     device = array_api_compat.device(k)
-    lead = tuple(queries.shape[:-2])
+    lead = _common_lead(queries.shape[:-2], k.shape[:-2], v.shape[:-2],
+                        () if key_mask is None else key_mask.shape[:-1])
     num_keys, length = k.shape[-2], count * size
     keys = pad_rows(xp, finite_entries(xp, k, finite), 0, length - num_keys, 0.0)
     values = pad_rows(xp, value_columns(xp, v, finite), 0, length - num_keys, 0.0)

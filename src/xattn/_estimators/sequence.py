@@ -151,14 +151,6 @@ def continue_sequence(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, sta
     return out, invalid, prefix(gathered, group.size)
 
 
-class Layout:
-    """The arrays packed into one payload: names, trailing shapes, the leading dims."""
-
-    def __init__(self, batch: tuple[int, ...]) -> None:
-        self.batch = batch
-        self.entries: list[tuple[str, tuple[int, ...]]] = []
-
-
 def piece_scan(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, summed: Array, *,
                window: int, batch: tuple[int, ...], block_size: int, chunk_size: int,
                finite: bool = False) -> tuple[list[Partial], State]:
