@@ -183,10 +183,15 @@ class QuerySoftmax:
     pieces : list of (start, stop)
         The query pieces of both passes.
     keep_exponentials : bool
+    total_dtype : dtype, optional
+        For half-precision ``q`` and landmarks (the scores and :math:`e_{nc}` in their
+        format): the dtype of the maxima, the totals :math:`Z_c` (summed in it) and
+        :math:`\rho_c`, float32. None: the scores' dtype.
     """
 
     def __init__(self, xp: Any, q: Array, scaled_landmarks: Array, query_mask: Array | None,
-                 pieces: list[tuple[int, int]], *, keep_exponentials: bool) -> None:
+                 pieces: list[tuple[int, int]], *, keep_exponentials: bool,
+                 total_dtype: Any = None) -> None:
         self.xp, self.query_mask, self.pieces = xp, query_mask, pieces
         landmarks_t = xp.matrix_transpose(scaled_landmarks)
         kept: list[Array | None] = []
@@ -200,8 +205,12 @@ class QuerySoftmax:
                 piece_max = finite_shift(xp, piece_max)
             exponential = xp.exp(scores - piece_max)
             kept.append(exponential if keep_exponentials else None)
-            maxima.append(piece_max)
-            totals.append(xp.sum(exponential, axis=-2, keepdims=True))
+            if total_dtype is None:
+                maxima.append(piece_max)
+                totals.append(xp.sum(exponential, axis=-2, keepdims=True))
+            else:  # half scores: a long sum, and the merge, in float32
+                maxima.append(xp.astype(piece_max, total_dtype))
+                totals.append(xp.sum(exponential, axis=-2, keepdims=True, dtype=total_dtype))
         if len(pieces) == 1:  # its own maximum is the shift
             self.shift, self.rescales, total = maxima[0], (1.0,), totals[0]
         else:
@@ -230,23 +239,29 @@ class QuerySoftmax:
                                  else rescale * self.inverse_total)
         assert scores is not None, "the scores are recomputed by the second pass"
         start, stop = self.pieces[index]
-        return (self.xp.exp(self._masked(scores, start, stop) - self.shift),
-                self.inverse_total)
+        shift = self.shift  # a maximum of the scores: exact in their (half) format
+        if shift.dtype != scores.dtype:
+            shift = self.xp.astype(shift, scores.dtype)
+        return (self.xp.exp(self._masked(scores, start, stop) - shift), self.inverse_total)
 
 
 def importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array] | None,
-                        weighting: str, beta: float, *, as_row: bool = False) -> Array:
+                        weighting: str, beta: float, *, as_row: bool = False,
+                        floor: float = WEIGHT_FLOOR) -> Array:
     r""":math:`\alpha_{nc}` of a piece of queries, clipped below at the weight floor.
 
     ``own_weight`` is :math:`w_c`, (..., C), or (..., 1, C) with ``as_row``.
     ``affinity`` is :meth:`QuerySoftmax.piece` (None for the balance heuristic,
     whose weights do not depend on the query: then (..., 1, C)). For the decoupled
     weighting (eq. 38) :math:`\beta r_{nc}` is :math:`e_{nc} (\beta \rho_c)` and its mean
-    over proposals :math:`\frac1C \sum_c e_{nc} \beta \rho_c`.
+    over proposals :math:`\frac1C \sum_c e_{nc} \beta \rho_c`. Half-precision
+    :math:`e_{nc}` and :math:`w_c` (of one format) give weights in that format, the product's
+    result rounded to it; ``floor`` replaces :data:`WEIGHT_FLOOR` (float16:
+    its smallest subnormal number, the nearest to 1e-8 that it holds).
     """
     weights = own_weight if as_row else own_weight[..., None, :]  # w_c, (..., 1, C)
     if affinity is None:  # "balance": alpha_nc = w_c for every query
-        return clip_below(weights, WEIGHT_FLOOR)
+        return clip_below(weights, floor)
     exponential, rho = affinity
     if weighting == "decoupled":  # w_c + beta (r_nc - mean_c' r_nc')
         # beta r_nc - mean_c' beta r_nc' is e_n @ P with P = diag(beta rho) - (beta rho)^T
@@ -260,6 +275,8 @@ def importance_weights(xp: Any, own_weight: Array, affinity: tuple[Array, Array]
         else:  # beta rho_c, (..., 1, C)
             scaled = beta * xp.broadcast_to(rho, (*exponential.shape[:-2], 1, count))
             centring = identity * scaled - xp.matrix_transpose(scaled) * (1.0 / count)
-        return clip_below(matmul_add(exponential, centring, weights), WEIGHT_FLOOR)
+            if centring.dtype != exponential.dtype:  # float32 rho, half e_nc
+                centring = xp.astype(centring, exponential.dtype)
+        return clip_below(matmul_add(exponential, centring, weights), floor)
     return clip_below(lara_weights(weights[..., 0, :], exponential * rho,
-                                   weighting=weighting, beta=beta), WEIGHT_FLOOR)
+                                   weighting=weighting, beta=beta), floor)

@@ -57,7 +57,12 @@ from xattn._estimators.lara_causal import (
     state_options,
     with_defensive,
 )
-from xattn._estimators.lara_sampling import build_proposals, draw_samples, query_pass
+from xattn._estimators.lara_sampling import (
+    build_proposals,
+    draw_samples,
+    query_pass,
+    query_pass_half,
+)
 from xattn._estimators.rf_groups import (
     lara_group_rows,
 )
@@ -134,8 +139,10 @@ def lara(
     q : array, shape (..., N, D)
     k : array, shape (..., M, D)
     v : array, shape (..., M, Dv)
-        Queries, keys, values; leading dims broadcast. Half precision is computed in
-        float32 and returned in the input dtype.
+        Queries, keys, values; leading dims broadcast. Half precision (one dtype for
+        all three) is multiplied in that dtype without ``causal`` on torch, JAX and CuPy,
+        the maxima and long sums in float32 (:doc:`/guide/05_half_precision`); elsewhere,
+        and with ``causal``, computed in float32. The result is in the input dtype.
     num_samples : int or (int, int)
         C, the number of proposals (one sample each), 1 <= C <= N. Required, except with
         ``state=``, which holds it (given, it must equal the state's). C may exceed M:
@@ -334,8 +341,10 @@ def lara(
     if state is None:  # the defaults (with state=: the state's)
         weighting = "decoupled" if weighting is None else weighting
         beta = 2.0 if beta is None else beta
+    # non-causal LARA multiplies half inputs in their own dtype (query_pass_half)
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
-                               check_finite=check_finite, continuing=stateful)
+                               check_finite=check_finite, continuing=stateful,
+                               keep_half=not stateful and not check_bool(causal, "causal"))
     causal = check_bool(causal, "causal")
     if state is not None:  # the state's library, sizes and dtype; C is the state's
         check_state_inputs(state.features, inputs)
@@ -416,8 +425,10 @@ def lara(
         out, state = result if stateful else (result, None)
     else:  # keys, then queries, in groups as long as working_memory allows
         rows = lara_group_rows(inputs, num_samples, working_memory, chunk_size)
-        out = query_pass(inputs, query_landmarks, proposal_means, omega,
-                          weighting=weighting, beta=beta, root_scale=root_scale, rows=rows)
+        half = inputs.q.dtype != inputs.compute_dtype
+        out = (query_pass_half if half else query_pass)(
+            inputs, query_landmarks, proposal_means, omega, weighting=weighting, beta=beta,
+            root_scale=root_scale, rows=rows)
     if tainted is not None:
         out = mark_tainted(inputs.xp, out, tainted)
         if inputs.query_mask is not None:  # a masked query's row stays zero

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from xattn._core.array import Array
-from xattn._core.delegation import matmul_add
+from xattn._core.delegation import matmul_add, stop_gradient
 from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
@@ -17,6 +17,7 @@ from xattn._core.primitives import (
     masked_softmax,
 )
 from xattn._estimators.importance import (
+    WEIGHT_FLOOR,
     QuerySoftmax,
     importance_weights,
     own_proposal_weights,
@@ -25,6 +26,8 @@ from xattn._estimators.lara_causal import (
     query_proposal_affinity,
 )
 from xattn._estimators.rf_groups import (
+    half_key_sums,
+    half_readout_sums,
     positive_key_sums,
     positive_readout,
     rows_of,
@@ -33,7 +36,7 @@ from xattn._estimators.rf_scan import stream_bounds
 from xattn._estimators.segments import segment_means
 from xattn.random import as_generator
 
-__all__ = ["build_proposals", "draw_samples", "query_pass"]
+__all__ = ["build_proposals", "draw_samples", "query_pass", "query_pass_half"]
 
 
 def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
@@ -46,6 +49,8 @@ def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmark
         return query_landmarks + key_landmarks
     if proposal == "key_attention":  # eq. 33: q~_c + sum_m softmax_m(q~_c . k_m) k_m, O(CM)
         allowed = None if key_mask is None else key_mask[..., None, :]
+        if k.dtype != query_landmarks.dtype:  # half keys: this proposal in float32
+            k = xp.astype(k, query_landmarks.dtype)
         # with k^_m = sqrt(s) k_m, folded into the (C, D) landmarks and the (C, D) result
         attention = masked_softmax(xp, (root_scale * query_landmarks) @ xp.matrix_transpose(k),
                                     allowed, axis=-1)
@@ -64,17 +69,23 @@ def build_proposals(inputs: AttentionInputs, proposal: str, num_samples: int,
     Landmarks are the means of C segments of the allowed queries and keys (Appendix
     G.3.1): contiguous runs, or the bins of 2-D adaptive average pooling on an image grid
     (Appendix H), of the scaled inputs :math:`\hat q, \hat k`. ``supplied_means`` (the
-    caller's, in the compute dtype) replace the means of the proposal family.
+    caller's, in the compute dtype) replace the means of the proposal family. Half inputs
+    give means in their format (summed in float32 by the libraries), used in the compute
+    dtype.
     """
-    xp, device = inputs.xp, inputs.device
+    xp, device, work = inputs.xp, inputs.device, inputs.compute_dtype
     query_landmarks, _ = segment_means(xp, inputs.q, inputs.query_mask, num_samples, device,
                                        grid=grid, pools=pools)
+    if query_landmarks.dtype != work:
+        query_landmarks = xp.astype(query_landmarks, work)
     query_landmarks = root_scale * query_landmarks  # q~_c, the means of q^
     if supplied_means is not None:
         return query_landmarks, supplied_means
     key_landmarks, key_segment_sizes = segment_means(xp, inputs.k, inputs.key_mask,
                                                      num_samples, device, grid=grid,
                                                      pools=pools)
+    if key_landmarks.dtype != work:
+        key_landmarks = xp.astype(key_landmarks, work)
     key_landmarks = root_scale * key_landmarks  # k~_c, the means of k^
     proposal_means = _proposal_means(xp, proposal, query_landmarks, key_landmarks,
                                      key_segment_sizes, inputs.k, root_scale, inputs.key_mask)
@@ -151,6 +162,90 @@ def query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means: 
         weights = importance_weights(xp, own_weight, affinity,
                                      "decoupled" if weighting == "query_proposal" else weighting,
                                      beta, as_row=True)  # alpha_nc
+        rows_out = positive_readout(xp, logits, sums, coefficients=weights)
+        if query_mask is not None:
+            rows_out = xp.where(query_mask[..., start:stop, None], rows_out, 0.0)
+        out.put(start, rows_out)
+    return out.result()
+
+
+def query_pass_half(inputs: AttentionInputs, query_landmarks: Array | None,
+                    proposal_means: Array, omega: Array, *, weighting: str, beta: float,
+                    root_scale: float, rows: int) -> Array:
+    r""":func:`query_pass` for half-precision q, k and v: the features and the matrix
+    products in their format, the maxima, the sums across key groups and the softmax
+    totals over queries in float32.
+
+    The keys go by :func:`~xattn._estimators.rf_groups.half_key_sums`, non-causal RFA's
+    rank-one stabilizer :math:`B`, so the key statistics of every sample share
+    :math:`e^{B}` (it cancels in the ratio) instead of their own :math:`K_c`. The
+    per-sample factor :math:`e^{\ell_c}` of the logits, :math:`\ell_c = \log N(\omega_c;
+    0, I) - \log q_c(\omega_c)` (float32, shifted by its largest), and with
+    ``"balance"`` the weight :math:`\alpha_c = w_c` too, multiply the float32 sums
+    :math:`[A_c, b_c]` before they are scaled and rounded to the half format
+    (:func:`~xattn._estimators.rf_groups.half_readout_sums`). A query then reads them with
+    the features :math:`\phi_{nc} = e^{p_{nc} - \max_c p_{nc}}`, :math:`p_{nc} =
+    \omega_c \cdot \hat q_n`, and its weights :math:`\alpha_{nc}` (from the half
+    affinities :math:`e_{nc}` of :class:`~xattn._estimators.importance.QuerySoftmax`,
+    whose totals :math:`Z_c` are float32): :math:`y_n = \sum_c \alpha_{nc} \phi_{nc}
+    A_c / \sum_c \alpha_{nc} \phi_{nc} b_c`, as :func:`query_pass` up to rounding.
+    """
+    xp, q, query_mask = inputs.xp, inputs.q, inputs.query_mask
+    dtype, work = q.dtype, inputs.compute_dtype
+    num_samples = omega.shape[-2]
+    projection_t = xp.astype(xp.matrix_transpose(root_scale * omega), dtype)
+    _, sums = half_key_sums(xp, inputs, projection_t, rows)  # float32
+    log_density_ratio, own_weight = own_proposal_weights(xp, omega, proposal_means)
+    log_factor = log_density_ratio - stop_gradient(xp.max(log_density_ratio, axis=-1,
+                                                          keepdims=True))
+    # float16: the floor nearest 1e-8 that the format holds, its smallest subnormal number
+    # (libraries that flush subnormals clip at 0: a row without weight reads 0)
+    floor = max(WEIGHT_FLOOR, float(xp.finfo(dtype).smallest_normal * xp.finfo(dtype).eps))
+    factor = xp.exp(log_factor)  # e^{l_c - max l}, (..., 1, C)
+    if weighting == "balance":  # alpha_c = w_c, the same for every query
+        factor = factor * importance_weights(xp, own_weight, None, weighting, beta,
+                                             as_row=True, floor=floor)
+    sums = half_readout_sums(xp, xp.matrix_transpose(factor) * sums, dtype)
+    own_weight = xp.astype(own_weight, dtype)
+
+    groups = stream_bounds(q, -2, rows)
+    affinities = None
+    recompute = False
+    if weighting in ("decoupled", "coupled"):  # r_nc = softmax_n of q^_n . q~_c
+        assert query_landmarks is not None  # segments: the landmarks
+        scaled_landmarks = xp.astype(root_scale * query_landmarks, dtype)
+        recompute = len(groups) > 1
+        affinities = QuerySoftmax(xp, q, scaled_landmarks, query_mask, groups,
+                                  keep_exponentials=not recompute, total_dtype=work)
+        if recompute:  # the second pass: one product of q and the stacked [q~; omega]
+            landmarks_t = xp.broadcast_to(xp.matrix_transpose(scaled_landmarks),
+                                          projection_t.shape)
+            projection_t = xp.concat([landmarks_t, projection_t], axis=-1)
+    means_t = None
+    if weighting == "query_proposal":  # q . (sqrt(s) mu_c) = q^ . mu_c
+        means_t = xp.astype(xp.matrix_transpose(root_scale * proposal_means), dtype)
+    out = RowPieces(inputs.num_queries)
+    for index, (start, stop) in enumerate(groups):
+        queries = finite_entries(xp, rows_of(q, start, stop))  # rows marked NaN by lara
+        logits = queries @ projection_t  # p_nc (recompute: s_nc first)
+        scores = None
+        if recompute:
+            scores, logits = logits[..., :num_samples], logits[..., num_samples:]
+        weights = None  # "balance": in the sums
+        if weighting != "balance":
+            affinity = None if affinities is None else affinities.piece(index, scores)
+            if means_t is not None:  # r_nc = softmax_c of q^_n . mu_c: C terms a row
+                proposal_scores = queries @ means_t
+                exponential = xp.exp(proposal_scores - stop_gradient(
+                    xp.max(proposal_scores, axis=-1, keepdims=True)))
+                total = xp.sum(exponential, axis=-1, keepdims=True, dtype=work)
+                affinity = (exponential * xp.astype(1.0 / total, dtype), 1.0)
+            weights = importance_weights(
+                xp, own_weight, affinity,
+                "decoupled" if weighting == "query_proposal" else weighting, beta,
+                as_row=True, floor=floor)  # alpha_nc
+            if weights.dtype != dtype:  # "coupled": its formula in float32
+                weights = xp.astype(weights, dtype)
         rows_out = positive_readout(xp, logits, sums, coefficients=weights)
         if query_mask is not None:
             rows_out = xp.where(query_mask[..., start:stop, None], rows_out, 0.0)

@@ -53,9 +53,9 @@ from xattn._core.primitives import (
 )
 from xattn._estimators.rf_scan import FeatureMap, finish_partial, state_over_keys
 
-__all__ = ["FLOAT16_CHUNK", "lara_group_rows", "positive_key_sums", "positive_readout",
-           "positive_rfa", "positive_rfa_half", "rfa_group_rows", "rows_of",
-           "trigonometric_rfa"]
+__all__ = ["FLOAT16_CHUNK", "half_key_sums", "half_readout_sums", "lara_group_rows",
+           "positive_key_sums", "positive_readout", "positive_rfa", "positive_rfa_half",
+           "rfa_group_rows", "rows_of", "trigonometric_rfa"]
 
 def rows_of(x: Array, start: int, stop: int) -> Array:
     """Rows ``start:stop`` (axis -2) of ``x``; ``x`` itself when they are all of them (no
@@ -145,7 +145,7 @@ def positive_rfa(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
     return out.result()
 
 
-def _half_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Array, Array]:
+def half_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Array, Array]:
     r"""The key statistics of half-precision keys with a rank-one stabilizer, in groups of
     ``rows`` keys: ``(B (..., 1, 1), [A, b] (..., S, Dv + 1))`` in float32.
 
@@ -213,23 +213,29 @@ def _half_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Arr
 FLOAT16_CHUNK = 1024
 
 
+def half_readout_sums(xp: Any, sums: Array, dtype: Any) -> Array:
+    """The float32 sums ``[A, b]`` (..., S, Dv + 1) of :func:`half_key_sums` in the half
+    format ``dtype`` for the queries' product: divided by their largest denominator, so at
+    most 1 (denominators) and the values' size (numerators); the read-out's ratio does not
+    depend on a common factor (0 without keys)."""
+    largest = xp.max(sums[..., -1:], axis=-2, keepdims=True)
+    return xp.astype(sums / clip_below(largest, xp.finfo(largest.dtype).smallest_normal),
+                     dtype)
+
+
 def positive_rfa_half(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
     r"""Non-causal positive-map RFA of half-precision inputs: features and products in
     the input dtype, maxima and the sums across key groups in float32.
 
-    The keys by :func:`_half_key_sums`; a query reads them as :math:`y_n = \sum_s
+    The keys by :func:`half_key_sums`; a query reads them as :math:`y_n = \sum_s
     \phi_{ns} A_s / \sum_s \phi_{ns} b_s` with :math:`\phi_{ns} = e^{p_{ns} - \max_s
     p_{ns}}`, :math:`p_{ns} = \omega_s \cdot \hat q_n`: one product of half features
     and the half-rounded sums (the shifts, :math:`e^B` and :math:`e^{-\lVert \hat q_n
     \rVert^2/2}/S` cancel between numerator and denominator)."""
     dtype = inputs.q.dtype
     omega_t = xp.astype(xp.matrix_transpose(math.sqrt(inputs.scale) * omega), dtype)
-    _, sums = _half_key_sums(xp, inputs, omega_t, rows)
-    # in the half format at most 1 (denominators) and the values' size (numerators): the
-    # ratio does not depend on a common factor (0 without keys)
-    largest = xp.max(sums[..., -1:], axis=-2, keepdims=True)
-    sums = xp.astype(sums / clip_below(largest, xp.finfo(largest.dtype).smallest_normal),
-                     dtype)
+    _, sums = half_key_sums(xp, inputs, omega_t, rows)
+    sums = half_readout_sums(xp, sums, dtype)
     # a row without keys (every key masked) reads 0 / floor = 0 (the half format's
     # smallest normal number: XLA flushes subnormals to 0)
     floor = xp.finfo(dtype).smallest_normal
