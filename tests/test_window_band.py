@@ -290,9 +290,12 @@ def test_a_sequence_of_the_batch_never_reaches_another(backend, rng, causal):
 HALF_BOUND = {"bfloat16": 3e-2, "float16": 1e-2}
 
 
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backend_name", ["torch", "jax"])
+# torch every case; JAX (whose half path is the same lines, compiled op by op here) one
+@pytest.mark.parametrize(("backend_name", "causal", "dtype_name"), [
+    *((name, causal, dtype) for name in ("torch",) for causal in (False, True)
+      for dtype in ("bfloat16", "float16")),
+    ("jax", True, "bfloat16"),
+])
 def test_half_inputs_multiply_in_their_dtype_with_a_window_and_sinks(backend_name, causal,
                                                                    dtype_name):
     """``rfa(window=16, sinks=2)`` on half inputs (the band's scores, weights and
