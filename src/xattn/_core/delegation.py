@@ -180,7 +180,8 @@ def squared_norms(x: Array, dtype: Any = None) -> Array:
 def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     """``x`` with NaN, ``+inf`` and ``-inf`` entries replaced by ``nan``, ``posinf`` and
     ``neginf``: the library's ``nan_to_num`` where it has one (one operation, whose
-    gradient is zero at the replaced entries), ``where`` elsewhere.
+    gradient is zero at the replaced entries; on Dask one task per chunk), ``where``
+    elsewhere.
 
     torch, with finite replacements and a gradient to track: a ``nan_to_num`` whose
     backward is one ``where`` on the mask ``out == x`` (true exactly at the entries kept),
@@ -206,6 +207,11 @@ def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     if array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x):
         module = np if array_api_compat.is_numpy_array(x) else importlib.import_module("cupy")
         return module.nan_to_num(x, copy=True, nan=nan, posinf=posinf, neginf=neginf)
+    if array_api_compat.is_dask_array(x):
+        # one task per chunk (NumPy's, which dispatches to a chunk's own library), where
+        # the ``where`` below builds six layers
+        return x.map_blocks(np.nan_to_num, nan=nan, posinf=posinf, neginf=neginf,
+                            dtype=x.dtype)
     xp = array_api_compat.array_namespace(x)
     x = xp.where(xp.isnan(x), nan, x)
     return xp.where(x == xp.inf, posinf, xp.where(x == -xp.inf, neginf, x))
