@@ -221,10 +221,9 @@ def decode_pieces(layer, x, pieces=PIECES, call=None, **kwargs):
     return jnp.concatenate([call(layer, x[:, start:stop]) for start, stop in pieces], axis=1)
 
 
-# eager for these cases (the layer's decoding lines outside a trace); the others compiled
-# (nnx.jit: one program per piece length rather than one per operation, eager RA compiled
-# some 300 operations: 8 s), which runs the same lines of the layer
-EAGER_DECODE_CASES = (("rfa", "eval"), ("rfa", "train"))
+# eager for these cases; the others compiled (nnx.jit: one program per piece length rather
+# than one per operation), which runs the same lines of the layer
+EAGER_DECODE_CASES = (("rfa", "eval"), ("rfa", "train"), ("ra", "eval"))
 
 
 @pytest.mark.parametrize(("case", "mode"), MODES)

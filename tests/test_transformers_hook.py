@@ -446,9 +446,9 @@ def test_register_rejects_bad_arguments(arguments, error, match):
 
 
 def test_importing_xattn_does_not_import_transformers():
-    code = ("import sys, xattn; assert 'transformers' not in sys.modules; "
-            "import xattn.transformers; assert 'transformers' in sys.modules; "
-            "assert xattn.transformers.register is not None")
+    # (xattn.transformers itself is imported after xattn by this module; in the fresh
+    # interpreter that import alone took 7 s, transformers' own)
+    code = "import sys, xattn; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
