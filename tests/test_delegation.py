@@ -1,6 +1,7 @@
 """torch's single-pass forms of :mod:`xattn._core.delegation` (custom autograd functions
 whose backward writes fewer arrays) against the portable Array API forms: the same
-values, first derivatives and second derivatives (``create_graph``), in float64."""
+values, first derivatives and second derivatives (``create_graph``), in float64; and
+Dask's one-task form of ``nan_to_num``."""
 
 from __future__ import annotations
 
@@ -79,6 +80,20 @@ def _dense_neighbour_sums(queries, keys, values, neighbours, biases, period, bas
                 scores = scores + np.asarray(bias)
             out[chunk] += np.exp(scores) @ values[other]
     return out
+
+
+def test_nan_to_num_on_dask_is_one_layer_of_one_task_per_chunk():
+    """Dask: NumPy's values in every chunk (a NaN and both infinities, in three chunks),
+    lazily, with one new graph layer (the portable ``where`` form built six)."""
+    da = pytest.importorskip("dask.array")
+    values = np.arange(24.0).reshape(4, 6)
+    values[0, 1], values[2, 4], values[3, 0] = np.nan, np.inf, -np.inf
+    x = da.from_array(values, chunks=(2, 3))
+    out = nan_to_num(x, nan=0.5, posinf=7.0, neginf=-7.0)
+    assert len(out.dask.layers) == len(x.dask.layers) + 1
+    assert out.chunks == x.chunks and out.dtype == x.dtype
+    np.testing.assert_array_equal(out.compute(),
+                                  np.nan_to_num(values, nan=0.5, posinf=7.0, neginf=-7.0))
 
 
 @pytest.mark.parametrize("neighbours", [(0, -1), (0, -1, 1)])
