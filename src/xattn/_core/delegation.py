@@ -210,8 +210,8 @@ def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     if array_api_compat.is_dask_array(x):
         # one task per chunk (NumPy's, which dispatches to a chunk's own library), where
         # the ``where`` below builds six layers
-        return x.map_blocks(np.nan_to_num, nan=nan, posinf=posinf, neginf=neginf,
-                            dtype=x.dtype)
+        return importlib.import_module("dask.array").map_blocks(
+            np.nan_to_num, x, nan=nan, posinf=posinf, neginf=neginf, dtype=x.dtype)
     xp = array_api_compat.array_namespace(x)
     x = xp.where(xp.isnan(x), nan, x)
     return xp.where(x == xp.inf, posinf, xp.where(x == -xp.inf, neginf, x))
