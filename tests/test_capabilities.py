@@ -210,8 +210,12 @@ def jax_sharded_errors() -> dict[str, float | str]:
                 errors[name] = f"{type(error).__name__}: {error}"
         print(json.dumps(errors))
     """)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    # 4 host devices, first (XLA stops reading at a word without "--"), then the caller's
+    # flags (the suite's quick compiles)
+    flags = ["--xla_force_host_platform_device_count=4",
+             *(word for word in os.environ.get("XLA_FLAGS", "").split()
+               if "force_host_platform_device_count" not in word)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
     result = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
                             text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
