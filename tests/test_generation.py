@@ -186,6 +186,9 @@ def test_rfa_pieces_equal_one_call(backend, rng, case):
     feature_map, window, sinks, masked = RFA_CASES[case]
     if backend.name.startswith(("jax", "dask")) and case >= 4:
         pytest.skip("JAX, Dask: the first four cases take every path (each piece compiles)")
+    if backend.name == "dask" and case == 2:
+        pytest.skip("Dask: the trigonometric map's pieces are NumPy's lines (run on NumPy, "
+                    "torch and JAX); the band and sinks of case 0")
     xp = backend.ns
     length = length_for(backend)
     arrays = make_sequence(rng, length=length,

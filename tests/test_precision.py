@@ -207,6 +207,8 @@ def test_unchecked_nan_never_becomes_a_finite_number(backend, name):
             np.testing.assert_allclose(out[0], clean[0], rtol=1e-10)  # the other batch entry
 
 
+# JAX: float16, the narrower range (bfloat16 on torch; the computation is float32's)
+@pytest.mark.thin(dtype_name=("float16",))
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_scores_up_to_80_stay_finite_in_half_precision(half_backend, dtype_name):
     """The same inputs in half precision (computed in float32): finite, in the input
