@@ -104,11 +104,25 @@ def _tracks_gradients(*arrays: Array | None) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def _writes_in_place_safely(x: Array) -> bool:
+    """Whether a write in place into the new array ``x`` is seen by every later reader:
+    NumPy, and eager torch when autograd does not track ``x``."""
+    if array_api_compat.is_numpy_array(x):
+        return True
+    if array_api_compat.is_torch_array(x):
+        import torch
+
+        return not (x.requires_grad or torch.compiler.is_compiling())
+    return False
+
+
 def _portable_neighbour_scores(queries: Array, keys: Array, neighbours: tuple[int, ...],
                                biases: tuple[Array | None, ...], period: int) -> tuple[Array, ...]:
     """:func:`neighbour_scores` by the standard's slices and products; the pairs across
-    two sequences set to ``-inf`` in place where the library writes in place (NumPy,
-    torch, under ``torch.compile`` too), by :func:`array_api_extra.at` elsewhere."""
+    two sequences set to ``-inf`` in place where nothing can reorder the write (NumPy, and
+    eager torch with no gradient to track), elsewhere by a ``where`` on the chunks'
+    positions, which a compiler fuses into the product's consumer (no write in place
+    into an array that autograd or a compiled graph may still read)."""
     xp = array_api_compat.array_namespace(queries, keys)
     scores = []
     for neighbour, bias in zip(neighbours, biases, strict=True):
@@ -116,10 +130,12 @@ def _portable_neighbour_scores(queries: Array, keys: Array, neighbours: tuple[in
         product = (queries[rows, ...], xp.matrix_transpose(keys[key_rows, ...]))
         piece = product[0] @ product[1] if bias is None else matmul_add(*product, bias)
         if neighbour:  # chunk (l + 1) * period - 1 of the piece pairs two sequences
-            if array_api_compat.is_torch_array(piece) or array_api_compat.is_numpy_array(piece):
+            if _writes_in_place_safely(piece):
                 piece[period - 1::period, ...] = -math.inf  # a new array: written in place
             else:
-                piece = xpx.at(piece)[period - 1::period, ...].set(-math.inf)
+                chunk = xp.arange(piece.shape[0], device=array_api_compat.device(piece))
+                crosses = xp.reshape(chunk % period == period - 1, (-1, 1, 1))
+                piece = xp.where(crosses, xp.asarray(-math.inf, dtype=piece.dtype), piece)
         scores.append(piece)
     return tuple(scores)
 
@@ -268,12 +284,17 @@ def cumulative_max(x: Array, axis: int) -> Array:
     operation; elsewhere (CuPy, whose ``maximum`` has no ``accumulate``; Dask,
     array-api-strict) it doubles: ``ceil(log2(L))`` steps of shift and ``maximum``. NaN
     propagates in every form.
+
+    Under ``torch.compile`` torch doubles too: inductor's scan of ``torch.cummax`` gave
+    wrong maxima in a graph that autograd tracks (the band's scan over ragged blocks, torch
+    2.13 on the CPU), and the compiler fuses the doubling's steps into one kernel.
     """
     axis = axis % x.ndim
     if array_api_compat.is_torch_array(x):
         import torch
 
-        return torch.cummax(x, dim=axis).values
+        if not torch.compiler.is_compiling():
+            return torch.cummax(x, dim=axis).values
     if array_api_compat.is_jax_array(x):
         import jax
 
