@@ -36,11 +36,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from xattn._core.array import Array, host_namespace, host_to_device
+from xattn._core.array import Array, host_namespace
 from xattn._core.delegation import qr
 from xattn._core.options import check_bool, check_choice, check_positive_int
 from xattn._core.primitives import finite_shift, merge_maxima, nonzero_divisor
-from xattn.random import HostGenerator, as_generator
+from xattn.random import _ORTHOGONAL, HostGenerator, as_generator
 
 __all__ = [
     "FEATURE_MAPS",
@@ -342,9 +342,8 @@ def sample_omega(
     if isinstance(generator, HostGenerator) and not (xp is host and dtype == host.float64):
         # a seed draws on the host: the QR there too, in float64 (one small LAPACK call,
         # not a device's batched QR, about 1 ms on a GPU), then one transfer
-        return host_to_device(xp, sample_omega(generator, num_features, dim, xp=host,
-                                               dtype=host.float64, norm=norm),
-                              dtype=dtype, device=device)
+        request = (_ORTHOGONAL, num_features, dim, SAMPLE_NORMS.index(norm))
+        return generator.draw(xp, request, dtype=dtype, device=device)
 
     num_blocks = math.ceil(num_features / dim)
     gaussian = generator.normal(xp, (num_blocks, dim, dim), dtype=dtype, device=device)

@@ -11,6 +11,7 @@ is given.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import operator
@@ -20,13 +21,33 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-__all__ = ["CPU_WORKING_MEMORY", "GPU_WORKING_MEMORY", "TORCH_GPU_DEVICES", "array_namespace",
-           "chunked_like", "compute_dtype", "concrete_count", "default_working_memory",
-           "has_half_products", "host_namespace",
-           "host_to_device", "index_sizes", "is_real_floating", "library_name",
-           "one_chunk_along", "register_pytree", "reshapes_freely", "sequence_positions",
-           "split_rows",
-           "stream_bounds", "take", "take_rows", "written_in_place"]
+__all__ = [
+    "CPU_WORKING_MEMORY",
+    "GPU_WORKING_MEMORY",
+    "TORCH_GPU_DEVICES",
+    "array_namespace",
+    "chunked_like",
+    "compute_dtype",
+    "concrete_count",
+    "default_working_memory",
+    "has_half_products",
+    "host_namespace",
+    "host_to_device",
+    "index_sizes",
+    "is_real_floating",
+    "library_name",
+    "one_chunk_along",
+    "register_pytree",
+    "reshapes_freely",
+    "result_dtype",
+    "sequence_positions",
+    "split_rows",
+    "stream_bounds",
+    "take",
+    "take_rows",
+    "when_imported",
+    "written_in_place",
+]
 
 Array = Any
 
@@ -95,6 +116,21 @@ def compute_dtype(xp: Any, dtype: Any) -> Any:
     return xp.float32
 
 
+def result_dtype(xp: Any, *arrays: Array) -> Any:
+    """The dtype that ``arrays`` promote to (:func:`result_type` of the standard) from their
+    dtypes alone: one dtype as it is; on torch ``torch.promote_types``, which
+    ``torch.compile`` traces (array-api-compat's ``result_type`` of bfloat16 or float16
+    calls ``torch.result_type``, whose dtype result breaks the graph)."""
+    dtypes = [x.dtype for x in arrays]
+    if all(dtype == dtypes[0] for dtype in dtypes[1:]):
+        return dtypes[0]
+    if array_api_compat.is_torch_namespace(xp):
+        import torch
+
+        return functools.reduce(torch.promote_types, dtypes)
+    return xp.result_type(*dtypes)
+
+
 def has_half_products(xp: Any, dtype: Any) -> bool:
     """Whether the library multiplies matrices of ``dtype`` (float16 or bfloat16) in that
     dtype with float32 accumulation: torch (CPU and CUDA), JAX and CuPy (cuBLAS). NumPy
@@ -116,37 +152,54 @@ def register_pytree(cls: type, data_fields: tuple[str, ...],
     ``meta_fields`` hashable), whenever JAX is imported, before or after xattn.
 
     Importing xattn never imports JAX: if JAX is already imported, ``cls`` is registered
-    now; otherwise an import hook registers it right after ``import jax`` completes, so
-    that an instance made before JAX was imported is a pytree too when it reaches
-    :func:`jax.jit` or :func:`jax.lax.scan`.
+    now; otherwise an import hook registers it right after ``import jax`` completes
+    (:func:`when_imported`), so that an instance made before JAX was imported is a pytree
+    too when it reaches :func:`jax.jit` or :func:`jax.lax.scan`.
     """
     _PYTREES.append((cls, data_fields, meta_fields))
-    if not _register_pending():
-        _watch_jax_import()
+    when_imported("jax", _register_pending)
 
 
-def _register_pending() -> bool:
-    """Register the pending pytrees if JAX is imported; whether it is."""
-    jax = sys.modules.get("jax")
-    tree_util = getattr(jax, "tree_util", None)
-    if tree_util is None:
-        return False
+def _register_pending(jax: Any) -> None:
+    """Register the pending pytrees."""
     while _PYTREES:
         cls, data_fields, meta_fields = _PYTREES.pop(0)
-        tree_util.register_dataclass(cls, data_fields=list(data_fields),
-                                     meta_fields=list(meta_fields))
-    return True
+        jax.tree_util.register_dataclass(cls, data_fields=list(data_fields),
+                                         meta_fields=list(meta_fields))
 
 
-class _JaxImportHook(importlib.abc.MetaPathFinder):
-    """Finds ``jax`` with the other finders and registers the pending pytrees once its
-    module has run; then it leaves ``sys.meta_path``. (A mere lookup,
-    ``importlib.util.find_spec("jax")``, runs no module: the hook stays for the import.)"""
+_ON_IMPORT: dict[str, list[Any]] = {}
+"""Per top-level module name, the callbacks that wait for its import to complete."""
+
+
+def when_imported(name: str, callback: Any) -> None:
+    """Call ``callback(module)`` once the top-level module ``name`` is imported: now if it
+    is (its import complete), else right after its import completes, by an import hook
+    (:class:`_ImportHook`). xattn imports no array library itself."""
+    module = sys.modules.get(name)
+    if module is not None and not _importing(module):
+        callback(module)
+        return
+    _ON_IMPORT.setdefault(name, []).append(callback)
+    if not any(isinstance(finder, _ImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ImportHook())
+
+
+def _importing(module: Any) -> bool:
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Finds a module that :func:`when_imported` waits for with the other finders and
+    calls its callbacks once its module has run; it leaves ``sys.meta_path`` when none
+    waits. (A mere lookup, ``importlib.util.find_spec``, runs no module: the hook stays
+    for the import.)"""
 
     searching = False
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "jax" or self.searching:
+        if fullname not in _ON_IMPORT or self.searching:
             return None
         self.searching = True  # the other finders, not this one again
         try:
@@ -159,16 +212,13 @@ class _JaxImportHook(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run_module(module)
-            if _register_pending() and self in sys.meta_path:
+            for callback in _ON_IMPORT.pop(fullname, []):
+                callback(module)
+            if not _ON_IMPORT and self in sys.meta_path:
                 sys.meta_path.remove(self)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
-
-
-def _watch_jax_import() -> None:
-    if not any(isinstance(finder, _JaxImportHook) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _JaxImportHook())
 
 
 def host_to_device(xp: Any, host: np.ndarray, *, dtype: Any, device: Any) -> Array:
@@ -370,8 +420,11 @@ def split_rows(x: Array, size: int) -> list[Array]:
 
 
 def host_namespace() -> Any:
-    """The Array API namespace of the host's arrays (array-api-compat's NumPy)."""
-    return array_api_compat.array_namespace(np.empty(0))
+    """The Array API namespace of the host's arrays (array-api-compat's NumPy), found
+    without making an array (``torch.compile`` traces no NumPy array)."""
+    import array_api_compat.numpy
+
+    return array_api_compat.numpy
 
 
 def take_rows(x: Array, indices: Array) -> Array:

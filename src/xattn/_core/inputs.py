@@ -18,6 +18,7 @@ from xattn._core.array import (
     compute_dtype,
     has_half_products,
     is_real_floating,
+    result_dtype,
 )
 from xattn._core.options import check_bool, check_scale
 
@@ -199,7 +200,7 @@ def prepare_attention(
     device = array_api_compat.device(q)
     check_device(q, k=k, v=v, key_mask=key_mask, query_mask=query_mask, device=device)
 
-    dtype = xp.result_type(q, k, v)
+    dtype = result_dtype(xp, q, k, v)
     work = compute_dtype(xp, dtype)
     if not (keep_half and q.dtype == k.dtype == v.dtype == dtype
             and has_half_products(xp, dtype)):
