@@ -105,15 +105,13 @@ def _updated_sinks(xp: Any, state: RFAState, keys: Array, values: Array, valid: 
             xp.where(taken, xp.any(lands & valid[..., None, :count], axis=-1), state.sink_valid))
 
 
-def _returned(partials: Generator[Partial, None, State | None]) -> State:
-    """The state that a finished :func:`~xattn._estimators.rf_scan.scan_partials` returns
-    (with ``keep_state``, as here: never None)."""
-    try:
-        next(partials)
-    except StopIteration as finished:
-        assert finished.value is not None
-        return finished.value
-    raise AssertionError("scan_partials yielded more blocks than asked for")
+def returned_state(partials: Generator[Partial, None, State | None],
+                   returned: list[State]) -> State:
+    """The state that :func:`~xattn._estimators.rf_scan.scan_partials` (with
+    ``keep_state``) puts in ``returned`` when its last block has been read."""
+    for _ in partials:
+        raise AssertionError("scan_partials yielded more blocks than asked for")
+    return returned[-1]
 
 
 def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFAState, *,
@@ -152,11 +150,12 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
     extended_values = xp.concat([state.window_values, values], axis=-2)
     extended_valid = xp.concat([state.window_valid, valid & (positions >= sinks)], axis=-1)
     offset = 1 if window else 0  # query j's random keys: e <= j - 1 (w >= 1), e <= j (w = 0)
+    returned: list[State] = []
     partials = scan_partials(xp, mapping, inputs.q, extended_keys, extended_values,
                              root_scale=root_scale, key_mask=extended_valid, first_key=0,
                              offset=offset, reverse=False, block_size=block_size,
                              chunk_size=chunk_size, batch_shape=batch,
-                             initial=state.feature_state)
+                             initial=state.feature_state, returned=returned)
     out = RowPieces(length)
     clamped = RowPieces(length) if guard else None
     for start in range(0, length, block_size):
@@ -180,7 +179,7 @@ def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: R
         out.put(start, rows)
         if clamped is not None:
             clamped.put(start, invalid)
-    features = _returned(partials)
+    features = returned_state(partials, returned)
     if window and length:  # the last key to leave the window (the scan stops before it)
         features = mapping.merge_states(features, state_over_keys(
             xp, mapping, extended_keys, extended_values, root_scale=root_scale,

@@ -264,8 +264,8 @@ class PositiveMap:
         # e^{M - K_s} >= 1; a feature whose sums underflowed in the shared frame keeps 0
         log_factor = xp.reshape(after_max, (*lead, 1)) - finite_shift(xp, feature_max)
         largest = math.log(xp.finfo(log_factor.dtype).max) - 1.0
-        factor = xp.where(log_factor <= largest,
-                          xp.exp(xp.minimum(log_factor, largest)), 0.0)[..., None]
+        factor = xp.exp(xp.clip(log_factor, max=largest))
+        factor = xp.where(log_factor <= largest, factor, xp.zeros_like(factor))[..., None]
         feature_sums = factor * xp.reshape(after_sums, (*lead, num_samples, width))
         return (shift, sums, sums[..., -1:]), (feature_max, feature_sums)
 

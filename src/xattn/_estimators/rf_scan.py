@@ -229,7 +229,8 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                   key_mask: Array | None, first_key: int, offset: int, reverse: bool,
                   block_size: int, chunk_size: int, batch_shape: tuple[int, ...],
                   initial: State | None = None, keep_state: bool = True,
-                  finite: bool = False) -> Generator[Partial, None, State | None]:
+                  finite: bool = False,
+                  returned: list[State] | None = None) -> Generator[Partial, None, State | None]:
     """Partials of the queries over their prefix (or suffix) keys, block by block.
 
     Query ``n`` takes the keys ``m <= n - offset`` (``reverse=False``) or ``m >= n +
@@ -239,7 +240,9 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     what it needs of them, :func:`xattn._estimators.window.windowed_rfa`). ``initial``
     (forward only) is the state of keys before all of ``k``, every query's (a sequence continued,
     :mod:`xattn._estimators.decode`); the generator returns the state after the last block
-    (None may be returned instead without ``keep_state``: the caller does not read it).
+    (None may be returned instead without ``keep_state``: the caller does not read it),
+    and appends it to ``returned`` if given (``torch.compile`` loses a generator's return
+    value: read the state there, :func:`xattn._estimators.decode.returned_state`).
     With ``finite`` q, k and v hold no NaN or infinity
     (:func:`~xattn._core.primitives.finite_inputs`) and are read as they are.
 
@@ -315,7 +318,10 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                 partial = (xp.flip(shift, axis=-2), xp.flip(sums, axis=-2),
                            xp.flip(weight, axis=-2))
             yield partial
-        return carried() if keep_state else state
+        final = carried() if keep_state else state
+        if returned is not None and final is not None:
+            returned.append(final)
+        return final
 
     return run()
 

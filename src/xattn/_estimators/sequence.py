@@ -54,7 +54,7 @@ from xattn._core.primitives import (
     quarantine,
 )
 from xattn._core.state import RFAState
-from xattn._estimators.decode import _new_tokens, _returned, _updated_sinks, continue_rfa
+from xattn._estimators.decode import _new_tokens, _updated_sinks, continue_rfa, returned_state
 from xattn._estimators.rf_scan import (
     FeatureMap,
     Partial,
@@ -162,12 +162,13 @@ def piece_scan(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, summed: Ar
     ``finite``: q, k and v hold no NaN or infinity and are read as they are."""
     length = inputs.num_queries
     root_scale = math.sqrt(inputs.scale)
+    returned: list[State] = []
     scan = scan_partials(xp, mapping, inputs.q, inputs.k, inputs.v, root_scale=root_scale,
                          key_mask=summed, first_key=0, offset=window + 1 if window else 0,
                          reverse=False, block_size=block_size, chunk_size=chunk_size,
-                         batch_shape=batch, finite=finite)
+                         batch_shape=batch, finite=finite, returned=returned)
     inner = [next(scan) for _ in range(0, length, block_size)]
-    features = _returned(scan)
+    features = returned_state(scan, returned)
     if window and length > window:  # the last key to leave the window (the scan stops before)
         features = mapping.merge_states(features, state_over_keys(
             xp, mapping, inputs.k, inputs.v, root_scale=root_scale, key_mask=summed,
@@ -239,12 +240,13 @@ def piece_rows(xp: Any, inputs: AttentionInputs, read: AttentionInputs, mapping:
     head: Partial | None = None
     halo = (before.window_keys, before.window_values, before.window_valid)
     if window:  # rows j < w: the halo's keys e <= j - 1 after those of before
+        returned: list[State] = []
         scan = scan_partials(xp, mapping, inputs.q[..., :window, :], halo[0], halo[1],
                              root_scale=root_scale, key_mask=halo[2], first_key=0, offset=1,
                              reverse=False, block_size=block_size, chunk_size=chunk_size,
-                             batch_shape=batch, initial=known)
+                             batch_shape=batch, initial=known, returned=returned)
         head = _rows(xp, [next(scan) for _ in range(0, window, block_size)], batch)
-        known = mapping.merge_states(_returned(scan), state_over_keys(  # the whole halo
+        known = mapping.merge_states(returned_state(scan, returned), state_over_keys(  # the halo
             xp, mapping, halo[0], halo[1], root_scale=root_scale, key_mask=halo[2],
             first_key=0, start=window - 1, stop=window, chunk_size=chunk_size,
             batch_shape=batch))
