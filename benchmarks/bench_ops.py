@@ -59,6 +59,13 @@ that is SDPA's half-precision backward at N = 16384 (about 2 and 3 minutes)::
 
     python benchmarks/bench_ops.py --traffic-only --traffic-limit 0   # the table alone
 
+**Inductor's kernels** (``--kernels``): for each row of the traffic table, the kernels
+inductor generates for one ``torch.compile(fullgraph=True)`` of its forward plus backward
+(``torch._inductor.metrics.generated_kernel_count``), at ``--kernel-lengths`` (4096 and
+16384) in ``--kernel-dtypes`` (float32 and bfloat16)::
+
+    python benchmarks/bench_ops.py --lengths '' --traffic-lengths '' --kernels
+
 Opt-in, because they are slow: ``--jax-compile`` times ``jax.jit(jax.grad(...))`` of
 causal RFA forward plus backward (``.lower(...)`` and ``.compile()`` separately; the
 number of StableHLO operations beside them), ``--torch-compile`` one
@@ -565,6 +572,48 @@ def torch_compile_time(length: int, device: Any, backend: str,
     return result
 
 
+def inductor_kernels(rows: list[Row], lengths: list[int], dtypes: list[str], device: Any,
+                     cells: dict[str, Any], save: Callable[[], Any]) -> None:
+    """Inductor's generated kernels for each traffic row's forward plus backward
+    (``torch._inductor.metrics.generated_kernel_count`` over one compilation of
+    ``torch.compile(fullgraph=True)`` and its first call with ``.sum().backward()``), at
+    :data:`TRAFFIC_SHAPE` with N = each of ``lengths``, in ``cells[row][dtype][N]``; a
+    compilation that fails records its error."""
+    import torch._dynamo
+    import torch._inductor.config
+    import torch._inductor.metrics
+
+    batch, heads, dim = TRAFFIC_SHAPE
+    for row in rows:
+        for dtype_name in dtypes:
+            for length in lengths:
+                rng = np.random.default_rng(0)
+                leaves = [torch.asarray(rng.normal(size=(batch, heads, length, dim)),
+                                        dtype=getattr(torch, dtype_name),
+                                        device=device).requires_grad_() for _ in range(3)]
+                torch._dynamo.reset()
+                torch._inductor.metrics.reset()
+                compiled = torch.compile(lambda q, k, v, row=row: row.call(q, k, v, None),
+                                         fullgraph=True)
+                cell: dict[str, Any] = {}
+                started = time.perf_counter()
+                try:
+                    with warnings.catch_warnings(), \
+                            torch._inductor.config.patch(force_disable_caches=True):
+                        warnings.simplefilter("ignore")
+                        compiled(*leaves).float().sum().backward()
+                    cell["kernels"] = int(torch._inductor.metrics.generated_kernel_count)
+                except Exception as error:  # the failure is the result
+                    cell["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                cell["compile_and_first_call_s"] = round(time.perf_counter() - started, 2)
+                cells.setdefault(row.name, {}).setdefault(dtype_name, {})[str(length)] = cell
+                print(f"  {row.name:40s} {dtype_name:9s} N={length:6d}: "
+                      f"{cell.get('kernels', cell.get('error'))} kernels "
+                      f"({cell['compile_and_first_call_s']} s)", flush=True)
+                save()
+    torch._dynamo.reset()
+
+
 def print_table(rows: dict[str, dict[str, dict[str, Any]]], lengths: list[int]) -> None:
     """Operations per call, ``all (compute)``, then the bytes written in |q|, one line per
     row and mode."""
@@ -663,11 +712,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--traffic-only", action="store_true",
                         help="only the traffic table, not the operation counts at "
                              "(1, 2, N, 64)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also count inductor's generated kernels of each traffic row, "
+                             "forward plus backward (slow: one compilation each)")
+    parser.add_argument("--kernel-lengths", default="4096,16384")
+    parser.add_argument("--kernel-dtypes", default="float32,bfloat16")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "ops_results.json")
     args = parser.parse_args(argv)
     working_memory = None if args.working_memory == "device" else int(args.working_memory)
     from bench_scaling import source_state  # here: this module imports without benchmarks/
-    lengths = [int(item) for item in args.lengths.split(",")]
+    lengths = [int(item) for item in args.lengths.split(",") if item]
     traffic_lengths = [int(item) for item in args.traffic_lengths.split(",") if item]
     traffic_dtypes = [item for item in args.traffic_dtypes.split(",") if item]
     threads = int(os.environ.get("BENCH_THREADS", "1"))
@@ -775,6 +829,19 @@ def main(argv: list[str] | None = None) -> None:
                             entry["traffic"], lambda: write_json(args.out, report), sync,
                             args.traffic_limit)
             print_traffic_table(entry["traffic"], traffic_lengths)
+        if args.kernels:
+            device = backend.to_backend(np.zeros(1)).device
+            kernel_rows = [row for row in make_traffic_rows(device, working_memory)
+                           if not args.rows or any(part in row.name
+                                                   for part in args.rows.split(","))]
+            print(f"inductor kernels, forward + backward, {backend.describe()}: "
+                  "(B, H, N, D) = (1, 8, N, 64)")
+            entry["inductor_kernels"] = {}
+            inductor_kernels(kernel_rows,
+                             [int(item) for item in args.kernel_lengths.split(",") if item],
+                             [item for item in args.kernel_dtypes.split(",") if item],
+                             device, entry["inductor_kernels"],
+                             lambda: write_json(args.out, report))
     if args.jax_compile:
         print("JAX compile (CPU):")
         report["jax_compile"] = jax_compile_times(

@@ -196,14 +196,20 @@ def _replay(seed: int, flat_requests: list[int]) -> np.ndarray:
     """The last of the requests (each its length, then itself) drawn from ``seed`` after
     the others, as the eager calls drew them."""
     generator = np.random.default_rng(seed)
+    requests = _unflattened(flat_requests)
+    for request in requests[:-1]:
+        _host_draw(generator, request)
+    return _host_draw(generator, requests[-1])
+
+
+def _unflattened(flat_requests: list[int]) -> list[tuple[int, ...]]:
+    """The requests of a flat list: each its length, then itself."""
     requests, index = [], 0
     while index < len(flat_requests):
         length = flat_requests[index]
         requests.append(tuple(flat_requests[index + 1:index + 1 + length]))
         index += 1 + length
-    for request in requests[:-1]:
-        _host_draw(generator, request)
-    return _host_draw(generator, requests[-1])
+    return requests
 
 
 def _torch_compiling() -> bool:
@@ -243,7 +249,7 @@ def _define_torch_ops(torch: Any) -> None:
 
     @seeded_draw.register_fake
     def _(seed, requests):
-        shape = _request_shape(_replay_shapes(requests))
+        shape = _request_shape(_unflattened(requests)[-1])
         return torch.empty(shape, dtype=torch.float64)
 
     @custom_op("xattn::generator_draw", mutates_args=(),
@@ -280,16 +286,6 @@ def _register_generator(generator: Any) -> int:
 
 
 when_imported("torch", _define_torch_ops)
-
-
-def _replay_shapes(flat_requests: list[int]) -> tuple[int, ...]:
-    """The last request of a flat list (as :func:`_replay` reads it)."""
-    index, last = 0, ()
-    while index < len(flat_requests):
-        length = flat_requests[index]
-        last = tuple(flat_requests[index + 1:index + 1 + length])
-        index += 1 + length
-    return last
 
 
 class TorchGenerator(Generator):

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Generator
 from typing import Any, TypeVar
 
 from xattn._core.array import Array
@@ -55,10 +54,10 @@ from xattn._core.primitives import (
 from xattn._core.state import RFAState, _KeyValueCache, check_state_inputs, empty_cache
 from xattn._estimators.rf_scan import (
     FeatureMap,
-    Partial,
     State,
     combine_partials,
     finish_partial,
+    returned_state,
     scan_partials,
     state_over_keys,
 )
@@ -103,15 +102,6 @@ def _updated_sinks(xp: Any, state: RFAState, keys: Array, values: Array, valid: 
     return (xp.where(taken[:, None], gather(keys), state.sink_keys),
             xp.where(taken[:, None], gather(values), state.sink_values),
             xp.where(taken, xp.any(lands & valid[..., None, :count], axis=-1), state.sink_valid))
-
-
-def returned_state(partials: Generator[Partial, None, State | None],
-                   returned: list[State]) -> State:
-    """The state that :func:`~xattn._estimators.rf_scan.scan_partials` (with
-    ``keep_state``) puts in ``returned`` when its last block has been read."""
-    for _ in partials:
-        raise AssertionError("scan_partials yielded more blocks than asked for")
-    return returned[-1]
 
 
 def continue_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, state: RFAState, *,

@@ -71,6 +71,7 @@ __all__ = [
     "causal_scan",
     "combine_partials",
     "finish_partial",
+    "returned_state",
     "scan_partials",
     "state_over_keys",
 ]
@@ -242,7 +243,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     :mod:`xattn._estimators.decode`); the generator returns the state after the last block
     (None may be returned instead without ``keep_state``: the caller does not read it),
     and appends it to ``returned`` if given (``torch.compile`` loses a generator's return
-    value: read the state there, :func:`xattn._estimators.decode.returned_state`).
+    value: read the state there, :func:`returned_state`).
     With ``finite`` q, k and v hold no NaN or infinity
     (:func:`~xattn._core.primitives.finite_inputs`) and are read as they are.
 
@@ -324,6 +325,15 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
         return final
 
     return run()
+
+
+def returned_state(partials: Generator[Partial, None, State | None],
+                   returned: list[State]) -> State:
+    """The state that :func:`scan_partials` (with
+    ``keep_state``) puts in ``returned`` when its last block has been read."""
+    for _ in partials:
+        raise AssertionError("scan_partials yielded more blocks than asked for")
+    return returned[-1]
 
 
 def causal_scan(xp: Any, inputs: Any, mapping: FeatureMap, block_size: int, chunk_size: int,

@@ -54,13 +54,14 @@ from xattn._core.primitives import (
     quarantine,
 )
 from xattn._core.state import RFAState
-from xattn._estimators.decode import _new_tokens, _updated_sinks, continue_rfa, returned_state
+from xattn._estimators.decode import _new_tokens, _updated_sinks, continue_rfa
 from xattn._estimators.rf_scan import (
     FeatureMap,
     Partial,
     State,
     combine_partials,
     finish_partial,
+    returned_state,
     scan_partials,
     state_over_keys,
 )
