@@ -285,9 +285,11 @@ def cumulative_max(x: Array, axis: int) -> Array:
     array-api-strict) it doubles: ``ceil(log2(L))`` steps of shift and ``maximum``. NaN
     propagates in every form.
 
-    Under ``torch.compile`` torch doubles too: inductor's scan of ``torch.cummax`` gave
-    wrong maxima in a graph that autograd tracks (the band's scan over ragged blocks, torch
-    2.13 on the CPU), and the compiler fuses the doubling's steps into one kernel.
+    Under ``torch.compile`` torch doubles too: with ``torch.cummax`` (or a masked largest
+    entry) in the chunk scan of the window band's random features, inductor's generated
+    code gave wrong values for inputs that require grad at ragged lengths (torch 2.13 on
+    the CPU; eager and ``aot_eager`` right), and the doubling's steps are a few
+    elementwise maxima.
     """
     axis = axis % x.ndim
     if array_api_compat.is_torch_array(x):
