@@ -297,6 +297,14 @@ def cumulative_max(x: Array, axis: int) -> Array:
 
         if not torch.compiler.is_compiling():
             return torch.cummax(x, dim=axis).values
+        length, step = x.shape[axis], 1
+        while step < length:  # shifts by padding, which inductor fuses with the maxima
+            pad = [0, 0] * (x.ndim - 1 - axis) + [step, 0]
+            shifted = torch.nn.functional.pad(torch.narrow(x, axis, 0, length - step), pad,
+                                              value=-math.inf)
+            x = torch.maximum(x, shifted)
+            step *= 2
+        return x
     if array_api_compat.is_jax_array(x):
         import jax
 
