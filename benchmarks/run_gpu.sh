@@ -34,12 +34,14 @@ PYTHON=${PYTHON:-python3}
 WORKERS=${WORKERS:-12}
 # the limits in seconds, the stages' including the time before SIGKILL: setup 25 (pip)
 # + 20 (import check) + 10 (nvidia-smi) + 30 (versions), tests 220, benchmarks 65 + 45
-# + 35 + 50 + 70 + 30 (10 of them for bench_ops.py --help), summary 10: 575 in all
-TESTS_S=${TESTS_S:-185}
+# + 110 (compiled) + 25 + 35 + 70 + 30 (10 of them for bench_ops.py --help), summary 10:
+# 575 in all
+TESTS_S=${TESTS_S:-100}
 BENCH_TORCH_S=${BENCH_TORCH_S:-65}
 CAUSAL_S=${CAUSAL_S:-45}
-BENCH_CUPY_S=${BENCH_CUPY_S:-35}
-BENCH_JAX_S=${BENCH_JAX_S:-50}
+COMPILED_S=${COMPILED_S:-110}
+BENCH_CUPY_S=${BENCH_CUPY_S:-25}
+BENCH_JAX_S=${BENCH_JAX_S:-35}
 DECODE_S=${DECODE_S:-70}
 OPS_S=${OPS_S:-30}
 GPU_BACKENDS=cupy,torch-cuda,jax-gpu
@@ -130,6 +132,12 @@ LENGTHS=1024,4096,16384,65536
     benchmarks/bench_causal_rfa.py --device cuda --dtypes float32,bfloat16 --shape 4,8,64 \
     --features 64 --lengths 1024,4096,16384 --runs 1 --repeats 3 \
     --output "$OUT/causal_rfa_torch-cuda.json"
+# the same compiled whole (torch.compile, inductor) beside eager and FlashAttention, and
+# the decode step under mode="reduce-overhead" (CUDA graphs)
+[ "$COMPILED_S" -gt 0 ] && stage causal_rfa_compiled_torch-cuda "$COMPILED_S" "$PYTHON" \
+    benchmarks/bench_causal_rfa.py --compile --device cuda --dtypes bfloat16,float32 \
+    --shape 4,8,64 --features 64 --lengths 4096,16384 --runs 1 --repeats 3 \
+    --output "$OUT/causal_rfa_compiled_torch-cuda.json"
 [ "$BENCH_CUPY_S" -gt 0 ] && stage bench_gpu_cupy "$BENCH_CUPY_S" "$PYTHON" \
     benchmarks/bench_gpu.py --backends cupy --dtypes float32 --lengths $LENGTHS \
     --ra-max 4096 --repeats 3 --time-limit 0.1 --out "$OUT/bench_gpu_cupy.json"

@@ -686,6 +686,27 @@ def test_bench_measures_the_frameworks_fused_kernel(tmp_path, capsys, backend, k
     assert kernel in out
 
 
+def test_bench_compile_times_the_compiled_estimators(tmp_path, capsys):
+    """``--compile`` (torch): each estimator compiled whole, timed after the warm-up call
+    that compiles it, beside the eager fused kernel; refused on other backends before any
+    work."""
+    needs("torch")
+    code, out, err = run(capsys, "bench", "--backend", "torch", "--lengths", "16,40",
+                         "--head-dim", 8, "--estimators", "rfa,lara", "--samples", 8,
+                         "--compile", "--out", tmp_path, "--no-progress")
+    assert code == 0, err
+    payload = load_json(tmp_path / "bench.json")
+    assert payload["compiled"] is True
+    assert list(payload["results"]) == ["softmax (xattn)", "softmax (torch SDPA)", "rfa",
+                                        "lara"]
+    assert all(row["time_s"] > 0 for name in ("rfa", "lara")
+               for row in payload["results"][name])
+    code, out, err = run(capsys, "bench", "--backend", "numpy", "--compile", "--out",
+                         tmp_path / "numpy", "--no-progress")
+    assert code != 0 and "--compile" in err and "--backend torch" in err
+    assert not (tmp_path / "numpy").exists()
+
+
 def test_bench_skips_the_fused_kernel_where_it_does_not_fit(tmp_path, capsys, monkeypatch):
     """JAX's kernel forms the (N, M) scores on a CPU: at lengths where its estimate exceeds
     the memory available, its row is skipped with the figure, and the others still run."""

@@ -295,3 +295,30 @@ def test_a_hugging_face_prefill_and_decode_steps_compile_whole():
     for compiled_step, eager_step in zip(compiled, eager, strict=True):
         torch.testing.assert_close(compiled_step, eager_step, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] <= 3  # the prefill, a step, a dynamic step
+
+
+def test_the_draw_operations_exist_when_torch_is_imported_after_xattn():
+    """xattn imports no torch; the graph operations through which a compiled call draws
+    are defined right after torch's import completes (a definition cannot be traced), and
+    a JAX state made before JAX is imported is still a pytree."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, xattn\n"
+        "assert 'torch' not in sys.modules and 'jax' not in sys.modules\n"
+        "import torch\n"
+        "assert torch.ops.xattn.seeded_draw.default is not None\n"
+        "assert torch.ops.xattn.generator_draw.default is not None\n"
+        "out = torch.ops.xattn.seeded_draw(3, [3, 0, 2, 2])\n"
+        "import numpy as np\n"
+        "assert np.array_equal(out.numpy(), np.random.default_rng(3).standard_normal((2, 2)))\n"
+        "x = np.ones((1, 5, 4))\n"
+        "_, state = xattn.rfa(x, x, x, num_features=4, rng=0, causal=True, "
+        "return_state=True)\n"
+        "import jax\n"
+        "assert len(jax.tree_util.tree_leaves(state)) > 1\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -5,17 +5,22 @@ normal and uniform draws of a given shape and dtype in a given namespace and dev
 The ``rng`` argument of the estimators accepts:
 
 * ``None``: fresh entropy from the operating system (a :class:`HostGenerator`);
-* an ``int`` seed: a :class:`HostGenerator` seeded with it. It draws on the host with
-  NumPy in float64 and moves the numbers to the arrays' device, so **the same seed gives
-  the same numbers on every backend** (exactly in float64, up to the rounding of the cast
-  in lower precision);
+* an ``int`` seed: a :class:`SeedGenerator` (a :class:`HostGenerator` seeded with it).
+  It draws on the host with NumPy in float64 and moves the numbers to the arrays'
+  device, so **the same seed gives the same numbers on every backend** (exactly in
+  float64, up to the rounding of the cast in lower precision), inside
+  ``torch.compile(fullgraph=True)`` too;
 * an xattn :class:`Generator` (for example from :func:`default_rng`, or
-  :class:`TorchDefaultGenerator`, torch's global generator: the way to draw inside
-  ``torch.compile(fullgraph=True)``);
+  :class:`TorchDefaultGenerator`, torch's global generator);
 * a native generator, which draws where it lives: a :class:`numpy.random.Generator`, a
-  :class:`torch.Generator` (on its device), a JAX PRNG key (split for every draw; the way
-  to draw inside :func:`jax.jit`), a ``cupy.random.Generator``, or a Dask
-  ``dask.array.random.Generator``.
+  :class:`torch.Generator` (on its device; inside ``torch.compile`` too), a JAX PRNG
+  key (split for every draw; the way to draw inside :func:`jax.jit`), a
+  ``cupy.random.Generator``, or a Dask ``dask.array.random.Generator``.
+
+Inside ``torch.compile(fullgraph=True)`` an int seed and a ``torch.Generator`` draw
+through two graph operations, ``xattn::seeded_draw`` and ``xattn::generator_draw``
+(defined when torch is imported), that give the eager call's numbers; ``None`` draws from
+torch's default generator there.
 
 Array libraries are detected lazily: nothing here imports torch, JAX, CuPy or Dask
 unless an object of theirs is passed in.
@@ -228,13 +233,29 @@ _OPS: Any = None
 
 def _torch_ops() -> Any:
     """The torch operators through which a compiled graph draws."""
-    assert _OPS is not None, "defined when torch is imported"
+    if _OPS is None:
+        raise RuntimeError(
+            "xattn could not define its random-draw operators for torch.compile on this "
+            f"torch ({_OPS_ERROR}); pass omega= (or proposal_means=), or draw with "
+            "rng=xattn.random.TorchDefaultGenerator() inside the compiled function")
     return _OPS
+
+
+_OPS_ERROR = "torch was not imported"
 
 
 def _define_torch_ops(torch: Any) -> None:
     """Define the operators of :func:`_torch_ops`, once torch is imported (before any
-    graph is traced: a definition cannot be traced)."""
+    graph is traced: a definition cannot be traced). A torch that cannot define them
+    (an old one) is left as it is: ``import torch`` never fails for xattn's sake."""
+    global _OPS_ERROR
+    try:
+        _define_torch_ops_now(torch)
+    except Exception as error:
+        _OPS_ERROR = f"{type(error).__name__}: {error}"
+
+
+def _define_torch_ops_now(torch: Any) -> None:
     global _OPS
     import types
 
@@ -330,8 +351,9 @@ class TorchDefaultGenerator(Generator):
     ``torch.get_rng_state()`` (or the CUDA generator's state), as ``torch.nn.Dropout``
     does. The torch layers draw with it.
 
-    It is the way to draw inside ``torch.compile(fullgraph=True)``: dynamo traces draws
-    from the global generator, but not from a :class:`torch.Generator` object or NumPy.
+    Inside ``torch.compile`` inductor draws these numbers with its own generator (the
+    eager numbers with ``torch._inductor.config.fallback_random = True``); an int seed or
+    a :class:`torch.Generator` compiles to the eager numbers.
 
     Examples
     --------

@@ -92,6 +92,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         metavar="SECONDS",
                         help="stop running an estimator at larger lengths once one of its "
                         "calls took longer than this (0: no limit; default: 60)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch backends: time each estimator compiled whole, "
+                        "torch.compile(fullgraph=True) with inductor (compiled in the "
+                        "warm-up call, whose time is not in the table), beside exact "
+                        "softmax by the fused kernel as users run it")
     add_decode_options(parser)
     parser.set_defaults(run=run)
     return parser
@@ -109,7 +114,14 @@ def run(args: argparse.Namespace) -> int:
     # one (what users of that framework already run)
     exact = [PORTABLE_SOFTMAX] if native is None else [PORTABLE_SOFTMAX, native]
     specs = [*exact, *(ESTIMATOR_SPECS[name] for name in args.estimators)]
+    if args.compile and args.backend != "torch":
+        raise CommandError("--compile compiles with torch.compile: use --backend torch "
+                           f"(got --backend {args.backend}; JAX's calls are jit-compiled "
+                           "already)")
     functions = {spec.name: spec.load() for spec in specs}
+    if args.compile:
+        functions.update({spec.name: _compiled(functions[spec.name]) for spec in specs
+                          if spec not in exact})
     samples = _bench_samples(args.samples, specs)
     backend = load_backend(args.backend, args.device, args.dtype)
     lengths = sorted(set(args.lengths))
@@ -189,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         "head_dim": args.head_dim,
         "seed": args.seed,
         "repeats": args.repeats,
+        "compiled": bool(args.compile),
         "lengths": lengths,
         "time_limit_s": args.time_limit,
         "samples": {spec.name: samples.get(spec.name) for spec in specs},
@@ -213,6 +226,24 @@ def run(args: argparse.Namespace) -> int:
     _plot_bench(png_path, results, crossover, backend)
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def _compiled(function: Any) -> Any:
+    """``function`` under ``torch.compile(fullgraph=True)`` (inductor), its options (the
+    samples, an int seed) constants of the graph; dynamo's notes on the library's cached
+    helpers silenced."""
+    import warnings
+
+    import torch
+
+    compiled = torch.compile(function, fullgraph=True)
+
+    def call(*arrays: Any, **options: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return compiled(*arrays, **options)
+
+    return call
 
 
 def _run_decode(args: argparse.Namespace) -> int:
