@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -280,3 +281,23 @@ def test_a_context_longer_than_the_validation_split_is_refused_before_training(
     pytest.importorskip("torch")
     with pytest.raises(Started):  # the longest context plans and starts
         main([*arguments, "--length", "111539", "--out", str(tmp_path / "longest")])
+
+
+def test_the_flax_model_builds_without_warnings_in_jax_64_bit_mode():
+    """With JAX's 64-bit mode on (common in scientific JAX code) the initial weights are
+    drawn in the weights' dtype: no FutureWarning of a float64 draw scattered into a
+    float32 weight (an error in later JAX releases). The mode is restored afterwards."""
+    jax = pytest.importorskip("jax")
+    lm_flax = pytest.importorskip("xattn.training.lm_flax")
+    from flax import nnx
+
+    was_on = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            model = lm_flax.GPT(TINY, 8, "rfa", {"num_features": 8}, rngs=nnx.Rngs(0))
+    finally:
+        jax.config.update("jax_enable_x64", was_on)
+    assert model.token.embedding[...].dtype == jax.numpy.float32
+    assert jax.config.jax_enable_x64 == was_on

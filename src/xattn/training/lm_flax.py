@@ -70,7 +70,10 @@ class GPT(nnx.Module):
                         (attention.value.kernel, 0.02), (attention.out.kernel, residual_std),
                         (block.ffn_in.kernel, 0.02), (block.ffn_out.kernel, residual_std)]
         for weight, std in weights:
-            weight[...] = std * jax.random.normal(rngs.params(), weight.shape)
+            # in the weight's dtype: with JAX's 64-bit mode on, a float64 draw scattered
+            # into a float32 weight warns (and will raise in a later JAX)
+            weight[...] = std * jax.random.normal(rngs.params(), weight.shape,
+                                                  dtype=weight[...].dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.token(tokens) + self.position.embedding[:tokens.shape[1]]
