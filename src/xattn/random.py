@@ -152,10 +152,12 @@ class SeedGenerator(HostGenerator):
     :class:`HostGenerator` on ``numpy.random.default_rng(seed)``, made at the first draw.
 
     Inside ``torch.compile`` a seed's draws are the same numbers, made by one graph
-    operation per draw (``xattn::seeded_draw``): it replays the call's earlier requests
-    from the seed on the host and returns the new one, so the graph holds no NumPy, and
-    a seed that changes from call to call is an input of the graph (compiled once more,
-    then never again), not a constant. ``None`` there draws from torch's default
+    operation per draw (``xattn::seeded_draw``): it replays the traced call's earlier
+    requests from the seed on the host and returns the new one, so the graph holds no
+    NumPy, and a seed that changes from call to call is an input of the graph (compiled
+    once more, then never again), not a constant. (The int seed of each call makes a new
+    generator; one generator object kept across compiled calls would draw the numbers of
+    its first call again: pass the seed, not the object.) ``None`` there draws from torch's default
     generator (:class:`TorchDefaultGenerator`), fresh numbers as the eager call's are.
 
     Parameters
@@ -190,7 +192,6 @@ class SeedGenerator(HostGenerator):
             self._requests.append(tuple(request))
             flat = [number for past in self._requests for number in (len(past), *past)]
             return _torch_ops().seeded_draw(self.seed, flat).to(device=device, dtype=dtype)
-        self._requests.append(tuple(request))
         return super().draw(xp, request, dtype=dtype, device=device)
 
     def __repr__(self) -> str:
