@@ -701,7 +701,7 @@ def test_bench_compile_times_the_compiled_estimators(tmp_path, capsys):
                                         "lara"]
     assert all(row["time_s"] > 0 for name in ("rfa", "lara")
                for row in payload["results"][name])
-    code, out, err = run(capsys, "bench", "--backend", "numpy", "--compile", "--out",
+    code, _, err = run(capsys, "bench", "--backend", "numpy", "--compile", "--out",
                          tmp_path / "numpy", "--no-progress")
     assert code != 0 and "--compile" in err and "--backend torch" in err
     assert not (tmp_path / "numpy").exists()

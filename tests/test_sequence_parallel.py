@@ -445,6 +445,19 @@ def test_jax_axis_outside_shard_map_and_group_of_one() -> None:
 
 
 @needs_torch
+def test_a_rank_outside_a_torch_sub_group_is_told_so() -> None:
+    """On a rank outside it, ``torch.distributed.new_group`` returns an int sentinel, not
+    a group: the call says the rank is not a member (it said "got builtins.int")."""
+    import torch
+    import torch.distributed as dist
+
+    q, k, v = (torch.asarray(x) for x in _inputs())
+    with pytest.raises(ValueError, match="not a member of the group"):
+        xattn.rfa(q, k, v, num_features=4, rng=0, causal=True,
+                  sequence_parallel=dist.GroupMember.NON_GROUP_MEMBER)
+
+
+@needs_torch
 def test_torch_tensors_with_a_mesh_axis_are_refused() -> None:
     import torch
 

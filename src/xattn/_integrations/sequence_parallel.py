@@ -24,6 +24,7 @@ JAX and torch are imported here only when such an argument is given, never when 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,16 @@ def _is_process_group(value: Any) -> bool:
     return isinstance(value, dist.ProcessGroup)
 
 
+def _is_non_member(value: Any) -> bool:
+    """Whether ``value`` is what ``torch.distributed.new_group`` returns on a rank outside
+    the new group (``GroupMember.NON_GROUP_MEMBER``, an int)."""
+    dist = sys.modules.get("torch.distributed")
+    member = getattr(dist, "GroupMember", None)
+    sentinel = getattr(member, "NON_GROUP_MEMBER", None)
+    return (sentinel is not None and isinstance(value, int) and not isinstance(value, bool)
+            and value == sentinel)
+
+
 def resolve_group(sequence_parallel: Any, q: Array, length: int, estimator: str) -> Group:
     """The :class:`Group` of ``sequence_parallel`` for inputs like ``q`` holding ``length``
     positions of the sequence. ``TypeError`` for an argument that is neither a mesh axis
@@ -83,6 +94,10 @@ def resolve_group(sequence_parallel: Any, q: Array, length: int, estimator: str)
                             f"but q is a {library} array; with torch pass a "
                             "torch.distributed ProcessGroup")
         group = _jax_group(sequence_parallel, length, argument)
+    elif _is_non_member(sequence_parallel):
+        raise ValueError(f"{argument}: this process is not a member of the group "
+                         "(torch.distributed.new_group returned its non-member sentinel on "
+                         "this rank); call the estimator only on the group's ranks")
     elif _is_process_group(sequence_parallel):
         if library != "torch":
             raise TypeError(f"{argument}: a torch.distributed ProcessGroup needs torch "
