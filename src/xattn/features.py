@@ -38,9 +38,10 @@ from typing import Any
 
 from xattn._core.array import Array, host_namespace
 from xattn._core.delegation import qr
+from xattn._core.draws import add_host_kind
 from xattn._core.options import check_bool, check_choice, check_positive_int
 from xattn._core.primitives import finite_shift, merge_maxima, nonzero_divisor
-from xattn.random import _ORTHOGONAL, HostGenerator, as_generator
+from xattn.random import HostGenerator, as_generator
 
 __all__ = [
     "FEATURE_MAPS",
@@ -339,7 +340,8 @@ def sample_omega(
     if not orthogonal:
         return generator.normal(xp, (num_features, dim), dtype=dtype, device=device)
     host = host_namespace()
-    if isinstance(generator, HostGenerator) and not (xp is host and dtype == host.float64):
+    if (isinstance(generator, HostGenerator) and generator.on_host(xp)
+            and not (xp is host and dtype == host.float64)):
         # a seed draws on the host: the QR there too, in float64 (one small LAPACK call,
         # not a device's batched QR, about 1 ms on a GPU), then one transfer
         request = (_ORTHOGONAL, num_features, dim, SAMPLE_NORMS.index(norm))
@@ -357,6 +359,20 @@ def sample_omega(
         return directions * math.sqrt(dim)
     chi_vectors = generator.normal(xp, (num_features, dim), dtype=dtype, device=device)
     return directions * xp.linalg.vector_norm(chi_vectors, axis=-1, keepdims=True)
+
+
+_ORTHOGONAL = 2
+"""The kind of a request for orthogonal samples, ``(_ORTHOGONAL, S, D, norm)`` (norm: the
+index in :data:`SAMPLE_NORMS`): drawn on the host whole, QR included."""
+
+
+def _host_orthogonal(generator: Any, params: tuple[int, ...]) -> Any:
+    num_features, dim, norm = params
+    return sample_omega(HostGenerator(generator), num_features, dim, xp=host_namespace(),
+                        dtype=host_namespace().float64, norm=SAMPLE_NORMS[norm])
+
+
+add_host_kind(_ORTHOGONAL, _host_orthogonal, lambda params: tuple(params[:2]))
 
 
 def random_features(xp: Any, x: Array, omega: Array, feature_map: str = "positive") -> Array:

@@ -34,13 +34,8 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from xattn._core.array import (
-    Array,
-    compute_dtype,
-    host_namespace,
-    host_to_device,
-    when_imported,
-)
+from xattn._core.array import Array, compute_dtype, host_to_device
+from xattn._core.draws import NORMAL, UNIFORM, host_draw, torch_compiling, torch_ops
 
 __all__ = [
     "CupyGenerator",
@@ -106,45 +101,24 @@ class HostGenerator(Generator):
         self.generator = generator
 
     def normal(self, xp, shape, *, dtype, device=None):
-        return self.draw(xp, (_NORMAL, *shape), dtype=dtype, device=device)
+        return self.draw(xp, (NORMAL, *shape), dtype=dtype, device=device)
 
     def uniform(self, xp, shape, *, dtype, device=None):
-        return self.draw(xp, (_UNIFORM, *shape), dtype=dtype, device=device)
+        return self.draw(xp, (UNIFORM, *shape), dtype=dtype, device=device)
+
+    def on_host(self, xp: Any) -> bool:
+        """Whether draws for arrays of ``xp`` are made on the host (so that a composite
+        draw, such as orthogonal samples, is best made there whole)."""
+        return True
 
     def draw(self, xp: Any, request: tuple[int, ...], *, dtype: Any, device: Any = None) -> Array:
-        """The host's float64 draw of ``request`` (:func:`_host_draw`), in ``xp`` on
-        ``device`` in ``dtype``."""
-        host = _host_draw(self.generator, request)
+        """The host's float64 draw of ``request`` (a tuple of ints, its kind first:
+        :mod:`xattn._core.draws`), in ``xp`` on ``device`` in ``dtype``."""
+        host = host_draw(self.generator, request)
         return host_to_device(xp, host, dtype=dtype, device=device)
 
     def __repr__(self) -> str:
         return f"HostGenerator({self.generator!r})"
-
-
-_NORMAL, _UNIFORM, _ORTHOGONAL = 0, 1, 2
-"""The kinds of host draws, the first number of a request: ``(_NORMAL, *shape)``,
-``(_UNIFORM, *shape)``, ``(_ORTHOGONAL, S, D, norm)`` (norm: 0 chi, 1 sqrt(D))."""
-
-
-def _host_draw(generator: np.random.Generator, request: tuple[int, ...]) -> np.ndarray:
-    """One request's numbers from the host ``generator``, in float64: standard normal or
-    uniform draws of the request's shape, or orthogonal samples (S, D) by
-    :func:`xattn.features.sample_omega` (its QR on the host)."""
-    kind, *params = request
-    if kind == _NORMAL:
-        return generator.standard_normal(tuple(params))
-    if kind == _UNIFORM:
-        return generator.random(tuple(params))
-    from xattn.features import SAMPLE_NORMS, sample_omega
-
-    num_features, dim, norm = params
-    return sample_omega(HostGenerator(generator), num_features, dim, xp=host_namespace(),
-                        dtype=np.float64, norm=SAMPLE_NORMS[norm])
-
-
-def _request_shape(request: tuple[int, ...] | list[int]) -> tuple[int, ...]:
-    kind, *params = request
-    return tuple(params[:2]) if kind == _ORTHOGONAL else tuple(params)
 
 
 class SeedGenerator(HostGenerator):
@@ -177,137 +151,24 @@ class SeedGenerator(HostGenerator):
             self._generator = np.random.default_rng(self.seed)
         return self._generator
 
-    def draw(self, xp, request, *, dtype, device=None):
-        if array_api_compat.is_torch_namespace(xp) and _torch_compiling():
-            if self.seed is None:  # fresh numbers: torch's own
-                if request[0] == _ORTHOGONAL:
-                    from xattn.features import SAMPLE_NORMS, sample_omega
+    def on_host(self, xp: Any) -> bool:
+        return not (self.seed is None and array_api_compat.is_torch_namespace(xp)
+                    and torch_compiling())
 
-                    return sample_omega(TorchDefaultGenerator(), request[1], request[2], xp=xp,
-                                        dtype=dtype, device=device,
-                                        norm=SAMPLE_NORMS[request[3]])
-                sample = TorchDefaultGenerator().normal if request[0] == _NORMAL else (
-                    TorchDefaultGenerator().uniform)
+    def draw(self, xp, request, *, dtype, device=None):
+        if array_api_compat.is_torch_namespace(xp) and torch_compiling():
+            if self.seed is None:  # fresh numbers: torch's own
+                assert request[0] in (NORMAL, UNIFORM), "sample_omega asks on_host first"
+                generator = TorchDefaultGenerator()
+                sample = generator.normal if request[0] == NORMAL else generator.uniform
                 return sample(xp, request[1:], dtype=dtype, device=device)
             self._requests.append(tuple(request))
             flat = [number for past in self._requests for number in (len(past), *past)]
-            return _torch_ops().seeded_draw(self.seed, flat).to(device=device, dtype=dtype)
+            return torch_ops().seeded_draw(self.seed, flat).to(device=device, dtype=dtype)
         return super().draw(xp, request, dtype=dtype, device=device)
 
     def __repr__(self) -> str:
         return f"SeedGenerator({self.seed!r})"
-
-
-def _replay(seed: int, flat_requests: list[int]) -> np.ndarray:
-    """The last of the requests (each its length, then itself) drawn from ``seed`` after
-    the others, as the eager calls drew them."""
-    generator = np.random.default_rng(seed)
-    requests = _unflattened(flat_requests)
-    for request in requests[:-1]:
-        _host_draw(generator, request)
-    return _host_draw(generator, requests[-1])
-
-
-def _unflattened(flat_requests: list[int]) -> list[tuple[int, ...]]:
-    """The requests of a flat list: each its length, then itself."""
-    requests, index = [], 0
-    while index < len(flat_requests):
-        length = flat_requests[index]
-        requests.append(tuple(flat_requests[index + 1:index + 1 + length]))
-        index += 1 + length
-    return requests
-
-
-def _torch_compiling() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.compiler.is_compiling())
-
-
-_GENERATORS: dict[int, Any] = {}
-"""The ``torch.Generator`` objects drawn from inside ``torch.compile``, by ``id``: the graph
-operation ``xattn::generator_draw`` names its generator by this number (a generator cannot
-be an input of a graph). Held for the life of the process, so that a number is never
-reused by another generator."""
-
-_OPS: Any = None
-
-
-def _torch_ops() -> Any:
-    """The torch operators through which a compiled graph draws."""
-    if _OPS is None:
-        raise RuntimeError(
-            "xattn could not define its random-draw operators for torch.compile on this "
-            f"torch ({_OPS_ERROR}); pass omega= (or proposal_means=), or draw with "
-            "rng=xattn.random.TorchDefaultGenerator() inside the compiled function")
-    return _OPS
-
-
-_OPS_ERROR = "torch was not imported"
-
-
-def _define_torch_ops(torch: Any) -> None:
-    """Define the operators of :func:`_torch_ops`, once torch is imported (before any
-    graph is traced: a definition cannot be traced). A torch that cannot define them
-    (an old one) is left as it is: ``import torch`` never fails for xattn's sake."""
-    global _OPS_ERROR
-    try:
-        _define_torch_ops_now(torch)
-    except Exception as error:
-        _OPS_ERROR = f"{type(error).__name__}: {error}"
-
-
-def _define_torch_ops_now(torch: Any) -> None:
-    global _OPS
-    import types
-
-    from torch.library import custom_op
-
-    # explicit schemas: this module's annotations are strings (postponed evaluation)
-    @custom_op("xattn::seeded_draw", mutates_args=(),
-               schema="(SymInt seed, int[] requests) -> Tensor")
-    def seeded_draw(seed: int, requests: list[int]) -> torch.Tensor:
-        """The last request's float64 numbers from ``seed`` (:func:`_replay`)."""
-        return torch.from_numpy(np.ascontiguousarray(_replay(seed, requests)))
-
-    @seeded_draw.register_fake
-    def _(seed, requests):
-        shape = _request_shape(_unflattened(requests)[-1])
-        return torch.empty(shape, dtype=torch.float64)
-
-    @custom_op("xattn::generator_draw", mutates_args=(),
-               schema="(int handle, Tensor? after, bool uniform, int[] shape, ScalarType dtype, "
-                      "Device device) -> Tensor",
-               tags=(torch.Tag.nondeterministic_seeded,))
-    def generator_draw(handle: int, after: torch.Tensor | None, uniform: bool,
-                       shape: list[int], dtype: torch.dtype,
-                       device: torch.device) -> torch.Tensor:
-        """Draws of ``torch.Generator`` ``handle`` (``after`` the draw it follows), as
-        :class:`TorchGenerator` draws them."""
-        generator = _GENERATORS[handle]
-        sample = torch.rand if uniform else torch.randn
-        values = sample(tuple(shape), generator=generator,
-                        dtype=dtype if dtype in (torch.float32, torch.float64) else torch.float32,
-                        device=generator.device)
-        return values.to(device=device, dtype=dtype)
-
-    @generator_draw.register_fake
-    def _(handle, after, uniform, shape, dtype, device):
-        return torch.empty(tuple(shape), dtype=dtype, device=device)
-
-    # run when the graph is traced (dynamo calls it with the real generator; the number
-    # it returns is a constant of the graph, which is guarded on the generator)
-    register = torch._dynamo.assume_constant_result(_register_generator)
-    _OPS = types.SimpleNamespace(seeded_draw=seeded_draw, generator_draw=generator_draw,
-                                 register=register)
-
-
-def _register_generator(generator: Any) -> int:
-    """The number of ``generator`` in :data:`_GENERATORS`, where it is kept from now on."""
-    _GENERATORS[id(generator)] = generator
-    return id(generator)
-
-
-when_imported("torch", _define_torch_ops)
 
 
 class TorchGenerator(Generator):
@@ -319,11 +180,11 @@ class TorchGenerator(Generator):
 
     def _draw(self, sample: Any, xp, shape, dtype, device):
         self._require(xp, "torch", array_api_compat.is_torch_namespace)
-        if _torch_compiling():  # a graph operation that draws from the generator
-            handle = _torch_ops().register(self.generator)
+        if torch_compiling():  # a graph operation that draws from the generator
+            handle = torch_ops().register(self.generator)
             import torch
 
-            self._last = _torch_ops().generator_draw(
+            self._last = torch_ops().generator_draw(
                 handle, self._last, sample is torch.rand, list(shape), dtype,
                 self.generator.device if device is None else torch.device(device))
             return self._last

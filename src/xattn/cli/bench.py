@@ -108,16 +108,16 @@ def run(args: argparse.Namespace) -> int:
         return _run_decode(args)
     if args.lengths is None:
         args.lengths = list(DEFAULT_LENGTHS)
+    if args.compile and args.backend != "torch":
+        raise CommandError("--compile compiles with torch.compile: use --backend torch "
+                           f"(got --backend {args.backend}; JAX's calls are jit-compiled "
+                           "already)")
     out_dir = output_dir(args.out, ("bench.json", "bench.png"))  # before any work
     native = native_softmax_spec(args.backend, args.dtype)
     # the references: xattn's portable loop, and the framework's fused kernel where it has
     # one (what users of that framework already run)
     exact = [PORTABLE_SOFTMAX] if native is None else [PORTABLE_SOFTMAX, native]
     specs = [*exact, *(ESTIMATOR_SPECS[name] for name in args.estimators)]
-    if args.compile and args.backend != "torch":
-        raise CommandError("--compile compiles with torch.compile: use --backend torch "
-                           f"(got --backend {args.backend}; JAX's calls are jit-compiled "
-                           "already)")
     functions = {spec.name: spec.load() for spec in specs}
     if args.compile:
         functions.update({spec.name: _compiled(functions[spec.name]) for spec in specs
@@ -236,7 +236,9 @@ def _compiled(function: Any) -> Any:
 
     import torch
 
-    compiled = torch.compile(function, fullgraph=True)
+    # one graph per length (xattn's shapes are Python ints: dynamic shapes would make
+    # them symbols, which its segment arithmetic does not take)
+    compiled = torch.compile(function, fullgraph=True, dynamic=False)
 
     def call(*arrays: Any, **options: Any) -> Any:
         with warnings.catch_warnings():
