@@ -112,8 +112,8 @@ class HostGenerator(Generator):
         return True
 
     def draw(self, xp: Any, request: tuple[int, ...], *, dtype: Any, device: Any = None) -> Array:
-        """The host's float64 draw of ``request`` (a tuple of ints, its kind first:
-        :mod:`xattn._core.draws`), in ``xp`` on ``device`` in ``dtype``."""
+        """The host's float64 draw of ``request`` (a tuple of ints, its kind first, then
+        the shape or the kind's parameters), in ``xp`` on ``device`` in ``dtype``."""
         host = host_draw(self.generator, request)
         return host_to_device(xp, host, dtype=dtype, device=device)
 
