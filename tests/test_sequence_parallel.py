@@ -333,10 +333,20 @@ TORCH_SCRIPT = textwrap.dedent("""
         # refused: a group of one, a piece shorter than the window
         singles = [dist.new_group([r]) for r in range(world)]
         errors = []
-        for extra in (dict(sequence_parallel=singles[rank]),
-                      dict(sequence_parallel=dist.group.WORLD, window=9)):
+        # pieces [10, 1, 10, 11] with two sinks, and [10, 0, 11, 11]: refused on every
+        # rank before any collective but the lengths' (they ended in a gloo size mismatch,
+        # and a hang at the backward of the empty piece)
+        short = [0, 10, 11, 21, 32]
+        empty = [0, 10, 10, 21, 32]
+        for extra, cut in ((dict(sequence_parallel=singles[rank]), (start, stop)),
+                           (dict(sequence_parallel=dist.group.WORLD, window=9), (start, stop)),
+                           (dict(sequence_parallel=dist.group.WORLD, sinks=2),
+                            (short[rank], short[rank + 1])),
+                           (dict(sequence_parallel=dist.group.WORLD, sinks=1),
+                            (empty[rank], empty[rank + 1]))):
+            a, b = cut
             try:
-                xattn.rfa(q[..., start:stop, :], k[..., start:stop, :], v[..., start:stop, :],
+                xattn.rfa(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
                           num_features=4, rng=0, causal=True, **extra)
                 errors.append("")
             except ValueError as error:
@@ -391,9 +401,11 @@ def test_torch_ranks_equal_one_process(tmp_path: Path) -> None:
             assert entry["state"] <= 1e-10, (name, entry)
         assert report["nan"]["nan_rows_equal"], report["nan"]
         assert report["nan"]["finite_out"] <= 1e-10, report["nan"]
-        one, short = report["errors"]
+        one, short, sinks, empty = report["errors"]
         assert "one device" in one, one
         assert "at least window" in short, short
+        assert "at least sinks positions" in sinks and "piece(s) [1]" in sinks, sinks
+        assert "at least one position" in empty and "piece(s) [1]" in empty, empty
 
 
 # ---- refused setups, in this process ------------------------------------------------

@@ -107,9 +107,20 @@ def continue_sequence(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, sta
         raise ValueError(f"{estimator}(sequence_parallel=..., window={window}): every piece of "
                          f"the sequence must hold at least window positions, but the "
                          f"{group.described} holds pieces of lengths {list(group.lengths)}")
-    if sinks and group.lengths[0] < sinks:
-        raise ValueError(f"{estimator}(sequence_parallel=..., sinks={sinks}): the first piece "
-                         f"must hold the sink tokens, but it has {group.lengths[0]} positions")
+    # refused on every rank alike (each has every piece's length), before any other
+    # collective: an empty piece, or one shorter than the sinks, has no rows to exchange
+    # in the sizes the others expect
+    empty = [piece for piece, length in enumerate(group.lengths) if length == 0]
+    if empty:
+        raise ValueError(f"{estimator}(sequence_parallel=...): every piece of the sequence "
+                         f"must hold at least one position, but piece(s) {empty} of the "
+                         f"{group.described} are empty (lengths {list(group.lengths)})")
+    too_short = [piece for piece, length in enumerate(group.lengths) if length < sinks]
+    if too_short:
+        raise ValueError(f"{estimator}(sequence_parallel=..., sinks={sinks}): every piece of "
+                         f"the sequence must hold at least sinks positions, but piece(s) "
+                         f"{too_short} of the {group.described} are shorter (lengths "
+                         f"{list(group.lengths)})")
     device = inputs.device
     index = xp.arange(group.size, device=device)
     lengths = xp.asarray(group.lengths, dtype=state.position.dtype, device=device)
