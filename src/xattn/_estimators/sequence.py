@@ -17,7 +17,7 @@ https://arxiv.org/abs/2404.02882). Each device
 2. all-gathers these states, packed in one array of fixed size (:math:`S (D_v + 2)` per
    head, plus :math:`w (D + D_v + 1)` for the halo and :math:`K (D + D_v + 1)` for the
    sinks), whatever the sequence length (:mod:`xattn._estimators.sequence_state`,
-   :mod:`xattn._integrations.sequence_parallel`);
+   :mod:`xattn._core.collectives`);
 3. merges the states of the pieces before it, an exclusive prefix over the devices with
    the online-softmax (maximum, sums) merge of the chunks
    (:func:`~xattn._core.primitives.merge_maxima`): pieces :math:`j < r - 1` whole (their
@@ -45,6 +45,7 @@ import math
 from typing import Any
 
 from xattn._core.array import Array
+from xattn._core.collectives import resolve_group
 from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
@@ -98,8 +99,6 @@ def continue_sequence(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, sta
     if sequence_parallel is None:
         return continue_rfa(xp, inputs, mapping, state, block_size=block_size,
                             chunk_size=chunk_size, guard=guard)
-    from xattn._integrations.sequence_parallel import resolve_group
-
     group = resolve_group(sequence_parallel, inputs.q, inputs.num_queries, estimator)
     window, sinks = state.window, state.sinks
     short = min(group.lengths)
