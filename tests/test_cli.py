@@ -697,11 +697,12 @@ def test_bench_compile_times_the_compiled_estimators(tmp_path, capsys):
     assert code == 0, err
     payload = load_json(tmp_path / "bench.json")
     assert payload["compiled"] is True
-    assert "rfa" in out and "lara" in out
-    assert list(payload["results"]) == ["softmax (xattn)", "softmax (torch SDPA)", "rfa",
-                                        "lara"]
-    assert all(row["time_s"] > 0 for name in ("rfa", "lara")
-               for row in payload["results"][name])
+    assert "rfa (compiled)" in out and "lara (compiled)" in out
+    names = ["rfa", "lara", "rfa (compiled)", "lara (compiled)"]
+    assert list(payload["results"]) == ["softmax (xattn)", "softmax (torch SDPA)", *names]
+    assert all(row["time_s"] > 0 for name in names for row in payload["results"][name])
+    assert payload["samples"]["rfa (compiled)"] == payload["samples"]["rfa"] == 8
+    assert set(payload["crossover_length"]) == set(names)
     code, _, err = run(capsys, "bench", "--backend", "numpy", "--compile", "--out",
                          tmp_path / "numpy", "--no-progress")
     assert code != 0 and "--compile" in err and "--backend torch" in err

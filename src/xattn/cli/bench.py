@@ -4,6 +4,8 @@ softmax attention (the framework's fused kernel where it has one)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -93,10 +95,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="stop running an estimator at larger lengths once one of its "
                         "calls took longer than this (0: no limit; default: 60)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch backends: time each estimator compiled whole, "
-                        "torch.compile(fullgraph=True) with inductor (compiled in the "
-                        "warm-up call, whose time is not in the table), beside exact "
-                        "softmax by the fused kernel as users run it")
+                        help="torch backends: also time each estimator compiled whole, "
+                        "torch.compile(fullgraph=True) with inductor, one graph per length "
+                        "(compiled in the warm-up call, whose time is not in the table), as "
+                        "the row 'NAME (compiled)' beside the eager one and exact softmax by "
+                        "the fused kernel")
     add_decode_options(parser)
     parser.set_defaults(run=run)
     return parser
@@ -118,11 +121,14 @@ def run(args: argparse.Namespace) -> int:
     # one (what users of that framework already run)
     exact = [PORTABLE_SOFTMAX] if native is None else [PORTABLE_SOFTMAX, native]
     specs = [*exact, *(ESTIMATOR_SPECS[name] for name in args.estimators)]
-    functions = {spec.name: spec.load() for spec in specs}
-    if args.compile:
-        functions.update({spec.name: _compiled(functions[spec.name]) for spec in specs
-                          if spec not in exact})
     samples = _bench_samples(args.samples, specs)
+    if args.compile:  # each estimator compiled, beside its eager row
+        twins = [dataclasses.replace(spec, name=f"{spec.name} (compiled)",
+                                     load=functools.partial(_compiled_loader, spec))
+                 for spec in specs if spec not in exact]
+        samples.update({twin.name: samples[twin.name[:-len(" (compiled)")]] for twin in twins})
+        specs += twins
+    functions = {spec.name: spec.load() for spec in specs}
     backend = load_backend(args.backend, args.device, args.dtype)
     lengths = sorted(set(args.lengths))
     too_large = _check_memory(specs, samples, lengths, args, backend, optional=native)
@@ -226,6 +232,11 @@ def run(args: argparse.Namespace) -> int:
     _plot_bench(png_path, results, crossover, backend)
     print(f"wrote {json_path} and {png_path}")
     return 0
+
+
+def _compiled_loader(spec: EstimatorSpec) -> Any:
+    """``spec``'s estimator, compiled (:func:`_compiled`)."""
+    return _compiled(spec.load())
 
 
 def _compiled(function: Any) -> Any:
