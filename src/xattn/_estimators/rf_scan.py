@@ -231,7 +231,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                   block_size: int, chunk_size: int, batch_shape: tuple[int, ...],
                   initial: State | None = None, keep_state: bool = True,
                   finite: bool = False,
-                  returned: list[State] | None = None) -> Generator[Partial, None, State | None]:
+                  returned: list[State] | None = None) -> Generator[Partial, None, None]:
     """Partials of the queries over their prefix (or suffix) keys, block by block.
 
     Query ``n`` takes the keys ``m <= n - offset`` (``reverse=False``) or ``m >= n +
@@ -240,10 +240,9 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     first with ``reverse=False``, from the last with ``reverse=True`` (the caller keeps
     what it needs of them, :func:`xattn._estimators.window.windowed_rfa`). ``initial``
     (forward only) is the state of keys before all of ``k``, every query's (a sequence continued,
-    :mod:`xattn._estimators.decode`); the generator returns the state after the last block
-    (None may be returned instead without ``keep_state``: the caller does not read it),
-    and appends it to ``returned`` if given (``torch.compile`` loses a generator's return
-    value: read the state there, :func:`returned_state`).
+    :mod:`xattn._estimators.decode`); with ``keep_state`` the state after the last block is
+    appended to ``returned`` once the last block has been read (:func:`returned_state`; not
+    the generator's return value, which ``torch.compile`` loses).
     With ``finite`` q, k and v hold no NaN or infinity
     (:func:`~xattn._core.primitives.finite_inputs`) and are read as they are.
 
@@ -275,7 +274,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
 
     query_rows, key_rows, value_rows = (RowBlocks(xp, x, block_size) for x in (q, k, v))
 
-    def run() -> Generator[Partial, None, State | None]:
+    def run() -> Generator[Partial, None, None]:
         nonlocal state
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start
@@ -319,18 +318,15 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                 partial = (xp.flip(shift, axis=-2), xp.flip(sums, axis=-2),
                            xp.flip(weight, axis=-2))
             yield partial
-        final = carried() if keep_state else state
-        if returned is not None and final is not None:
-            returned.append(final)
-        return final
+        if returned is not None and keep_state:
+            returned.append(carried())
 
     return run()
 
 
-def returned_state(partials: Generator[Partial, None, State | None],
-                   returned: list[State]) -> State:
-    """The state that :func:`scan_partials` (with
-    ``keep_state``) puts in ``returned`` when its last block has been read."""
+def returned_state(partials: Generator[Partial, None, None], returned: list[State]) -> State:
+    """The state that :func:`scan_partials` (with ``keep_state``) puts in ``returned`` when
+    its last block has been read."""
     for _ in partials:
         raise AssertionError("scan_partials yielded more blocks than asked for")
     return returned[-1]
