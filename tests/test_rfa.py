@@ -637,8 +637,9 @@ def test_bad_input(rng):
         xattn.rfa(q, k, v, omega=np.ones((4, 7)))
     with pytest.raises(ValueError, match=r"omega must have shape \(S, D\) = \(5, 8\)"):
         xattn.rfa(q, k, v, omega=np.ones((4, 8)), num_features=5)
-    with pytest.raises(ValueError, match=r"omega must have shape \(S, D\)"):
-        xattn.rfa(q, k, v, omega=np.ones((2, 4, 8)))
+    with pytest.raises(ValueError, match=r"omega must have shape \(S, D\) or \(\.\.\., S, D\) "
+                       r"with leading dims that broadcast against .* \(2,\)"):
+        xattn.rfa(q, k, v, omega=np.ones((3, 4, 8)))  # (2, 4, 8): one matrix per batch
     with pytest.raises(ValueError, match="feature_map"):
         xattn.rfa(q, k, v, feature_map="cosine")
     with pytest.raises(ValueError, match="block_size"):

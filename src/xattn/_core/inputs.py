@@ -227,18 +227,32 @@ def check_device(q: Array, device: Any = None, **arrays: Array | None) -> None:
                              "to one device")
 
 def check_samples(xp: Any, q: Array, omega: Any, num_features: int | None, head_dim: int,
-                  work: Any) -> Array:
-    """RFA's explicit samples ``omega``: an ``(S, D)`` real floating array of the library of
-    ``q`` (``S = num_features`` when given), returned in the compute dtype ``work``."""
+                  work: Any, batch_shape: tuple[int, ...] = ()) -> Array:
+    """RFA's explicit samples ``omega``: an ``(S, D)`` or ``(..., S, D)`` real floating
+    array of the library of ``q`` (``S = num_features`` when given) whose leading dims, one
+    sample matrix per head (or per layer and head), broadcast against the batch dims
+    ``batch_shape`` of the call without growing them; returned in the compute dtype
+    ``work``."""
     array_namespace(q, omega, names=("q", "omega"))
     expected_rows = "S" if num_features is None else str(num_features)
     shape = tuple(omega.shape)
-    if (len(shape) != 2 or shape[1] != head_dim or shape[0] < 1
-            or (num_features is not None and shape[0] != num_features)):
+    if (len(shape) < 2 or shape[-1] != head_dim or shape[-2] < 1
+            or (num_features is not None and shape[-2] != num_features)):
         raise ValueError(
-            f"omega must have shape (S, D) = ({expected_rows}, {head_dim}) (one sample per "
-            f"row, D the last dim of q), got shape {shape}"
+            f"omega must have shape (S, D) = ({expected_rows}, {head_dim}) or (..., "
+            f"{expected_rows}, {head_dim}) (one sample per row, D the last dim of q; leading "
+            f"dims: one matrix per head), got shape {shape}"
         )
+    try:
+        broadcast = np.broadcast_shapes(shape[:-2], tuple(batch_shape))
+    except ValueError:
+        broadcast = None
+    if broadcast != tuple(batch_shape):
+        raise ValueError(
+            f"omega must have shape (S, D) or (..., S, D) with leading dims that broadcast "
+            f"against the leading (batch, head) dims {tuple(batch_shape)} of q, k and v "
+            f"(one matrix per head: e.g. (H, S, D) for q of shape (B, H, N, D)); got shape "
+            f"{shape}")
     if not xp.isdtype(omega.dtype, "real floating"):
         raise TypeError(f"omega must have a real floating dtype, got {omega.dtype}")
     check_device(q, omega=omega)

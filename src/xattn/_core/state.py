@@ -350,7 +350,7 @@ def rfa_state_options(state: RFAState, *, num_features: Any, feature_map: Any, o
         raise TypeError("state is the feature sums of an xattn.LARAState (its .features: "
                         "LARA's samples and weights), which rfa() cannot continue; pass the "
                         "LARAState itself to xattn.lara(..., state=)")
-    samples = state.omega.shape[0]
+    samples = state.omega.shape[-2]
     if feature_map is not None and feature_map != state.feature_map:
         refuse("feature_map", feature_map, state.feature_map)
     if num_features is not None and num_features != samples:

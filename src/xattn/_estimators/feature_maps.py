@@ -72,7 +72,7 @@ class PositiveMap:
     def __init__(self, xp: Any, omega: Array, pair_block: int = PAIR_BLOCK) -> None:
         self.xp = xp
         self.omega = omega
-        self.num_samples = omega.shape[0]
+        self.num_samples = omega.shape[-2]  # omega (S, D) or (..., S, D), per head
         self.multiple = 1 << (pair_block.bit_length() - 1)  # a power of two, <= pair_block
         self._omega_t: Array | None = None
         self._omega_t_half: Array | None = None
@@ -285,7 +285,7 @@ class TrigonometricMap:
     def __init__(self, xp: Any, omega: Array, pair_block: int = PAIR_BLOCK) -> None:
         self.xp = xp
         self.omega_t = xp.matrix_transpose(omega)
-        self.num_samples = omega.shape[0]
+        self.num_samples = omega.shape[-2]  # omega (S, D) or (..., S, D), per head
         self.multiple = 1 << (pair_block.bit_length() - 1)  # a power of two, <= pair_block
 
     def _features(self, x: Array) -> Array:

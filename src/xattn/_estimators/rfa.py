@@ -435,7 +435,8 @@ def rfa(
         omega = sample_omega(rng, num_features, head_dim, xp=xp, dtype=work, device=device,
                              orthogonal=orthogonal, norm=sample_norm)
     elif state is None:  # a state's samples are checked with it (xattn._estimators.decode)
-        omega = check_samples(xp, q, omega, num_features, head_dim, work)
+        omega = check_samples(xp, q, omega, num_features, head_dim, work,
+                              inputs.batch_shape)
     if inputs.is_empty and not stateful:  # the block loops have no block for N = 0
         return inputs.empty_result()
 
@@ -443,8 +444,8 @@ def rfa(
     if feature_map == "hyperbolic":
         # xi(x, w) = 2^{-1/2} [xi+(x, w), xi+(x, -w)]: the positive map with samples +-w;
         # the 2^{-1/2} factor is common to numerator and denominator and cancels
-        omega = xp.concat([omega, -omega], axis=0)
-    width, itemsize = omega.shape[0] * (2 if trigonometric else 1), xp.finfo(work).bits // 8
+        omega = xp.concat([omega, -omega], axis=-2)
+    width, itemsize = omega.shape[-2] * (2 if trigonometric else 1), xp.finfo(work).bits // 8
     if block_size is None:
         block_size = block_positions(
             length=inputs.num_queries, batch_size=math.prod(inputs.batch_shape),

@@ -138,8 +138,9 @@ def positive_step(xp: Any, inputs: AttentionInputs, mapping: PositiveMap,
 
     floor = -xp.finfo(q.dtype).max / 4  # key_logits_in_range's, for a finite key
 
-    def logits_of(x: Array) -> Array:  # x . (omega-hat_s - s x / 2), (..., S)
-        return xp.sum(x * (omega - (0.5 * scale) * x), axis=-1)
+    def logits_of(x: Array, samples: Array = omega) -> Array:
+        # x . (omega-hat_s - s x / 2), (..., S)
+        return xp.sum(x * (samples - (0.5 * scale) * x), axis=-1)
 
     def in_range(key_logits: Array) -> Array:
         # each term k_i (omega_i - s k_i / 2) is finite or -inf for a finite key (never
@@ -175,7 +176,9 @@ def positive_step(xp: Any, inputs: AttentionInputs, mapping: PositiveMap,
         # the oldest key joins the sums (a tainted new key taints them when it joins:
         # until then the rows attend it exactly); its logits a_s and the query's
         # q . (omega-hat_s - s q / 2) by one stacked product
-        both = logits_of(xp.stack([keys[..., :1, :], q], axis=-3))  # (..., 2, S)
+        # (..., 2, S); the samples (..., 1, S, D) beside the stacked axis (per-head omega)
+        both = logits_of(xp.stack([keys[..., :1, :], q], axis=-3),
+                         omega if omega.ndim == 2 else xp.expand_dims(omega, axis=-3))
         oldest, query_logits = in_range(both[..., 0, :]), both[..., 1, :]
         joined = _joined(xp, state.feature_max, state.feature_sums,
                          xp.where(allowed[..., :1], oldest, neg_inf), columns[..., :1, :])
