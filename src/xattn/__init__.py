@@ -16,6 +16,9 @@ the states that continue a causal sequence (generation: ``return_state=True``, t
 :data:`ESTIMATORS` (the four names, as the layers' ``estimator=`` and ``xattn train``
 take them), :data:`PROPOSALS`, :data:`WEIGHTINGS`, :data:`WEIGHT_FLOOR`.
 
+Calibration: :func:`calibrate_omega` fits RFA's samples to a layer's own attention (one
+matrix per head; torch or JAX) and returns them with a :class:`CalibrationReport`.
+
 Submodules, reachable after ``import xattn`` (loaded on first use, so that a framework is
 imported only when its layer is asked for): :mod:`xattn.random` (the random-number
 adapter), :mod:`xattn.features` (random feature maps and samples),
@@ -44,12 +47,14 @@ __all__ = [
     "PROPOSALS",
     "WEIGHTINGS",
     "WEIGHT_FLOOR",
+    "CalibrationReport",
     "LARAState",
     "RAState",
     "RFAState",
     "SoftmaxState",
     "TrigonometricDenominatorWarning",
     "balance_heuristic",
+    "calibrate_omega",
     "default_num_features",
     "default_working_memory",
     "diagnostics",
@@ -72,9 +77,15 @@ _SUBMODULES = ("diagnostics", "features", "flax", "keras", "mrf", "random", "tor
                "transformers")
 
 
+# the calibration of samples, loaded on first use (its framework's module only then)
+_CALIBRATION = ("CalibrationReport", "calibrate_omega")
+
+
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"xattn.{name}")
+    if name in _CALIBRATION:
+        return getattr(importlib.import_module("xattn._integrations.calibration"), name)
     raise AttributeError(f"module 'xattn' has no attribute {name!r}")
 
 
