@@ -10,7 +10,9 @@
   the XLA flags of ``conftest.py`` (quick compiles: a third of the time without them).
 * torch, 4 ``gloo`` processes on 127.0.0.1, started directly (no launcher importing
   torch): each rank's slice of the one-process outputs and gradients (pieces of equal
-  and of unequal lengths), the state, a NaN, the refused setups.
+  and of unequal lengths, and as short as allowed), the state, a NaN, the refused setups,
+  a sub-group of 3 (its members compute, the rank outside is told it is not a member),
+  ``dist.group.WORLD`` before ``init_process_group`` refused.
 * The refused setups, in this process where they can be.
 """
 
@@ -285,20 +287,37 @@ TORCH_SCRIPT = textwrap.dedent("""
         return estimator(q, k, v, key_mask=key_mask, causal=True, return_state=True,
                          **options, **extra)
 
-    def rel(a, b):
+    def rel(a, b, scale=None):
+        # relative to the largest entry of scale (default b): a rank's slice of a gradient
+        # is measured against the whole gradient (a piece of one position whose row only
+        # reads its own key has a gradient of rounding noise against an exact 0 in q)
         a, b = a.detach().double(), b.detach().double()
-        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+        scale = b if scale is None else scale.detach().double()
+        return float((a - b).abs().max() / scale.abs().max().clamp_min(1e-300))
 
     def worker(rank, world, port, out_dir, data):
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
         import xattn
         q, k, v, mask, weights = data
         report = {}
-        bounds = {"equal": [8 * r for r in range(5)], "unequal": [0, 5, 14, 22, 32]}
-        runs = [(name, "equal") for name in CASES] + [("rfa_window_sinks", "unequal"),
-                                                      ("lara", "unequal")]
+        # before init_process_group, dist.group.WORLD is None: refused (it ran silently as
+        # if each piece were the whole sequence)
+        try:
+            xattn.rfa(q[..., 8 * rank:8 * rank + 8, :], k[..., 8 * rank:8 * rank + 8, :],
+                      v[..., 8 * rank:8 * rank + 8, :], num_features=4, rng=0, causal=True,
+                      sequence_parallel=dist.group.WORLD)
+            report["before_init"] = ""
+        except ValueError as error:
+            report["before_init"] = str(error)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # "short": pieces as short as the docs allow, forward and backward on every rank
+        # (one position without a window; exactly the window, the first holding the sinks)
+        bounds = {"equal": [8 * r for r in range(5)], "unequal": [0, 5, 14, 22, 32],
+                  "short": [0, 1, 2, 31, 32], "window": [0, 5, 10, 27, 32]}
+        runs = [(name, "equal") for name in CASES] + [
+            ("rfa_window_sinks", "unequal"), ("lara", "unequal"), ("rfa_positive", "short"),
+            ("rfa_trigonometric", "short"), ("lara", "short"), ("rfa_window_sinks", "window")]
         for name, split in runs:
             start, stop = bounds[split][rank], bounds[split][rank + 1]
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
@@ -312,7 +331,7 @@ TORCH_SCRIPT = textwrap.dedent("""
             theirs = ref_state.features if hasattr(ref_state, "features") else ref_state
             report[f"{name}/{split}"] = {
                 "out": rel(out, ref[..., start:stop, :]),
-                "grad": max(rel(a.grad, b.grad[..., start:stop, :])
+                "grad": max(rel(a.grad, b.grad[..., start:stop, :], b.grad)
                             for a, b in zip(pieces, leaves)),
                 "state": max(rel(mine.feature_sums, theirs.feature_sums),
                              float(int(mine.position) != int(theirs.position)),
@@ -352,6 +371,31 @@ TORCH_SCRIPT = textwrap.dedent("""
             except ValueError as error:
                 errors.append(str(error))
         report["errors"] = errors
+        # a sub-group of ranks 0-2 (item 4a): its members split the sequence among them and
+        # get one process's outputs and gradients; rank 3, outside it, holds new_group's
+        # int sentinel and is told it is not a member (it said "got builtins.int")
+        trio = dist.new_group([0, 1, 2])
+        cuts = [0, 10, 21, 32]
+        if rank < 3:
+            start, stop = cuts[rank], cuts[rank + 1]
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            ref, _ = call(CASES["rfa_window_sinks"], *leaves, mask)
+            (ref * weights).sum().backward()
+            pieces = [x[..., start:stop, :].clone().requires_grad_(True) for x in (q, k, v)]
+            out, _ = call(CASES["rfa_window_sinks"], *pieces, mask[..., start:stop],
+                          sequence_parallel=trio)
+            (out * weights[start:stop]).sum().backward()
+            report["sub_group"] = {
+                "out": rel(out, ref[..., start:stop, :]),
+                "grad": max(rel(a.grad, b.grad[..., start:stop, :], b.grad)
+                            for a, b in zip(pieces, leaves))}
+        else:
+            try:
+                xattn.rfa(q[..., :8, :], k[..., :8, :], v[..., :8, :], num_features=4,
+                          rng=0, causal=True, sequence_parallel=trio)
+                report["sub_group"] = ""
+            except ValueError as error:
+                report["sub_group"] = str(error)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
             json.dump(report, handle)
         dist.destroy_process_group()
@@ -375,7 +419,9 @@ def _free_port() -> int:
 @needs_torch
 def test_torch_ranks_equal_one_process(tmp_path: Path) -> None:
     """4 ranks, each its own process (no launcher importing torch as well): every case
-    (pieces of equal and of unequal lengths), a NaN, the refused setups."""
+    (pieces of equal and of unequal lengths, pieces of one position or of exactly the
+    window), a NaN, the refused setups, ``dist.group.WORLD`` before
+    ``init_process_group``, a sub-group of ranks 0-2 and rank 3 outside it."""
     script = tmp_path / "ranks.py"
     script.write_text(TORCH_SCRIPT)
     env = _subprocess_env()
@@ -392,8 +438,19 @@ def test_torch_ranks_equal_one_process(tmp_path: Path) -> None:
     for rank, (_, stderr) in zip(ranks, outcomes, strict=True):
         assert rank.returncode == 0, stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
-    names = [f"{case}/equal" for case in CASES] + ["rfa_window_sinks/unequal", "lara/unequal"]
-    for report in reports:
+    names = [f"{case}/equal" for case in CASES] + [
+        "rfa_window_sinks/unequal", "lara/unequal", "rfa_positive/short",
+        "rfa_trigonometric/short", "lara/short", "rfa_window_sinks/window"]
+    for rank, report in enumerate(reports):
+        # item 4b: before init_process_group (dist.group.WORLD is None), refused
+        assert "torch.distributed is not initialized" in report["before_init"], report
+        assert "sequence_parallel=None" in report["before_init"], report
+        # item 4a: the sub-group's members compute, the rank outside it is told so
+        if rank < 3:
+            assert report["sub_group"]["out"] <= 1e-10, report["sub_group"]
+            assert report["sub_group"]["grad"] <= 1e-10, report["sub_group"]
+        else:
+            assert "not a member of the group" in report["sub_group"], report["sub_group"]
         for name in names:
             entry = report[name]
             assert entry["out"] <= 1e-10, (name, entry)
@@ -467,6 +524,34 @@ def test_a_rank_outside_a_torch_sub_group_is_told_so() -> None:
     with pytest.raises(ValueError, match="not a member of the group"):
         xattn.rfa(q, k, v, num_features=4, rng=0, causal=True,
                   sequence_parallel=dist.GroupMember.NON_GROUP_MEMBER)
+
+
+@needs_torch
+def test_torch_world_before_init_is_refused_and_leaving_it_out_is_not() -> None:
+    """Before ``init_process_group``, ``dist.group.WORLD`` is ``None``: with torch tensors
+    an explicit ``None`` is refused (it ran as if this piece were the whole sequence);
+    left out, ``False``, or ``None`` with other arrays: one device."""
+    import torch
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    q, k, v = (torch.asarray(x) for x in _inputs())
+    for estimator, options in (("rfa", dict(num_features=4)),
+                               ("lara", dict(num_samples=4, proposal="standard",
+                                             weighting="balance"))):
+        function = getattr(xattn, estimator)
+        with pytest.raises(ValueError, match=r"torch\.distributed is not initialized; call "
+                                             r"torch\.distributed\.init_process_group first"):
+            function(q, k, v, rng=0, causal=True, sequence_parallel=dist.group.WORLD,
+                     **options)
+        alone = function(q, k, v, rng=0, causal=True, **options)
+        assert torch.equal(function(q, k, v, rng=0, causal=True, sequence_parallel=False,
+                                    **options), alone)
+    numpy_q, numpy_k, numpy_v = _inputs()
+    assert np.array_equal(
+        xattn.rfa(numpy_q, numpy_k, numpy_v, num_features=4, rng=0, causal=True,
+                  sequence_parallel=None),
+        xattn.rfa(numpy_q, numpy_k, numpy_v, num_features=4, rng=0, causal=True))
 
 
 @needs_torch

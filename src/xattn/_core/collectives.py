@@ -14,7 +14,9 @@ lengths and a differentiable all-gather.
   array's gradient, carries the gradients), the index :func:`jax.lax.axis_index`. The
   pieces have equal lengths (shard_map's blocks).
 * **torch**: a :class:`torch.distributed.ProcessGroup` (``torch.distributed.group.WORLD``
-  for all processes); rank ``r`` of the group holds the ``r``-th piece. The pieces'
+  for all processes, once ``torch.distributed.init_process_group`` has run: before it,
+  ``WORLD`` is ``None``, which :data:`NOT_GIVEN` tells apart from leaving the argument
+  out); rank ``r`` of the group holds the ``r``-th piece. The pieces'
   lengths are exchanged first (one small all-gather of integers), so they may differ; the
   gather is :func:`torch.distributed.all_gather` in an autograd function whose backward
   all-reduces the gradient of the gathered array and keeps the rank's part.
@@ -31,7 +33,47 @@ from typing import Any
 
 from xattn._core.array import Array, library_name
 
-__all__ = ["Group", "resolve_group"]
+__all__ = ["NOT_GIVEN", "Group", "refuse_world_before_init", "resolve_group"]
+
+
+class _NotGiven:
+    """The type of :data:`NOT_GIVEN`: one instance, kept by copies and pickles."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+    def __reduce__(self) -> str:
+        return "NOT_GIVEN"
+
+
+NOT_GIVEN = _NotGiven()
+"""The default of ``sequence_parallel``: left out, no sequence parallelism. Not ``None``,
+because ``None`` is also what ``torch.distributed.group.WORLD`` is before
+``torch.distributed.init_process_group``: a ``None`` given explicitly with torch tensors
+while torch.distributed is not initialized is refused (:func:`refuse_world_before_init`)
+rather than run as if each process's piece were the whole sequence."""
+
+
+def refuse_world_before_init(sequence_parallel: Any, q: Any, estimator: str) -> None:
+    """``ValueError`` for ``sequence_parallel=None`` given explicitly with torch tensors
+    while ``torch.distributed`` is available but not initialized: then
+    ``torch.distributed.group.WORLD`` is ``None`` as well, and the call cannot tell "no
+    sequence parallelism" from "all processes" (one meant for many processes would run
+    silently as if its piece were the whole sequence). Elsewhere an explicit ``None``
+    means no sequence parallelism, as leaving the argument out does. Imports nothing."""
+    if sequence_parallel is not None or not type(q).__module__.startswith("torch"):
+        return
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or dist.is_initialized():
+        return
+    raise ValueError(
+        f"{estimator}(sequence_parallel=None): torch.distributed is not initialized; call "
+        "torch.distributed.init_process_group first (before it, "
+        "torch.distributed.group.WORLD is None, and this call would run as if this "
+        "process's piece were the whole sequence). For no sequence parallelism leave "
+        "sequence_parallel out, or pass False")
 
 
 @dataclass(frozen=True)
@@ -110,7 +152,7 @@ def resolve_group(sequence_parallel: Any, q: Array, length: int, estimator: str)
             f"{type(sequence_parallel).__module__}.{type(sequence_parallel).__qualname__}")
     if group.size < 2:
         raise ValueError(f"{argument}: the group has one device; the whole sequence is on it, "
-                         "leave sequence_parallel out (None)")
+                         "leave sequence_parallel out")
     return group
 
 

@@ -66,7 +66,7 @@ from xattn._estimators.lara_sampling import (
 from xattn._estimators.rf_groups import (
     lara_group_rows,
 )
-from xattn._estimators.sequence import check_parallel_call
+from xattn._estimators.sequence import NOT_GIVEN, check_parallel_call
 
 __all__ = ["PROPOSALS", "lara"]
 
@@ -98,7 +98,7 @@ def lara(
     state: Any = None,
     return_state: bool = False,
     working_memory: int | None = None,
-    sequence_parallel: Any = None,
+    sequence_parallel: Any = NOT_GIVEN,
 ) -> Array:
     r"""Linear randomized attention (LARA), O((N + M) C) in time and memory.
 
@@ -257,7 +257,10 @@ def lara(
         this device's contiguous piece. The devices exchange the fixed-size prefix sums of
         their pieces (``C (Dv + 2)`` numbers per head and device, whatever ``N``); the
         samples must be the same on every device (an int ``rng``, a replicated JAX key,
-        or ``deterministic``). :doc:`/guide/13_sequence_parallel`.
+        or ``deterministic``); each piece at least one position long. Left out (or
+        False): one device; an explicit ``None`` with torch tensors before
+        ``torch.distributed.init_process_group`` (what ``torch.distributed.group.WORLD``
+        is then) is refused. :doc:`/guide/13_sequence_parallel`.
 
     Returns
     -------
@@ -276,7 +279,8 @@ def lara(
         than the default, or on another device than ``q``; if ``defensive`` is not in
         0..C; with ``state=``, if ``num_samples``, ``weighting``, ``beta`` or
         ``proposal_means`` is given and differs from the state's; ``sequence_parallel``
-        without ``causal=True``, with ``state=`` or with a group of one device.
+        without ``causal=True``, with ``state=``, with a group of one device or an empty
+        piece, or ``None`` with torch tensors before ``torch.distributed.init_process_group``.
     TypeError
         If ``num_samples`` is not an int (a pair ``(c_h, c_w)`` without ``grid``, or an
         int with ``grid``), ``grid`` is not a pair of ints, ``proposal`` /
@@ -337,7 +341,7 @@ def lara(
     (3, 196, 8)
     """
     stateful = check_state_call(state, return_state, check_bool(causal, "causal"), LARAState)
-    stateful |= check_parallel_call("lara", sequence_parallel, causal=causal, state=state)
+    stateful |= check_parallel_call("lara", sequence_parallel, causal=causal, state=state, q=q)
     if state is None:  # the defaults (with state=: the state's)
         weighting = "decoupled" if weighting is None else weighting
         beta = 2.0 if beta is None else beta

@@ -57,7 +57,7 @@ from xattn._estimators.rf_groups import (
     trigonometric_rfa,
 )
 from xattn._estimators.rf_scan import PAIR_BLOCK, block_positions, causal_scan
-from xattn._estimators.sequence import check_parallel_call, continue_sequence
+from xattn._estimators.sequence import NOT_GIVEN, check_parallel_call, continue_sequence
 from xattn._estimators.window import band_width, windowed_rfa
 from xattn.features import FEATURE_MAPS, SAMPLE_NORMS, sample_omega
 
@@ -113,7 +113,7 @@ def rfa(
     state: RFAState | None = None,
     return_state: bool = False,
     working_memory: int | None = None,
-    sequence_parallel: Any = None,
+    sequence_parallel: Any = NOT_GIVEN,
 ) -> Any:
     r"""Random feature attention (RFA / Performer FAVOR+), a linear-cost estimate of
     softmax attention.
@@ -310,8 +310,12 @@ def rfa(
         plus ``w (D + Dv + 1)`` with ``window`` and ``K (D + Dv + 1)`` with ``sinks``,
         whatever ``N``) and each continues the merged state of the pieces before it over
         its own. Outputs, gradients and ``return_state`` (on every device) are those of
-        one call on the whole sequence up to rounding; each piece at least ``w`` long,
-        the sinks in the first: :doc:`/guide/13_sequence_parallel`.
+        one call on the whole sequence up to rounding; each piece at least one position
+        long, at least ``w`` with ``window`` and ``K`` with ``sinks``:
+        :doc:`/guide/13_sequence_parallel`. Left out (or False): one device holds the
+        whole sequence. ``None`` given explicitly is what
+        ``torch.distributed.group.WORLD`` is before ``init_process_group``: with torch
+        tensors while torch.distributed is not initialized it is refused.
 
     {{returns}}
 
@@ -322,8 +326,9 @@ def rfa(
         or ``sample_norm``, negative ``window`` or ``sinks``, ``sinks`` > M, and the input
         errors of :func:`xattn.softmax_attention`; ``sequence_parallel`` without
         ``causal=True`` or with ``state=``, with a group of one device, outside a
-        ``jax.shard_map`` over that axis, or with a piece shorter than ``window``
-        (the first shorter than ``sinks``).
+        ``jax.shard_map`` over that axis, with an empty piece or one shorter than
+        ``window`` or ``sinks``, or ``None`` with torch tensors before
+        ``torch.distributed.init_process_group``.
     TypeError
         Non-integer ``num_features``, ``block_size``, ``chunk_size``, ``window`` or
         ``sinks``, non-bool ``causal`` or ``orthogonal``, non-string ``feature_map`` or
@@ -399,7 +404,7 @@ def rfa(
     """
     causal = check_bool(causal, "causal")
     stateful = check_state_call(state, return_state, causal, RFAState)
-    stateful |= check_parallel_call("rfa", sequence_parallel, causal=causal, state=state)
+    stateful |= check_parallel_call("rfa", sequence_parallel, causal=causal, state=state, q=q)
     if state is not None:  # the options of the sequence that the state continues
         feature_map, window, sinks, scale = rfa_state_options(
             state, num_features=num_features, feature_map=feature_map, omega=omega,

@@ -45,7 +45,7 @@ import math
 from typing import Any
 
 from xattn._core.array import Array
-from xattn._core.collectives import resolve_group
+from xattn._core.collectives import NOT_GIVEN, refuse_world_before_init, resolve_group
 from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
@@ -69,13 +69,19 @@ from xattn._estimators.rf_scan import (
 from xattn._estimators.sequence_state import merged_state, piece_payload, unpack
 from xattn._estimators.window import exact_partial
 
-__all__ = ["check_parallel_call", "continue_sequence", "piece_rows", "piece_scan"]
+__all__ = ["NOT_GIVEN", "check_parallel_call", "continue_sequence", "piece_rows",
+           "piece_scan"]
 
 
 def check_parallel_call(estimator: str, sequence_parallel: Any, *, causal: bool,
-                        state: Any) -> bool:
+                        state: Any, q: Any) -> bool:
     """Whether the call splits its sequence across devices; ``ValueError`` for
-    ``sequence_parallel`` without ``causal=True`` or with ``state=``."""
+    ``sequence_parallel`` without ``causal=True`` or with ``state=``, and for an explicit
+    ``None`` with torch tensors while torch.distributed is not initialized (what
+    ``torch.distributed.group.WORLD`` is then: :data:`~xattn._core.collectives.NOT_GIVEN`)."""
+    if sequence_parallel is NOT_GIVEN or sequence_parallel is False:
+        return False
+    refuse_world_before_init(sequence_parallel, q, estimator)
     if sequence_parallel is None:
         return False
     if not causal:
@@ -96,7 +102,7 @@ def continue_sequence(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, sta
     ``sequence_parallel`` (``state`` then empty), over this device's piece of a sequence
     split across devices (module docstring). Returns the output, the clamped rows and the
     state after the whole sequence."""
-    if sequence_parallel is None:
+    if sequence_parallel is None or sequence_parallel is NOT_GIVEN or sequence_parallel is False:
         return continue_rfa(xp, inputs, mapping, state, block_size=block_size,
                             chunk_size=chunk_size, guard=guard)
     group = resolve_group(sequence_parallel, inputs.q, inputs.num_queries, estimator)
