@@ -103,6 +103,7 @@ from xattn._core.array import compute_dtype
 from xattn._core.options import ESTIMATORS, check_nonnegative_int, lara_num_samples
 from xattn._estimators.lara_causal import check_lara_causal_options
 from xattn._integrations.hf_cache import StateLayer, XattnCache, continue_state, take_pending
+from xattn._integrations.hf_calibration import calibrate, load_features, save_features
 from xattn._integrations.hf_masks import AttentionMask, attention_mask, mask_from_tensor
 from xattn._integrations.layers import LayerCore, attend, draw_features, learned_proposal_means
 from xattn.random import Generator, TorchDefaultGenerator, TorchGenerator
@@ -114,7 +115,7 @@ except ImportError:  # pragma: no cover - an older or later layout: the keyword 
     _active_collector = None
 
 __all__ = ["ESTIMATORS", "AttentionMask", "StateLayer", "XattnAttention", "XattnCache",
-           "attention_mask", "register"]
+           "attention_mask", "calibrate", "load_features", "register", "save_features"]
 
 # keyword arguments of an attention call that ask for something the hook cannot compute
 _UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "position_bias")
@@ -166,6 +167,10 @@ class XattnAttention:
         self._features: weakref.WeakKeyDictionary[Any, dict[Any, torch.Tensor]] = (
             weakref.WeakKeyDictionary())
         self._unnumbered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        #: RFA samples fitted by :func:`calibrate` (or loaded by :func:`load_features`):
+        #: ``(heads, num_features, head_dim)`` per layer (:meth:`module_layer`), used in
+        #: evaluation mode in place of the random draw.
+        self.fitted: dict[int, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return (f"XattnAttention(name={self.name!r}, estimator={self.estimator!r}, "
@@ -184,22 +189,46 @@ class XattnAttention:
             return TorchGenerator(self.generator)
         return TorchDefaultGenerator()
 
-    def module_seed(self, module: Any) -> int:
-        """The integer seed of ``module``'s evaluation-mode RFA features:
-        ``SeedSequence([seed, layer, crc32(class name)])``, ``layer`` its ``layer_idx``
-        (or, without one, ``-1 - n`` for the n-th such module seen)."""
+    def module_layer(self, module: Any) -> int:
+        """``module``'s ``layer_idx`` (or, without one, ``-1 - n`` for the n-th such
+        module seen)."""
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int):
             if module not in self._unnumbered:
                 self._unnumbered[module] = len(self._unnumbered)
             layer = -1 - self._unnumbered[module]
+        return layer
+
+    def module_seed(self, module: Any) -> int:
+        """The integer seed of ``module``'s evaluation-mode RFA features:
+        ``SeedSequence([seed, layer, crc32(class name)])``, ``layer`` its
+        :meth:`module_layer`."""
+        layer = self.module_layer(module)
         entropy = [self.seed, layer % 2 ** 32, zlib.crc32(type(module).__name__.encode())]
         return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
+    def clear_feature_cache(self) -> None:
+        """Forget the features made so far (after the fitted samples changed)."""
+        self._features = weakref.WeakKeyDictionary()
+
     def features(self, module: Any, head_dim: int, *, dtype: torch.dtype = torch.float32,
                  device: Any = "cpu") -> torch.Tensor:
-        """The evaluation-mode RFA features of ``module``, ``(num_features, head_dim)``,
-        drawn once from :meth:`module_seed` (the same values on every device)."""
+        """The evaluation-mode RFA features of ``module``: its fitted samples
+        ``(heads, num_features, head_dim)`` if :attr:`fitted` has its layer, else
+        :meth:`random_features`."""
+        fitted = self.fitted.get(self.module_layer(module))
+        if fitted is None:
+            return self.random_features(module, head_dim, dtype=dtype, device=device)
+        cache = self._features.setdefault(module, {})
+        key = ("fitted", dtype, str(device))
+        if key not in cache:
+            cache[key] = fitted.to(device=device, dtype=dtype)
+        return cache[key]
+
+    def random_features(self, module: Any, head_dim: int, *,
+                        dtype: torch.dtype = torch.float32, device: Any = "cpu") -> torch.Tensor:
+        """The random RFA features of ``module``, ``(num_features, head_dim)``, drawn once
+        from :meth:`module_seed` (the same values on every device)."""
         core = self._core(head_dim)
         if core.num_features is None:
             raise ValueError(f"features are those of estimator='rfa', not {self.estimator!r}")
