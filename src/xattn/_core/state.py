@@ -81,10 +81,10 @@ class RFAState:
 
     Attributes
     ----------
-    omega : array, shape (S, D)
+    omega : array, shape (S, D) or (..., S, D)
         The samples, drawn by the first call (from ``rng``, ``num_features``,
-        ``orthogonal``, ``sample_norm``) or given to it as ``omega=``. A call with
-        ``state=`` takes them from here.
+        ``orthogonal``, ``sample_norm``) or given to it as ``omega=`` (with leading dims:
+        per head). A call with ``state=`` takes them from here.
     feature_max : array, shape (..., F) or (..., 1, 1)
         The running maxima: :math:`K_s` (positive map: ``F = S``; hyperbolic: ``F = 2S``,
         the samples :math:`\pm\omega`), or :math:`M` (trigonometric map).

@@ -241,16 +241,20 @@ def rfa(
     ----------
     {{qkv}}
     num_features : int, optional
-        Number of samples ``S`` (>= 1). Default: ``omega.shape[0]`` if ``omega`` is given,
+        Number of samples ``S`` (>= 1). Default: ``omega.shape[-2]`` if ``omega`` is given,
         else ``max(D, int(D ln D))``.
     feature_map : {"positive", "hyperbolic", "trigonometric"}, optional
         The randomized mapping; None: that of ``state``, else ``"positive"``.
     orthogonal : bool
         Draw block-orthogonal samples (default) or iid Gaussian ones (see
         :func:`xattn.features.sample_omega`). Ignored when ``omega`` is given.
-    omega : array, shape (S, D), optional
+    omega : array, shape (S, D) or (..., S, D), optional
         Explicit samples as rows, in the namespace of ``q``: fixes the features (for
-        evaluation, or a caller's redraw schedule). ``rng`` is then unused.
+        evaluation, or a caller's redraw schedule). ``rng`` is then unused. Leading dims
+        give each head (or each layer and head) its own samples: they broadcast against
+        the leading dims of q, k and v without growing them, e.g. ``(H, S, D)``,
+        ``(1, H, S, D)`` or ``(B, H, S, D)`` for q of shape ``(B, H, N, D)``; a call
+        with ``(H, S, D)`` equals ``H`` calls, each with its head's ``(S, D)``.
     scale : float, optional
         Score scale; ``None`` means ``1/sqrt(D)``.
     key_mask : bool array, shape broadcastable to (..., M), optional
@@ -322,7 +326,8 @@ def rfa(
     Raises
     ------
     ValueError
-        ``num_features`` < 1, ``omega`` not of shape ``(S, D)``, unknown ``feature_map``
+        ``num_features`` < 1, ``omega`` not of shape ``(S, D)`` or ``(..., S, D)`` with
+        leading dims that broadcast against those of q, k and v, unknown ``feature_map``
         or ``sample_norm``, negative ``window`` or ``sinks``, ``sinks`` > M, and the input
         errors of :func:`xattn.softmax_attention`; ``sequence_parallel`` without
         ``causal=True`` or with ``state=``, with a group of one device, outside a
