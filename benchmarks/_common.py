@@ -2,8 +2,9 @@
 log-log slope. (Backends, the measured calls of ``xattn bench`` and the peak memory of a
 call on each backend are the command's own, in :mod:`xattn.cli.measure`.)
 
-The scripts run as ``python benchmarks/<script>.py``, so that this folder is on
-``sys.path`` and ``from _common import ...`` finds this module.
+The scripts run as ``python benchmarks/<group>/<script>.py`` and put this folder
+(``benchmarks/``) on ``sys.path`` before ``from _common import ...``, which then finds this
+module.
 """
 
 from __future__ import annotations

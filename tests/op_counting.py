@@ -1,5 +1,5 @@
 """Counting the aten operations torch dispatches, for the tests that a call's count does
-not grow with the sequence (as ``benchmarks/bench_ops.py``'s ``OpCounter``, with the
+not grow with the sequence (as ``benchmarks/ops/bench_ops.py``'s ``OpCounter``, with the
 largest tensor beside it)."""
 
 from __future__ import annotations

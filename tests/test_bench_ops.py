@@ -1,4 +1,4 @@
-"""The operation counter of ``benchmarks/bench_ops.py``: one dispatched aten operation
+"""The operation counter of ``benchmarks/ops/bench_ops.py``: one dispatched aten operation
 for one torch operation, and for the forward of ``scaled_dot_product_attention``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_ops.py"
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "ops" / "bench_ops.py"
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ def render_page() -> str:
         "naming the keyword (also tested: a `TypeError`); **yes (GPU)** is the same test",
         "case on a GPU backend: CI has no",
         "GPU, so these ran on lent GPUs (CuPy 14.2, torch 2.11 with CUDA 13.0, JAX 0.11.2;",
-        "`benchmarks/run_gpu.sh`), last on 2026-11-27: CuPy and torch CUDA on an NVIDIA",
+        "`benchmarks/gpu/run_gpu.sh`), last on 2026-11-27: CuPy and torch CUDA on an NVIDIA",
         "H200, JAX GPU on an H100, every case passed; see {ref}`on-a-gpu`), not on every",
         "commit; **untested** could work but no test",
         "exercises it; **—** means that the library has no such mechanism.",

@@ -267,14 +267,14 @@ def test_lara_with_look_ahead_options_raises_through_the_cache():
 
 
 def test_generation_benchmark_runs_and_writes_its_rows(tmp_path):
-    """benchmarks/bench_hf_generate.py with the flags of its GPU run, on the CPU at tiny
+    """benchmarks/models/bench_hf_generate.py with the flags of its GPU run, on the CPU at tiny
     sizes: every row is written, RFA's cache bytes do not grow, xattn's softmax is left
     out after --max-softmax-length."""
     import importlib.util
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hf_generate.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "models" / "bench_hf_generate.py"
     spec = importlib.util.spec_from_file_location("bench_hf_generate", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -2,7 +2,7 @@
 allows (``xattn._core.primitives.group_rows``).
 
 Below the budget a call is one group: the same number of array operations at any length
-(counted on torch, as ``benchmarks/bench_ops.py`` counts them). Above it the groups
+(counted on torch, as ``benchmarks/ops/bench_ops.py`` counts them). Above it the groups
 are merged (a running maximum per sample, the online softmax over queries of LARA's
 affinities): the result does not depend on the budget, nor on an explicit ``chunk_size``
 that caps the groups, beyond rounding.

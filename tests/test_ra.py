@@ -285,7 +285,7 @@ def test_operations_do_not_grow_below_the_budget(options):
 
 
 def test_operations_at_the_length_of_the_target():
-    """``benchmarks/bench_ops.py``'s row: S = 1, (1, 2, 1024, 64) float32, the CPU's
+    """``benchmarks/ops/bench_ops.py``'s row: S = 1, (1, 2, 1024, 64) float32, the CPU's
     default budget (64 MiB holds all 1,024 rows): at most 150 operations (653 with the
     loop over blocks of 128 queries; 101 measured)."""
     assert _count_operations(1024, num_samples=1) <= 150
@@ -322,7 +322,7 @@ def test_working_memory_at_the_size_of_the_memory_issue():
     297 MiB, most of it the draws (a uniform and D normals for each of the 12 x 512 x 64
     (query, sample) pairs, drawn in float64 on the host), the rest a step's intermediates
     (at most the CPU's 64 MiB of ``working_memory``, fewer than the draws); it must stay under
-    400 MiB (``benchmarks/bench_ra.py`` reports the same figure). About 7 s."""
+    400 MiB (``benchmarks/ops/bench_ra.py`` reports the same figure). About 7 s."""
     from xattn.cli.measure import tracemalloc_peak
 
     gen = np.random.default_rng(0)

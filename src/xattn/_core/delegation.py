@@ -404,7 +404,7 @@ def native_attention(inputs: AttentionInputs, causal: bool, *, automatic: bool =
 
     ``automatic`` (the choice of ``implementation=None``) also returns None for JAX on a
     CPU backend, where XLA's kernel forms the whole (N, M) score matrix and measured about
-    twice the time of the portable loop (``benchmarks/bench_native_softmax.py``).
+    twice the time of the portable loop (``benchmarks/ops/bench_native_softmax.py``).
     ``every_query_has_a_key`` (the caller knows it from the shapes and options, such as
     a decoding step whose own key is unmasked) leaves out the zero rows' operations.
     """

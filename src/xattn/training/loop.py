@@ -47,7 +47,7 @@ __all__ = [
 
 
 #: The attention that is the framework's own layer, not an xattn estimator: the baseline
-#: row of ``xattn train`` (``--estimators native``) and ``benchmarks/bench_train.py``.
+#: row of ``xattn train`` (``--estimators native``) and ``benchmarks/training/bench_train.py``.
 NATIVE = "native"
 #: The layer ``native`` is, by framework; also its row name in tables and JSON. Each has
 #: the parameters (names, shapes, initialization: the same seed gives the same values) and
@@ -85,7 +85,7 @@ class ModelConfig:
     ``token_init``: the token embeddings' initialization, the same in both frameworks:
     ``"scaled"`` draws N(0, 1/dim) (Flax's ``nnx.Embed`` default), ``"unit"`` N(0, 1)
     (PyTorch's ``nn.Embedding`` default, which the PyTorch model used before 0.2). On
-    ``mqar`` it decides whether RFA learns (see ``benchmarks/bench_train_parity.py`` and
+    ``mqar`` it decides whether RFA learns (see ``benchmarks/training/bench_train_parity.py`` and
     ``xattn.training.parity``). Every other weight starts as its framework's layer
     starts it: projections and linear layers with PyTorch's or Flax's initializers.
 
