@@ -12,6 +12,7 @@ subprocesses), compiled whole by ``torch.compile(fullgraph=True)``; LARA's
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -434,3 +435,89 @@ def test_torch_sequence_parallel_with_per_head_omega(tmp_path: Path):
         assert rank.returncode == 0, stderr[-3000:]
     for rank in range(2):
         _check_parallel_report(json.loads((tmp_path / f"rank{rank}.json").read_text()))
+
+
+# ---- layers and hooks --------------------------------------------------------------------
+
+@pytest.mark.skipif("torch" not in selected_backends(), reason="torch not selected")
+def test_torch_layer_per_head_features_assigned_loaded_redrawn_and_stepped():
+    """``xattn.torch.MultiheadAttention``: features (num_heads, S, head_dim), assigned or
+    loaded from a ``state_dict``, give each head its own samples (equal to the layer with
+    that head's (S, head_dim)); ``step`` continues with them; a redraw keeps one matrix per
+    head; a ``state_dict`` of another shape is refused naming ``features``."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    make = lambda: xattn.torch.MultiheadAttention(  # noqa: E731
+        16, 4, estimator="rfa", num_features=8, batch_first=True, window=2, sinks=1).eval()
+    layer, x = make(), torch.randn(2, 10, 16)
+    omega = torch.randn(4, 8, 4)
+    layer.features = omega
+    with torch.no_grad():
+        out, _ = layer(x, x, x, is_causal=True)
+        q, k, v, _, _ = layer._split_heads(x, x, x, None)
+        for h in range(4):  # head h equals a shared matrix omega[h]
+            alone = layer._estimate(q, k, v, key_mask=None, causal=True, training=False,
+                                    features=omega[h], rng=None)[:, h]
+            shared = layer._estimate(q, k, v, key_mask=None, causal=True, training=False,
+                                     features=omega, rng=None)[:, h]
+            torch.testing.assert_close(shared, alone, rtol=0, atol=1e-6)
+        first, state = layer.step(x[:, :6])
+        second, state = layer.step(x[:, 6:7], state)
+        third, state = layer.step(x[:, 7:], state)
+    torch.testing.assert_close(torch.cat([first, second, third], 1), out, rtol=1e-5,
+                               atol=1e-5)
+    assert tuple(state.omega.shape) == (4, 8, 4)
+    loaded = make()
+    loaded.load_state_dict(layer.state_dict())
+    assert torch.equal(loaded.features, omega)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, x, x, is_causal=True)[0], out)
+    loaded.redraw_features()
+    assert tuple(loaded.features.shape) == (4, 8, 4)
+    assert not torch.equal(loaded.features[0], loaded.features[1])
+    with pytest.raises(ValueError, match=r"features must have shape \(S, head_dim\)"):
+        make().load_state_dict({**layer.state_dict(), "features": torch.randn(3, 8, 4)})
+
+
+@pytest.mark.skipif("torch" not in selected_backends(), reason="torch not selected")
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_transformers_cache_with_per_head_features_and_grouped_heads(num_beams):
+    """A Llama of 4 query heads and 2 key-value heads with fitted-like per-head samples
+    (4, S, d) in each layer: greedy and beam-search generation through an ``XattnCache``
+    (one state per query head) give, at every step, the logits of a full forward pass."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    import xattn.transformers as xt
+
+    attention = xt.register("test_per_head_omega_rfa", estimator="rfa", num_features=8,
+                            window=2, sinks=1)
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(attention.name)
+    prompt = torch.randint(1, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        shared = model(prompt).logits
+    attention.fitted = {layer: 1.5 * torch.randn(4, 8, 8) for layer in range(2)}
+    attention.clear_feature_cache()
+    with torch.no_grad():
+        assert not torch.allclose(model(prompt).logits, shared)  # the per-head samples
+    cache_name = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                  else "past_key_values")
+    options = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                   do_sample=False, num_beams=num_beams, output_logits=True,
+                   return_dict_in_generate=True)
+    generated = model.generate(prompt, **{cache_name: xt.XattnCache()}, **options)
+    if num_beams > 1:  # the beams' states reordered along the batch: the tokens of
+        # generation that recomputes every step from the whole sequence
+        recomputed = model.generate(prompt, use_cache=False, **options)
+        assert torch.equal(generated.sequences, recomputed.sequences)
+        return
+    with torch.no_grad():
+        full = model(generated.sequences).logits
+    for step, logits in enumerate(generated.logits):
+        expected = full[:, prompt.shape[1] + step - 1]
+        assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4, step

@@ -18,6 +18,7 @@ use of ``xattn.torch`` (or by ``import xattn.torch``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import array_api_compat
@@ -67,7 +68,9 @@ class MultiheadAttention(LayerCore, Projections):
     ``1/sqrt(head_dim)``.
 
     **Training and evaluation.** ``estimator="rfa"``: the samples :math:`\omega`
-    (buffer ``features``, shape ``(num_features, head_dim)``, shared by all heads) are
+    (buffer ``features``, shape ``(num_features, head_dim)``, shared by all heads, or
+    ``(num_heads, num_features, head_dim)``, one matrix per head, when such a tensor is
+    assigned to ``features`` or loaded from a ``state_dict``: fitted samples, say) are
     redrawn at the start of a training-mode ``forward`` once ``redraw_interval`` training
     steps have used them (Performer's schedule), never in evaluation mode; call
     :meth:`redraw_features` to redraw by hand. The step count ``steps_since_redraw`` is a
@@ -215,10 +218,29 @@ class MultiheadAttention(LayerCore, Projections):
                               unexpected_keys, error_msgs) -> None:
         # The RFA features are optional in a state_dict: one without them (that of
         # torch.nn.MultiheadAttention) loads strictly, and the layer keeps its own draw.
+        self._resize_features_to(state_dict, prefix)  # per-head features: (h, S, d)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
         if self.features is not None and prefix + "features" in missing_keys:
             missing_keys.remove(prefix + "features")
+
+    def _resize_features_to(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Per-head features in a ``state_dict``, ``(num_heads, S, head_dim)``, or a
+        shared ``(S, head_dim)`` matrix where the layer holds per-head ones: the buffer
+        takes the loaded shape (``ValueError`` naming ``features`` for another shape)."""
+        loaded = state_dict.get(prefix + "features")
+        if self.features is None or not isinstance(loaded, torch.Tensor):
+            return
+        shape = tuple(loaded.shape)
+        if shape == tuple(self.features.shape):
+            return
+        if (shape[-1:] != (self.head_dim,) or len(shape) not in (2, 3)
+                or (len(shape) == 3 and shape[0] not in (1, self.num_heads))):
+            raise ValueError(f"features must have shape (S, head_dim) = (S, {self.head_dim}) "
+                             f"or, one matrix per head, (num_heads, S, head_dim) = "
+                             f"({self.num_heads}, S, {self.head_dim}); the state_dict holds "
+                             f"{shape}")
+        self.features = self.features.new_empty(shape)
 
     def _random(self) -> Generator:
         if self.generator is not None:
@@ -257,9 +279,11 @@ class MultiheadAttention(LayerCore, Projections):
         assert self.features is not None and self.num_features is not None
         xp = array_api_compat.array_namespace(self.features)
         device, dtype = self.features.device, self.features.dtype
-        omega = draw_features(self._random(), self.num_features, self.head_dim,
-                              self.estimator_options, xp=xp, dtype=compute_dtype(xp, dtype),
-                              device=device)
+        heads = tuple(self.features.shape[:-2])  # per-head features (h, S, d): h draws
+        draws = [draw_features(self._random(), self.num_features, self.head_dim,
+                               self.estimator_options, xp=xp, dtype=compute_dtype(xp, dtype),
+                               device=device) for _ in range(math.prod(heads))]
+        omega = draws[0] if not heads else torch.stack(draws).reshape(*heads, *draws[0].shape)
         self.features = omega.to(dtype)
         self.steps_since_redraw = 0
 

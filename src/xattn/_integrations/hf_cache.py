@@ -57,7 +57,9 @@ def map_batch(state: Any, function: Any) -> Any:
         "sink_keys", "sink_values", "sink_valid")}
     if state.feature_weight is not None:
         changes["feature_weight"] = function(state.feature_weight)
-    if state.omega.ndim > 2:  # LARA's samples, one set per batch-head
+    # LARA's samples, one set per batch-head (RFA's per-head samples (kv_heads, groups, S,
+    # d) have no batch dim: kept, as shared ones)
+    if state.omega.ndim == state.feature_sums.ndim:
         changes["omega"] = function(state.omega)
     return dataclasses.replace(state, **changes)
 
@@ -143,12 +145,19 @@ def continue_state(attention: Any, layer: StateLayer, module: Any, query: torch.
             key_mask = mask.key_mask[:, None, None, seen:seen + length]
     groups = heads // kv_heads
     grouped_query = query.unflatten(1, (kv_heads, groups))  # (B, Hk, G, L, d)
-    state = None if layer.state is None else _expand_to_groups(layer.state, groups)
     options, omega = attention._call_options(module, query, scaling, training)
+    # per-head RFA samples (H, S, d) (fitted ones): as (Hk, G, S, d), and one state per
+    # query head (the heads of a group read their keys through different features)
+    per_head = omega is not None and omega.ndim > 2 and attention.estimator == "rfa"
+    if per_head:
+        omega = (omega.unflatten(-3, (kv_heads, groups)) if omega.shape[-3] == heads
+                 else omega.unsqueeze(-3))
+    state = (layer.state if layer.state is None or per_head
+             else _expand_to_groups(layer.state, groups))
     out, state = attend(attention.estimator, grouped_query, key[:, :, None], value[:, :, None],
                         options=options, key_mask=key_mask, causal=True, training=False,
                         omega=omega, state=state, stateful=True)
-    layer.store(_one_per_group(state), length, attention)
+    layer.store(state if per_head else _one_per_group(state), length, attention)
     return out.flatten(1, 2).transpose(1, 2).contiguous(), None
 
 
@@ -165,7 +174,8 @@ class StateLayer(CacheLayerMixin):
     state : xattn.RFAState, xattn.LARAState, xattn.SoftmaxState, xattn.RAState or None
         The estimator's state after ``position`` tokens (None before the first), with the
         leading dimensions ``(batch, kv_heads, 1)``: one state per key-value head (the
-        query heads of a group share it).
+        query heads of a group share it); ``(batch, kv_heads, groups)`` with per-head RFA
+        samples, one state per query head.
     position : int
         The number of tokens the state has seen.
 
