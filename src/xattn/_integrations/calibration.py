@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from array_api_compat import device as array_device
 
 from xattn._core.array import array_namespace, library_name
 from xattn._core.options import (
@@ -33,6 +34,7 @@ from xattn._core.options import (
 )
 from xattn._estimators.rfa import rfa
 from xattn._estimators.softmax import softmax_attention
+from xattn._integrations.calibration_dense import DENSE_FEATURE_MAPS, DENSE_MAX_PAIRS, dense_rfa
 from xattn.features import FEATURE_MAPS, SAMPLE_NORMS, sample_omega
 
 __all__ = ["CALIBRATION_LIBRARIES", "Batch", "CalibrationData", "CalibrationReport", "Tracker",
@@ -225,7 +227,7 @@ def prepare(q: Any, k: Any, v: Any, *, key_mask: Any, query_mask: Any, num_featu
         rows_shape = (*lead[:len(lead) - head_dims], *(1,) * head_dims, bq.shape[-2])
         if bkey is not None:
             bkey = xp.broadcast_to(bkey, (*lead, bk.shape[-2]))
-        valid = (xp.ones(rows_shape, dtype=first.dtype, device=first.device)
+        valid = (xp.ones(rows_shape, dtype=first.dtype, device=array_device(first))
                  if bquery is None else
                  xp.astype(xp.broadcast_to(bquery, rows_shape), first.dtype))
         target = softmax_attention(bq, bk, bv, scale=options["scale"], key_mask=bkey,
@@ -236,7 +238,7 @@ def prepare(q: Any, k: Any, v: Any, *, key_mask: Any, query_mask: Any, num_featu
     held, heldout_sequences = _row_split(shapes, holdout, rng)
     batches, sums, squares, counts = [], 0.0, 0.0, [0.0, 0.0]
     for (bq, bk, bv, bkey, target, valid), out in zip(prepared, held, strict=True):
-        out = xp.asarray(out.reshape(valid.shape), dtype=valid.dtype, device=valid.device)
+        out = xp.asarray(out.reshape(valid.shape), dtype=valid.dtype, device=array_device(valid))
         fit, test = valid * (1 - out), valid * out
         counts[0] += float(xp.sum(fit))
         counts[1] += float(xp.sum(test))
@@ -251,7 +253,7 @@ def prepare(q: Any, k: Any, v: Any, *, key_mask: Any, query_mask: Any, num_featu
     variance = squares / total - xp.sum(sums * sums, axis=-1) / total ** 2
     variance = xp.where(variance > 0, variance, xp.ones_like(variance))
     omega = _start(xp, omega, head_shape, num_features, dim, seed, orthogonal, sample_norm,
-                   dtype=first.dtype, device=first.device)
+                   dtype=first.dtype, device=array_device(first))
     data = CalibrationData(batches, head_shape, options, variance * counts[0],
                            variance * counts[1], sum(shape[0] for shape in shapes),
                            heldout_sequences, round(counts[0]), round(counts[1]), omega)
@@ -279,18 +281,25 @@ def _start(xp: Any, omega: Any, head_shape: tuple[int, ...], num_features: int, 
 
 def _estimate(batch: Batch, omega: Any, options: dict[str, Any]) -> Any:
     """``rfa`` of the batch with one sample matrix per head (``omega``'s leading
-    dimensions broadcast against the batch's)."""
+    dimensions broadcast against the batch's); formed densely where that is equal and
+    faster (:mod:`~xattn._integrations.calibration_dense`)."""
+    if (options["feature_map"] in DENSE_FEATURE_MAPS
+            and batch.q.shape[-2] * batch.k.shape[-2] <= DENSE_MAX_PAIRS):
+        return dense_rfa(batch.q, batch.k, batch.v, omega, key_mask=batch.key_mask,
+                         **options)
     return rfa(batch.q, batch.k, batch.v, omega=omega, key_mask=batch.key_mask, **options)
 
 
-def head_errors(omega: Any, data: CalibrationData) -> tuple[Any, Any]:
+def head_errors(omega: Any, data: CalibrationData,
+                batches: list[Batch] | None = None) -> tuple[Any, Any]:
     """The objective: per head, the normalized squared error of ``rfa`` with ``omega``
     against exact attention on the fitted rows and on the held-out rows (arrays of the
-    head shape; one estimator call per batch serves both)."""
+    head shape; one estimator call per batch serves both), summed over ``batches``
+    (default all: with fewer, the sums of those batches over the normalizers of all)."""
     xp = array_namespace(omega)
     head_dims = len(data.head_shape)
     train = heldout = 0.0
-    for batch in data.batches:
+    for batch in data.batches if batches is None else batches:
         out = _estimate(batch, omega, data.options)
         error = xp.sum((out - batch.target) ** 2, axis=-1)
         axes = (*range(error.ndim - 1 - head_dims), error.ndim - 1)
@@ -306,30 +315,28 @@ class Tracker:
     def __init__(self, omega: np.ndarray, train: np.ndarray, heldout: np.ndarray,
                  patience: int | None) -> None:
         self.best, self.train_before, self.heldout_before = omega, train, heldout
-        self.best_heldout, self.best_train = heldout.copy(), train.copy()
+        self.best_heldout = heldout.copy()
         self.best_steps = np.zeros(heldout.shape, dtype=int)
         self.patience = patience
         self.last_improvement = 0
 
-    def update(self, step: int, omega: np.ndarray, train: np.ndarray,
-               heldout: np.ndarray) -> bool:
-        """Record the samples of ``step``; whether to go on."""
+    def update(self, step: int, omega: np.ndarray, heldout: np.ndarray) -> bool:
+        """Record the samples after ``step`` steps; whether to go on."""
         better = heldout < self.best_heldout
         if better.any():
             self.last_improvement = step
             self.best = np.where(better[..., None, None], omega, self.best)
             self.best_heldout = np.where(better, heldout, self.best_heldout)
-            self.best_train = np.where(better, train, self.best_train)
             self.best_steps = np.where(better, step, self.best_steps)
         return self.patience is None or step - self.last_improvement < self.patience
 
-    def report(self, steps: int, seconds: float, data: CalibrationData,
-               library: str) -> CalibrationReport:
+    def report(self, steps: int, seconds: float, train_after: np.ndarray,
+               data: CalibrationData, library: str) -> CalibrationReport:
         return CalibrationReport(
             heldout_error_before=float(self.heldout_before.mean()),
             heldout_error_after=float(self.best_heldout.mean()),
             train_error_before=float(self.train_before.mean()),
-            train_error_after=float(self.best_train.mean()),
+            train_error_after=float(train_after.mean()),
             head_errors_before=tuple(float(x) for x in self.heldout_before.ravel()),
             head_errors_after=tuple(float(x) for x in self.best_heldout.ravel()),
             steps=steps, best_steps=tuple(int(x) for x in self.best_steps.ravel()),

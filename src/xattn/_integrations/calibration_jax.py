@@ -40,46 +40,40 @@ def fit(data: CalibrationData, *, steps: int, learning_rate: float, patience: in
     optimizer = _optax().adam(learning_rate)
 
     # the arrays are arguments of the jitted functions, not constants folded into them
-    arrays = ([tuple(getattr(batch, f.name) for f in fields(batch))
-               for batch in data.batches], data.train_norm, data.heldout_norm)
+    arrays = [tuple(getattr(batch, f.name) for f in fields(batch)) for batch in data.batches]
+    norms = (data.train_norm, data.heldout_norm)
 
-    def errors(omega: Any, arrays: Any) -> tuple[Any, Any]:
-        batches, train_norm, heldout_norm = arrays
+    def errors(omega: Any, batches: Any, norms: Any) -> tuple[Any, Any]:
         return head_errors(omega, replace(data, batches=[Batch(*b) for b in batches],
-                                          train_norm=train_norm, heldout_norm=heldout_norm))
+                                          train_norm=norms[0], heldout_norm=norms[1]))
 
-    def objective(omega: Any, arrays: Any) -> tuple[Any, tuple[Any, Any]]:
-        train, heldout = errors(omega, arrays)
-        return jnp.mean(train), (train, heldout)
+    def objective(omega: Any, batch: Any, norms: Any) -> Any:
+        return jnp.mean(errors(omega, [batch], norms)[0])
 
     @jax.jit
-    def step(omega: Any, state: Any, arrays: Any) -> tuple[Any, Any, Any, Any]:
-        (_, (train, heldout)), grad = jax.value_and_grad(objective, has_aux=True)(omega,
-                                                                                  arrays)
+    def step(omega: Any, state: Any, batch: Any, norms: Any) -> tuple[Any, Any]:
+        grad = jax.grad(objective)(omega, batch, norms)
         updates, state = optimizer.update(grad, state, omega)
-        return omega + updates, state, train, heldout
+        return omega + updates, state
 
     evaluate = jax.jit(errors)
+
+    def host(x: Any) -> np.ndarray:
+        return np.asarray(x, dtype=np.float64)
+
     omega = data.omega
     state = optimizer.init(omega)
-    tracker: Tracker | None = None
+    train, heldout = evaluate(omega, arrays, norms)
+    tracker = Tracker(host(omega), host(train), host(heldout), patience)
     taken = 0
-    for index in range(steps + 1):
-        if index == steps:
-            train, heldout = evaluate(omega, arrays)
-            new_omega = omega
-        else:
-            new_omega, state, train, heldout = step(omega, state, arrays)
-        host = (np.asarray(omega, dtype=np.float64), np.asarray(train, dtype=np.float64),
-                np.asarray(heldout, dtype=np.float64))
-        if tracker is None:
-            tracker = Tracker(*host, patience)
-        elif not tracker.update(index, *host):
-            break
-        if index == steps:
-            break
-        omega = new_omega
+    for index in range(steps):
+        # one batch per step; the held-out rows of all batches after each pass over them
+        omega, state = step(omega, state, arrays[index % len(arrays)], norms)
         taken = index + 1
-    assert tracker is not None
-    return jnp.asarray(tracker.best, dtype=data.omega.dtype), tracker.report(
-        taken, time.perf_counter() - tic, data, library)
+        if taken % len(arrays) == 0 or taken == steps:
+            _, heldout = evaluate(omega, arrays, norms)
+            if not tracker.update(taken, host(omega), host(heldout)):
+                break
+    best = jnp.asarray(tracker.best, dtype=data.omega.dtype)
+    train, _ = evaluate(best, arrays, norms)
+    return best, tracker.report(taken, time.perf_counter() - tic, host(train), data, library)

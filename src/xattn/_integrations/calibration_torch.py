@@ -25,21 +25,24 @@ def fit(data: CalibrationData, *, steps: int, learning_rate: float, patience: in
     tic = time.perf_counter()
     omega = data.omega.detach().clone().requires_grad_(True)
     optimizer = torch.optim.Adam([omega], lr=learning_rate)
-    tracker: Tracker | None = None
-    taken = 0
-    for step in range(steps + 1):
+    count = len(data.batches)
+    with torch.no_grad():
         train, heldout = head_errors(omega, data)
-        host = (_host(omega), _host(train), _host(heldout))
-        if tracker is None:
-            tracker = Tracker(host[0], host[1], host[2], patience)
-        elif not tracker.update(step, *host):
-            break
-        if step == steps:
-            break
+    tracker = Tracker(_host(omega), _host(train), _host(heldout), patience)
+    taken = 0
+    for step in range(steps):
+        # one batch per step; the held-out rows of all batches after each pass over them
+        train, _ = head_errors(omega, data, [data.batches[step % count]])
         optimizer.zero_grad(set_to_none=True)
         train.mean().backward()
         optimizer.step()
         taken = step + 1
-    assert tracker is not None
+        if taken % count == 0 or taken == steps:
+            with torch.no_grad():
+                _, heldout = head_errors(omega, data)
+            if not tracker.update(taken, _host(omega), _host(heldout)):
+                break
     best = torch.as_tensor(tracker.best, dtype=omega.dtype, device=omega.device)
-    return best, tracker.report(taken, time.perf_counter() - tic, data, library)
+    with torch.no_grad():
+        train, _ = head_errors(best, data)
+    return best, tracker.report(taken, time.perf_counter() - tic, _host(train), data, library)
