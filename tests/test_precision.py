@@ -329,3 +329,47 @@ def test_lara_multiplies_half_inputs_in_their_dtype(half_backend, dtype_name, we
     assert not out[0].any() and not out[1, :7].any()  # the masked rows
     error = np.linalg.norm(out[1] - expected[1]) / np.linalg.norm(expected[1])
     assert error <= HALF_SCAN_BOUND[dtype_name], error
+
+
+# float16 at large scores ----------------------------------------------------------------
+
+LARGE_SCORE_CALLS = {
+    "rfa-causal": lambda q, k, v, omega: xattn.rfa(q, k, v, omega=omega, causal=True),
+    "rfa-causal-window": lambda q, k, v, omega: xattn.rfa(q, k, v, omega=omega, causal=True,
+                                                          window=16, sinks=1),
+    "rfa": lambda q, k, v, omega: xattn.rfa(q, k, v, omega=omega),
+    "rfa-hyperbolic": lambda q, k, v, omega: xattn.rfa(q, k, v, omega=omega,
+                                                       feature_map="hyperbolic"),
+    "lara-decoupled": lambda q, k, v, omega: xattn.lara(q, k, v, num_samples=16, rng=0),
+    "lara-balance": lambda q, k, v, omega: xattn.lara(q, k, v, num_samples=16, rng=0,
+                                                      weighting="balance"),
+}
+
+
+@pytest.mark.thin(name=("rfa", "lara-decoupled"))
+@pytest.mark.parametrize("name", list(LARGE_SCORE_CALLS))
+def test_float16_keeps_its_accuracy_at_large_scores(half_backend, name):
+    """float16 q and k at 4 times a standard normal (D = 32: scaled projections
+    :math:`\\omega_s \\cdot \\hat q_n` up to about 60): within :data:`HALF_SCAN_BOUND` of
+    the float64 result with the same samples (for ``lara``, the same draws on the
+    float16-rounded inputs, so that the segment means match). Before, the features of a
+    shift shared by the samples underflowed float16's range (:math:`e^{-17}`) and the
+    decoupled weights were clipped at float16's 6e-8 instead of 1e-8: here 0.16 to 0.64
+    on torch and JAX (the window call 2e-3: its exact band dominates). After, here
+    1.7e-4 (causal, computed in float32) to 2.4e-3 (float16 products), and on torch and
+    JAX at (1, 4, 512, 32 or 64), S = C = 64, 0.5e-3 to 3.3e-3 from 1x to 4x on every
+    path (guide 05): the bound is 3 times the largest."""
+    backend, half = half_backend, half_backend.ns.float16
+    data = np.random.default_rng(3)
+    q, k = (4.0 * data.normal(size=(2, 128, 32)) for _ in range(2))
+    v = data.normal(size=(2, 128, 32))
+    omega = data.normal(size=(32, 32))
+    rounded = [np.asarray(backend.to_numpy(backend.asarray(x, dtype=half)), dtype=np.float64)
+               for x in (q, k, v)]
+    expected = LARGE_SCORE_CALLS[name](*rounded, omega)
+    out = LARGE_SCORE_CALLS[name](*to_backend(backend, (q, k, v), half),
+                                  backend.asarray(omega, dtype=backend.ns.float32))
+    assert out.dtype == half, out.dtype
+    out = backend.to_numpy(out).astype(np.float64)
+    error = np.linalg.norm(out - expected) / np.linalg.norm(expected)
+    assert error <= HALF_SCAN_BOUND["float16"], error
