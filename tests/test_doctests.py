@@ -29,7 +29,8 @@ import xattn
 
 # may need extras that are not installed (the layers' framework helpers too)
 OPTIONAL_MODULES = {"cli", "training", "torch", "flax", "transformers", "torch_layer",
-                    "flax_layer", "flax_attention_fn", "hf_cache", "hf_masks"}
+                    "flax_layer", "flax_attention_fn", "hf_cache", "hf_masks",
+                    "hf_calibration", "calibration_torch", "calibration_jax"}
 OPTION_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # tested in subprocesses, one per Keras backend (tests/test_keras_layer.py)
 SUBPROCESS_MODULES = {"xattn.keras", "xattn._integrations.keras_layer"}
