@@ -217,3 +217,20 @@ def test_conversion_of_a_padded_encoder():
     assert reports[0].heldout_rows + reports[0].train_rows == 2 * 20 + 2 * 12
     with pytest.raises(ValueError, match="fits RFA's samples"):
         xt.calibrate(model, [batch], xt.register("xattn_calibration_sm", estimator="softmax"))
+
+
+def test_flax_attention_fn_takes_fitted_samples():
+    jnp = pytest.importorskip("jax.numpy")
+    nnx = pytest.importorskip("flax.nnx")
+    pytest.importorskip("optax")
+    import xattn.flax
+
+    q, k, v = (jnp.asarray(x.numpy()) for x in heads(batch=2, length=16))
+    omega, _ = xattn.calibrate_omega(q, k, v, num_features=8, steps=2)
+    function = xattn.flax.attention_fn("rfa", num_features=8, deterministic=True,
+                                       rngs=nnx.Rngs(0), omega=omega)
+    out = function(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)))  # (batch, length, heads, d)
+    expected = jnp.swapaxes(xattn.rfa(q, k, v, omega=omega), 1, 2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="omega"):
+        xattn.flax.attention_fn("ra", omega=omega)

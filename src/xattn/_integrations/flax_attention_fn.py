@@ -36,7 +36,8 @@ _PROBE_HEAD_DIM = 4  # the head dim of the construction-time probe of the option
 
 def attention_fn(estimator: str, *, rngs: nnx.Rngs | None = None,
                  rng_collection: str = "attention", deterministic: bool = False,
-                 mask_structure: str = "auto", **options: Any) -> AttentionFunction:
+                 mask_structure: str = "auto", omega: Any = None,
+                 **options: Any) -> AttentionFunction:
     r"""An xattn estimator as the ``attention_fn=`` of :class:`flax.nnx.MultiHeadAttention`.
 
     Returns an :class:`AttentionFunction`: a callable with the signature of
@@ -106,6 +107,10 @@ def attention_fn(estimator: str, *, rngs: nnx.Rngs | None = None,
         Evaluation mode (True) or training mode (False, default), in Flax's sense.
     mask_structure : {"auto", "padding", "causal"}
         How a full ``(q_length, kv_length)`` mask is read (above).
+    omega : array, shape (S, head_dim) or (num_heads, S, head_dim), optional
+        ``"rfa"``: fitted samples (e.g. :func:`xattn.calibrate_omega`'s, one matrix per
+        head) used in evaluation mode in place of the features drawn from ``rngs``;
+        training mode still draws random features.
     **options
         The estimator's options, as for :class:`xattn.flax.MultiHeadAttention` (RFA's
         ``num_features`` defaults to ``max(d, int(d ln d))`` for the head dim d of the
@@ -141,7 +146,7 @@ def attention_fn(estimator: str, *, rngs: nnx.Rngs | None = None,
     """
     return AttentionFunction(estimator, rngs=rngs, rng_collection=rng_collection,
                              deterministic=deterministic, mask_structure=mask_structure,
-                             **options)
+                             omega=omega, **options)
 
 
 class _Signature:
@@ -180,7 +185,7 @@ class AttentionFunction(nnx.Module):
 
     def __init__(self, estimator: str, *, rngs: nnx.Rngs | None = None,
                  rng_collection: str = "attention", deterministic: bool = False,
-                 mask_structure: str = "auto", **options: Any) -> None:
+                 mask_structure: str = "auto", omega: Any = None, **options: Any) -> None:
         probe = LayerCore()  # checks the estimator and the option values on a tiny input
         probe._setup_estimator(head_dim=_PROBE_HEAD_DIM, estimator=estimator,
                                redraw_interval=None, options=options)
@@ -206,6 +211,13 @@ class AttentionFunction(nnx.Module):
         if estimator == "rfa":
             assert self.rngs is not None
             self.feature_key = FeatureState(self.rngs())
+        self.fitted: Any = nnx.data(None)
+        if omega is not None:
+            if estimator != "rfa" or getattr(omega, "ndim", 0) not in (2, 3):
+                raise ValueError("omega (fitted samples, (S, head_dim) or (num_heads, S, "
+                                 f"head_dim)) is an option of estimator='rfa' only; got "
+                                 f"{estimator!r} and shape {getattr(omega, 'shape', None)}")
+            self.fitted = FeatureState(jnp.asarray(omega))
 
     def set_view(self, deterministic: bool | None = None) -> None:
         """The attribute that :func:`flax.nnx.view` sets: ``deterministic``.
@@ -265,6 +277,8 @@ class AttentionFunction(nnx.Module):
         """
         if self.estimator != "rfa" or self.feature_key is None:
             raise ValueError(f"features exist for estimator='rfa' only, not {self.estimator!r}")
+        if self.fitted is not None:  # the fitted samples given as omega=
+            return jnp.asarray(self.fitted[...], dtype=dtype)
         return draw_features(self.feature_key[...], self.num_features(head_dim), head_dim,
                              self.estimator_options, xp=jnp, dtype=dtype)
 
@@ -336,6 +350,8 @@ class AttentionFunction(nnx.Module):
             omega = (draw_features(rng, self.num_features(head_dim), head_dim,
                                    self.estimator_options, xp=jnp, dtype=omega_dtype)
                      if training else self.features(head_dim, omega_dtype))
+            if omega.ndim == 3 and kv_heads != heads:  # per-head samples, heads split
+                omega = _split_heads(omega, -3, kv_heads, heads // kv_heads)
         out = attend(self.estimator, q, k, v, options=self.estimator_options,
                      key_mask=key_mask, causal=causal, training=training, omega=omega,
                      rng=rng)
