@@ -111,15 +111,16 @@ def run(args):
             attention = xattn.transformers.register(name, **options)
             random = cosines(model, eval_texts, exact, name)
             load = os.getloadavg()[0]
-            tic = time.perf_counter()
+            tic, cpu = time.perf_counter(), time.process_time()
             reports = xattn.transformers.calibrate(encoder, batches, attention,
                                                    steps=args.steps,
                                                    learning_rate=args.learning_rate,
                                                    patience=args.patience)
-            seconds = time.perf_counter() - tic
+            seconds, cpu = time.perf_counter() - tic, time.process_time() - cpu
             fitted = cosines(model, eval_texts, exact, name)
             row = {"S": count, "window": window, "sinks": 1 if window else 0,
                    "random": random, "fitted": fitted, "calibration_seconds": seconds,
+                   "calibration_cpu_seconds": cpu,
                    "load_average_before": load, "load_average_after": os.getloadavg()[0],
                    "fit_passages": len(fit_texts),
                    "layers": {str(layer): {key: value for key, value in report.to_json().items()

@@ -412,14 +412,14 @@ def calibrate_omega(q: Any, k: Any = None, v: Any = None, *, num_features: int,
     seed : int
         Seed of the starting draw (head ``h`` draws from ``SeedSequence([seed, h])``, the
         same on every backend) and of the held-out split (default 0).
-    omega : array, shape (*heads, S, D), optional
+    omega : array, shape (heads..., S, D), optional
         Start from these samples instead of a random draw.
     orthogonal, sample_norm
         The starting draw's options (:func:`xattn.features.sample_omega`).
 
     Returns
     -------
-    omega : array, shape (*heads, S, D)
+    omega : array, shape (heads..., S, D)
         The fitted samples, in the library, dtype and on the device of ``q``; pass them
         as ``rfa(..., omega=omega)`` (they broadcast against the leading dimensions of
         ``q``).

@@ -211,7 +211,7 @@ def calibrate(model: Any, batches: Iterable[Mapping[str, Any]], attention: Any, 
 
 def save_features(attention: Any, directory: str | os.PathLike[str]) -> Path:
     """Write the fitted samples of ``attention`` to ``directory/xattn_features.safetensors``
-    (:data:`FEATURES_FILE`; e.g. the directory of the model's own weights): one
+    (e.g. the directory of the model's own weights): one
     ``(heads, num_features, head_dim)`` float32 tensor per layer, named ``layer.<index>``,
     and the options they were fitted for (``num_features``, ``feature_map``, ``window``,
     ``sinks``) in the file's metadata.
@@ -248,7 +248,7 @@ def load_features(attention: Any, path: str | os.PathLike[str]) -> None:
         What :func:`register` returned, registered with the options the samples were
         fitted for.
     path : str or path
-        The file, or the directory that holds :data:`FEATURES_FILE`.
+        The file, or the directory that holds ``xattn_features.safetensors``.
 
     Raises
     ------
