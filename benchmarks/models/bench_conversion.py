@@ -32,6 +32,10 @@ again in evaluation mode. Only ``rfa`` at S = 64 and ``lara`` at C = 16 are fine
 default (``--finetune LABEL S`` to choose), to bound the runtime (48 minutes on 2 shared,
 heavily loaded CPU cores for the committed results).
 
+Random against calibrated (fitted) samples, on passages of 128 tokens, with the same model
+and text: ``bench_calibration.py`` beside this script (it imports the loading and
+embedding helpers from here).
+
 Run::
 
     python benchmarks/models/bench_conversion.py        # results/conversion_minilm.json
