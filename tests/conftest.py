@@ -25,8 +25,9 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,7 +223,9 @@ def _make_backend(name: str) -> Backend:
                        array_api_compat.is_torch_array)
     if name in ("jax", "jax-gpu"):
         jax = importlib.import_module("jax")
-        jax.config.update("jax_enable_x64", True)  # tests need float64; the library never sets it
+        # tests need float64 (the library never sets it): for this test only, undone after
+        # it by the global-state guard (_global_state_unchanged)
+        set_for_this_test(jax, "jax_enable_x64", True)
         if name == "jax-gpu":
             try:
                 device = jax.devices("gpu")[0]
@@ -232,7 +235,7 @@ def _make_backend(name: str) -> Backend:
             # 3 significant digits), where torch and CuPy keep full float32; the float32
             # tolerances of this suite are those of float32 arithmetic, so the GPU run
             # asks for it (the docs' "On a GPU" section gives the measured effect).
-            jax.config.update("jax_default_matmul_precision", "highest")
+            set_for_this_test(jax, "jax_default_matmul_precision", "highest")
         else:
             device = jax.devices("cpu")[0]
         return Backend(name, importlib.import_module("jax.numpy"), device,
@@ -382,6 +385,142 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     while _test_log:
         _test_log.pop().close()
+
+
+# ---- global state: no test leaves it changed for the next ----------------------------
+
+#: What the suite's own setup changed for one test (the jax backend's 64-bit mode, a GPU's
+#: matmul precision, the ``jax_x64`` fixture): undone after the test, before the check.
+_undo_after_test: list[Callable[[], None]] = []
+
+
+def set_for_this_test(jax: Any, name: str, value: Any) -> None:
+    """Set the JAX option ``name`` to ``value`` for the running test only (restored after
+    it by :func:`_global_state_unchanged`)."""
+    before = getattr(jax.config, name)
+    if before != value:
+        jax.config.update(name, value)
+        _undo_after_test.append(lambda: jax.config.update(name, before))
+
+
+#: The state of libraries first imported during a test, as they start (a test that
+#: imports one and changes it at once is caught too); other values: as first seen
+_STARTING_STATE = {"jax_enable_x64": os.environ.get("JAX_ENABLE_X64", "0").lower()
+                   in ("1", "true", "yes", "on"),
+                   "jax_default_matmul_precision": None, "jax_debug_nans": False,
+                   "jax_disable_jit": False, "torch.default_dtype": "torch.float32",
+                   "torch.grad_enabled": True, "torch.inference_mode": False,
+                   "torch.deterministic": (False, False), "torch.default_device": "cpu"}
+_JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_debug_nans",
+                "jax_disable_jit", "jax_numpy_dtype_promotion", "jax_numpy_rank_promotion")
+
+
+def global_state() -> dict[str, Any]:
+    """The process-wide settings a test could leave changed: JAX's options (64-bit mode,
+    matmul precision, ...), torch's default dtype and device, threads, autograd and
+    deterministic modes, NumPy's floating-point error handling, Keras's dtype policy, the
+    environment variables. Libraries not imported yet are left out (a few microseconds in
+    all: it runs twice per test)."""
+    environ = {key: value for key, value in os.environ.items()
+               if not key.startswith("PYTEST_")}  # pytest's own (PYTEST_CURRENT_TEST)
+    state: dict[str, Any] = {"numpy.errstate": np.geterr(), "environ": environ}
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "are_deterministic_algorithms_enabled"):
+        state.update({
+            "torch.default_dtype": str(torch.get_default_dtype()),
+            "torch.default_device": str(torch.get_default_device()),
+            "torch.num_threads": torch.get_num_threads(),
+            "torch.grad_enabled": torch.is_grad_enabled(),
+            "torch.inference_mode": torch.is_inference_mode_enabled(),
+            "torch.deterministic": (torch.are_deterministic_algorithms_enabled(),
+                                    torch.is_deterministic_algorithms_warn_only_enabled()),
+            "torch.float32_matmul_precision": torch.get_float32_matmul_precision()})
+    jax = sys.modules.get("jax")
+    if jax is not None and hasattr(jax, "config"):
+        state.update({name: getattr(jax.config, name) for name in _JAX_OPTIONS})
+    keras = sys.modules.get("keras")
+    if keras is not None and hasattr(keras, "config"):
+        state["keras.floatx"] = keras.config.floatx()
+        state["keras.dtype_policy"] = keras.config.dtype_policy().name
+    return state
+
+
+_state_at_start: dict[str, Any] = {}
+_LIBRARIES = frozenset({"jax", "jaxlib", "torch", "flax", "keras", "tensorflow", "transformers",
+                        "dask", "distributed", "cupy", "tokenizers", "matplotlib"})
+
+
+@pytest.fixture(autouse=True)
+def _global_state_unchanged(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test leaves the global settings (:func:`global_state`) as the session
+    started with them, so that no test's outcome depends on which ran before it in its
+    worker: the suite's own per-test settings are undone, any other change fails the
+    test (and is undone too, so that it fails alone). Use the ``jax_x64`` fixture,
+    ``monkeypatch`` (``setenv``), or a context manager (``np.errstate``,
+    ``torch.no_grad``) that restores what it changes. (Warning filters need no check:
+    pytest restores them after each test.)"""
+    for name, value in global_state().items():
+        _state_at_start.setdefault(name, value)
+    libraries = _LIBRARIES.intersection(sys.modules)
+    yield
+    while _undo_after_test:
+        _undo_after_test.pop()()
+    after = global_state()
+    if not _LIBRARIES.intersection(sys.modules) <= libraries:
+        # a library imported by this test may set variables as it starts (JAX:
+        # TF_CPP_MIN_LOG_LEVEL, TPU_SKIP_MDS_QUERY): new ones are taken as the start's
+        for key, value in after["environ"].items():
+            _state_at_start["environ"].setdefault(key, value)
+    changed = {}
+    for name, value in after.items():
+        expected = _state_at_start.setdefault(name, _STARTING_STATE.get(name, value))
+        if value != expected:
+            changed[name] = (expected, value)
+    if "environ" in changed:  # only the variables that differ
+        expected, value = changed["environ"]
+        changed["environ"] = {key: (expected.get(key), value.get(key))
+                              for key in expected.keys() | value.keys()
+                              if expected.get(key) != value.get(key)}
+    if not changed:
+        return
+    _restore(changed)
+    pytest.fail(f"{request.node.nodeid} left global state changed for the next test "
+                f"(name: (before, after)): {changed}", pytrace=False)
+
+
+def _restore(changed: dict[str, Any]) -> None:
+    """Put back the settings a test changed (so that the next test is not affected)."""
+    jax, torch = sys.modules.get("jax"), sys.modules.get("torch")
+    for name, difference in changed.items():
+        if name in _JAX_OPTIONS and jax is not None:
+            jax.config.update(name, difference[0])
+        elif name == "numpy.errstate":
+            np.seterr(**difference[0])
+        elif name == "environ":
+            for key, (before, _) in difference.items():
+                if before is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = before
+        elif name == "torch.default_dtype" and torch is not None:
+            torch.set_default_dtype(getattr(torch, difference[0].removeprefix("torch.")))
+        elif name == "torch.num_threads" and torch is not None:
+            torch.set_num_threads(difference[0])
+        elif name == "torch.grad_enabled" and torch is not None:
+            torch.set_grad_enabled(difference[0])
+        elif name == "torch.deterministic" and torch is not None:
+            torch.use_deterministic_algorithms(difference[0][0], warn_only=difference[0][1])
+        elif name == "torch.float32_matmul_precision" and torch is not None:
+            torch.set_float32_matmul_precision(difference[0])
+
+
+@pytest.fixture
+def jax_x64() -> Any:
+    """JAX with its 64-bit mode on for this test only (float64 references); the mode it
+    had is restored after the test."""
+    jax = pytest.importorskip("jax")
+    set_for_this_test(jax, "jax_enable_x64", True)
+    return jax
 
 
 @pytest.fixture(params=selected_backends())

@@ -404,9 +404,8 @@ def test_ra_pieces_stay_unbiased():
 
 @pytest.mark.parametrize("feature_map,window,sinks", [("positive", 3, 2),
                                                       ("trigonometric", None, None)])
-def test_jax_jit_prefill_and_scan_decode_loop(rng, feature_map, window, sinks):
+def test_jax_jit_prefill_and_scan_decode_loop(rng, feature_map, window, sinks, jax_x64):
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
     jnp = jax.numpy
     q, k, v = make_sequence(rng, batch=(2,), length=20,
                             spread=0.3 if feature_map == "trigonometric" else 0.5)
@@ -448,10 +447,9 @@ def test_jax_jit_prefill_and_scan_decode_loop(rng, feature_map, window, sinks):
     assert_same_state(Host, state, expected_state, rtol=1e-10)
 
 
-def test_jax_jit_softmax_cache_prefill_and_steps(rng):
+def test_jax_jit_softmax_cache_prefill_and_steps(rng, jax_x64):
     """The key-value cache grows: jit compiles the prefill and one step per length."""
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
     q, k, v = make_sequence(rng, batch=(2,), length=9, spread=1.0)
 
     @jax.jit

@@ -102,3 +102,51 @@ def test_fresh_interpreter_keeps_jax_x64_and_torch_defaults():
     assert [s["before"]["torch_dtype"] for s in states] == ["torch.float32", "torch.float64"]
     for state in states:
         assert state["after"] == state["before"]
+
+
+OFFENDERS = textwrap.dedent("""
+    import os
+
+    import numpy as np
+
+
+    def test_changes_numpy_error_state():
+        np.seterr(divide="raise")
+
+
+    def test_sets_an_environment_variable():
+        os.environ["XATTN_TEST_LEFT_BEHIND"] = "1"
+
+
+    def test_sees_the_settings_of_the_session_start():
+        assert np.geterr()["divide"] == "warn"
+        assert "XATTN_TEST_LEFT_BEHIND" not in os.environ
+
+
+    def test_monkeypatch_restores(monkeypatch):
+        monkeypatch.setenv("XATTN_TEST_LEFT_BEHIND", "1")
+        with np.errstate(divide="raise"):
+            pass
+""")
+
+
+def test_a_test_that_leaves_global_state_changed_fails(tmp_path):
+    """The suite's guard (``_global_state_unchanged`` in conftest.py): a test that leaves
+    NumPy's error state or an environment variable changed fails, naming it, and the next
+    test sees the settings of the session's start; monkeypatch and context managers pass.
+    In a separate pytest run of a small file, with this suite's conftest as a plugin."""
+    (tmp_path / "test_offenders.py").write_text(OFFENDERS)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+           "XATTN_BACKENDS": "numpy"}
+    env.pop("XATTN_TEST_LOG", None)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:xdist",
+                             "-p", "no:cacheprovider", "-q", "-rE", "test_offenders.py"],
+                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
+                            check=False)
+    output = result.stdout + result.stderr
+    assert "4 passed, 2 errors" in output, output[-3000:]
+    assert ("test_changes_numpy_error_state left global state changed" in output
+            and "'numpy.errstate'" in output), output[-3000:]
+    assert ("test_sets_an_environment_variable left global state changed" in output
+            and "XATTN_TEST_LEFT_BEHIND" in output), output[-3000:]

@@ -654,9 +654,8 @@ def test_gradients_torch_match_finite_differences(rng):
     assert torch.autograd.gradcheck(loss, (q, k, v))
 
 
-def test_gradients_jax_and_jit_with_key(rng):
+def test_gradients_jax_and_jit_with_key(rng, jax_x64):
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
     from jax.test_util import check_grads
 
     q, k, v = (jax.numpy.asarray(a)

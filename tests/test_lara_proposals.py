@@ -91,11 +91,10 @@ def test_gradients_reach_the_proposal_means_torch():
                 weighting=weighting, rng=torch.Generator().manual_seed(4)), (means,))
 
 
-def test_gradients_reach_the_proposal_means_jax():
+def test_gradients_reach_the_proposal_means_jax(jax_x64):
     jax = pytest.importorskip("jax")
     from jax.test_util import check_grads
 
-    jax.config.update("jax_enable_x64", True)
     rng = np.random.default_rng(0)
     q, k, v = (jax.numpy.asarray(x) for x in make_qkv(rng, batch=(), num_queries=7,
                                                        num_keys=6))

@@ -404,9 +404,8 @@ def test_gradients_torch_match_finite_differences(rng, biased):
     assert all(bool(torch.all(torch.isfinite(g))) and bool(torch.any(g != 0)) for g in grads)
 
 
-def test_gradients_jax_match_finite_differences(rng):
+def test_gradients_jax_match_finite_differences(rng, jax_x64):
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
     from jax.test_util import check_grads
 
     q, k, v = (jax.numpy.asarray(a) for a in make_qkv(rng, num_queries=3, num_keys=4,

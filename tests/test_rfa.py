@@ -539,10 +539,9 @@ def test_torch_gradients(rng, feature_map, causal):
 
 @pytest.mark.parametrize("feature_map,causal", [("positive", False), ("positive", True),
                                                 ("hyperbolic", True), ("trigonometric", True)])
-def test_jax_gradients_match_torch(rng, feature_map, causal):
+def test_jax_gradients_match_torch(rng, feature_map, causal, jax_x64):
     torch = pytest.importorskip("torch")
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
     q, k, v = make_qkv(rng, batch=(2,), num_queries=5, num_keys=5, head_dim=3, value_dim=2,
                        spread=spread_for(feature_map))
     omega = omega_for(rng, num_features=4, head_dim=3)
@@ -566,9 +565,8 @@ def test_jax_gradients_match_torch(rng, feature_map, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_jax_jit_with_key(rng, causal):
+def test_jax_jit_with_key(rng, causal, jax_x64):
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
     q, k, v = map(jax.numpy.asarray, make_qkv(rng, batch=(2,)))
 
     @jax.jit
@@ -613,9 +611,8 @@ def test_trigonometric_negative_denominator_warns_and_stays_finite(backend):
         assert np.all(np.isfinite(backend.to_numpy(out)))
 
 
-def test_trigonometric_guard_under_jit_is_finite():
+def test_trigonometric_guard_under_jit_is_finite(jax_x64):
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
     q, k, v, omega = map(jax.numpy.asarray, negative_denominator_case())
     attend = jax.jit(lambda q, k, v: xattn.rfa(q, k, v, omega=omega, scale=1.0,
                                                feature_map="trigonometric"))

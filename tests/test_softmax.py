@@ -148,9 +148,8 @@ def test_gradients_torch_match_finite_differences(rng):
     assert torch.autograd.gradcheck(loss, (q, k, v))
 
 
-def test_gradients_jax_match_finite_differences(rng):
+def test_gradients_jax_match_finite_differences(rng, jax_x64):
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", True)
     from jax.test_util import check_grads
 
     q, k, v = (jax.numpy.asarray(a) for a in make_qkv(rng, batch=(), num_queries=3, num_keys=4,
