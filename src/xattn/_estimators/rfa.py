@@ -303,22 +303,14 @@ def rfa(
         Return ``(out, state)``, the :class:`~xattn.RFAState` after these tokens
         (``causal=True``; ``N = M``).
     sequence_parallel : str, tuple of str or torch.distributed.ProcessGroup, optional
-        Split one causal sequence across devices (context parallelism, as LASP [5]_): the
-        name of a JAX mesh axis, inside ``jax.shard_map`` with the sequence axis of q,
-        k, v (and ``key_mask``) sharded over it, or a ``torch.distributed`` process group
-        whose rank ``r`` holds the ``r``-th contiguous piece (lengths may differ). q, k, v
-        are this device's piece (``N = M``); the samples must be the same on every device
-        (an int ``rng``, a replicated JAX key, or ``omega=``). The devices all-gather
-        the fixed-size states of their pieces' keys (``S (Dv + 2)`` numbers per head,
-        plus ``w (D + Dv + 1)`` with ``window`` and ``K (D + Dv + 1)`` with ``sinks``,
-        whatever ``N``) and each continues the merged state of the pieces before it over
-        its own. Outputs, gradients and ``return_state`` (on every device) are those of
-        one call on the whole sequence up to rounding; each piece at least one position
-        long, at least ``w`` with ``window`` and ``K`` with ``sinks``:
-        :doc:`/guide/13_sequence_parallel`. Left out (or False): one device holds the
-        whole sequence. ``None`` given explicitly is what
-        ``torch.distributed.group.WORLD`` is before ``init_process_group``: with torch
-        tensors while torch.distributed is not initialized it is refused.
+        Split one causal sequence across devices (LASP [5]_): a JAX mesh axis name inside
+        ``jax.shard_map`` over the sequence axis, or a ``torch.distributed`` process group
+        whose rank ``r`` holds the ``r``-th piece (none empty or shorter than ``w`` or
+        ``K``); q, k, v are this device's piece, the samples the same on every device. The
+        devices exchange fixed-size states, whatever ``N``; outputs, gradients and
+        ``return_state`` are one call's on the whole sequence. Left out or False: one
+        device; ``None`` (``group.WORLD`` before torch's ``init_process_group``) with torch
+        tensors then: refused. :doc:`/guide/13_sequence_parallel`.
 
     {{returns}}
 
@@ -329,10 +321,8 @@ def rfa(
         leading dims that broadcast against those of q, k and v, unknown ``feature_map``
         or ``sample_norm``, negative ``window`` or ``sinks``, ``sinks`` > M, and the input
         errors of :func:`xattn.softmax_attention`; ``sequence_parallel`` without
-        ``causal=True`` or with ``state=``, with a group of one device, outside a
-        ``jax.shard_map`` over that axis, with an empty piece or one shorter than
-        ``window`` or ``sinks``, or ``None`` with torch tensors before
-        ``torch.distributed.init_process_group``.
+        ``causal=True``, with ``state=``, a group of one device, outside its
+        ``jax.shard_map``, an empty or short piece, or ``None`` before torch's init.
     TypeError
         Non-integer ``num_features``, ``block_size``, ``chunk_size``, ``window`` or
         ``sinks``, non-bool ``causal`` or ``orthogonal``, non-string ``feature_map`` or
