@@ -86,6 +86,23 @@ def test_half_precision_is_computed_in_float32(half_backend, name, dtype_name):
     np.testing.assert_allclose(out, single, rtol=u, atol=u * np.max(np.abs(single)))
 
 
+@pytest.mark.parametrize("name", HALF_PRODUCTS)
+def test_float16_is_computed_in_float32_where_bfloat16_multiplies_in_its_dtype(half_backend,
+                                                                              name):
+    """The calls that multiply bfloat16 inputs in their dtype compute float16 inputs in
+    float32 (float16's exponent range cannot hold their features at large scores: guide
+    05): the result is the float32 result on the same rounded inputs, rounded once."""
+    backend, half = half_backend, half_backend.ns.float16
+    u = UNIT_ROUNDOFF["float16"]
+    half_inputs = to_backend(backend, make_inputs(), half)
+    out = ALL[name](*half_inputs)
+    single = backend.to_numpy(ALL[name](*(backend.ns.astype(a, backend.ns.float32)
+                                          for a in half_inputs)))
+    assert out.dtype == half, out.dtype
+    np.testing.assert_allclose(backend.to_numpy(out), single, rtol=u,
+                               atol=u * np.max(np.abs(single)))
+
+
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_half_precision_softmax_is_close_to_the_float32_result(half_backend, dtype_name):
     """Against float32 on the unrounded inputs, with the bound from the input rounding.
@@ -240,10 +257,10 @@ HALF_SCAN_BOUND = {"bfloat16": 3e-2, "float16": 1e-2}
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_causal_rfa_multiplies_half_inputs_in_their_dtype(half_backend, dtype_name,
                                                            feature_map):
-    """Features and products in the input dtype, maxima and states in float32: the
-    result is in the input dtype, finite, and within :data:`HALF_SCAN_BOUND` of the
-    float64 result with the same samples; a large later key and value leave every
-    earlier row bit-identical."""
+    """bfloat16: features and products in the input dtype, maxima and states in float32
+    (float16: computed in float32): the result is in the input dtype, finite, and within
+    :data:`HALF_SCAN_BOUND` of the float64 result with the same samples; a large later
+    key and value leave every earlier row bit-identical."""
     backend, half = half_backend, getattr(half_backend.ns, dtype_name)
     data = np.random.default_rng(0)
     q, k, v = (data.normal(size=(2, 256, 16)) for _ in range(3))
@@ -272,13 +289,11 @@ def test_causal_rfa_multiplies_half_inputs_in_their_dtype(half_backend, dtype_na
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_rfa_multiplies_half_inputs_in_their_dtype(half_backend, dtype_name, feature_map):
-    """Non-causal rfa on half inputs: features and products in the input dtype, maxima
-    and the sums across key chunks in float32. 1,100 keys, more than one float16 product
-    holds (:data:`xattn._estimators.rf_groups.FLOAT16_CHUNK`, its chunks merged in
-    float32), against float64 with the same samples within :data:`HALF_SCAN_BOUND`
-    (measured on torch and JAX 1.1e-2 to 1.3e-2 bfloat16, 1.5e-3 to 1.7e-3 float16; the
-    estimator's own error against softmax is far larger); a query whose keys are all
-    masked reads a zero row."""
+    """Non-causal rfa on half inputs: bfloat16 features and products in the input dtype,
+    maxima and the sums across key groups in float32 (float16 computed in float32), 1,100
+    keys, against float64 with the same samples within :data:`HALF_SCAN_BOUND` (measured
+    on torch and JAX 1.1e-2 to 1.3e-2 bfloat16; the estimator's own error against softmax
+    is far larger); a query whose keys are all masked reads a zero row."""
     backend, half = half_backend, getattr(half_backend.ns, dtype_name)
     data = np.random.default_rng(1)
     q = data.normal(size=(2, 96, 16))
@@ -303,8 +318,8 @@ def test_rfa_multiplies_half_inputs_in_their_dtype(half_backend, dtype_name, fea
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_lara_multiplies_half_inputs_in_their_dtype(half_backend, dtype_name, weighting):
     """Non-causal lara on half inputs: features, affinities, weights and products in the
-    input dtype; maxima, the sums across key chunks and the softmax totals over queries
-    in float32. 1,100 keys (more than one float16 product holds), with a key mask and a
+    input dtype for bfloat16 (float16: computed in float32); maxima, the sums across key
+    groups and the softmax totals over queries in float32. 1,100 keys, with a key mask and a
     query mask, against float64 with the same samples (the same int ``rng``) within
     :data:`HALF_SCAN_BOUND`: measured on torch and JAX 1.4e-2 to 1.5e-2 bfloat16, 1.3e-3
     to 1.4e-3 float16, against an estimator's own error of 1.85 here (C = 8 samples).
@@ -355,10 +370,9 @@ def test_float16_keeps_its_accuracy_at_large_scores(half_backend, name):
     float16-rounded inputs, so that the segment means match). Before, the features of a
     shift shared by the samples underflowed float16's range (:math:`e^{-17}`) and the
     decoupled weights were clipped at float16's 6e-8 instead of 1e-8: here 0.16 to 0.64
-    on torch and JAX (the window call 2e-3: its exact band dominates). After, here
-    1.7e-4 (causal, computed in float32) to 2.4e-3 (float16 products), and on torch and
-    JAX at (1, 4, 512, 32 or 64), S = C = 64, 0.5e-3 to 3.3e-3 from 1x to 4x on every
-    path (guide 05): the bound is 3 times the largest."""
+    on torch and JAX (the window call 2e-3: its exact band dominates). Now float16 inputs
+    are computed in float32 and rounded once: the error is the output's rounding, about
+    5e-4 (guide 05's table, ``benchmarks/accuracy/bench_half_scores.py``)."""
     backend, half = half_backend, half_backend.ns.float16
     data = np.random.default_rng(3)
     q, k = (4.0 * data.normal(size=(2, 128, 32)) for _ in range(2))

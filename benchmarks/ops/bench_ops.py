@@ -59,6 +59,12 @@ that is SDPA's half-precision backward at N = 16384 (about 2 and 3 minutes)::
 
     python benchmarks/ops/bench_ops.py --traffic-only --traffic-limit 0   # the table alone
 
+**Ragged lengths** (``--ragged-lengths``): each traffic row's bytes per |q| in float32 at
+lengths that are not multiples of 64 and at the next multiple, and their ratio::
+
+    python benchmarks/ops/bench_ops.py --lengths '' --traffic-lengths '' \
+        --ragged-lengths 70,200,1000,3000,4000 --out benchmarks/results/ops_ragged_cpu.json
+
 **Inductor's kernels** (``--kernels``): for each row of the traffic table, the kernels
 inductor generates for one ``torch.compile(fullgraph=True)`` of its forward plus backward
 (``torch._inductor.metrics.generated_kernel_count``), at ``--kernel-lengths`` (4096 and
@@ -614,6 +620,34 @@ def inductor_kernels(rows: list[Row], lengths: list[int], dtypes: list[str], dev
     torch._dynamo.reset()
 
 
+def ragged_bytes(rows: list[Row], lengths: list[int], device: Any, cells: dict[str, Any],
+                 save: Callable[[], Any]) -> None:
+    """Bytes written per |q| at each of ``lengths`` (not multiples of 64) and at the next
+    multiple of 64, float32 at :data:`TRAFFIC_SHAPE`, forward and forward plus backward,
+    and their ratio, in ``cells[row][mode][N]``."""
+    batch, heads, dim = TRAFFIC_SHAPE
+    for row in rows:
+        for mode in row.modes:
+            for length in lengths:
+                cell: dict[str, Any] = {}
+                for name, n in (("ragged", length), ("whole", -(-length // 64) * 64)):
+                    rng = np.random.default_rng(0)
+                    q, k, v = (torch.asarray(rng.normal(size=(batch, heads, n, dim)),
+                                             dtype=torch.float32, device=device)
+                               for _ in range(3))
+                    counted = count_call(row, mode, q, k, v)
+                    cell[name] = {"length": n, "bytes_per_q": counted["bytes_per_q"],
+                                  "top_bytes_per_q": counted.get("top_bytes_per_q")}
+                cell["ratio"] = round(cell["ragged"]["bytes_per_q"]
+                                      / cell["whole"]["bytes_per_q"], 4)
+                cells.setdefault(row.name, {}).setdefault(mode, {})[str(length)] = cell
+                print(f"  {row.name:40s} {mode:17s} N={length:6d}: "
+                      f"{cell['ragged']['bytes_per_q']:.2f} |q| against "
+                      f"{cell['whole']['bytes_per_q']:.2f} at {cell['whole']['length']}: "
+                      f"{cell['ratio']:.3f}", flush=True)
+                save()
+
+
 def print_table(rows: dict[str, dict[str, dict[str, Any]]], lengths: list[int]) -> None:
     """Operations per call, ``all (compute)``, then the bytes written in |q|, one line per
     row and mode."""
@@ -712,6 +746,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--traffic-only", action="store_true",
                         help="only the traffic table, not the operation counts at "
                              "(1, 2, N, 64)")
+    parser.add_argument("--ragged-lengths", default="",
+                        help="comma-separated lengths that are not multiples of 64: bytes "
+                             "written per |q| of each traffic row there and at the next "
+                             "multiple of 64 (float32), and their ratio")
     parser.add_argument("--kernels", action="store_true",
                         help="also count inductor's generated kernels of each traffic row, "
                              "forward plus backward (slow: one compilation each)")
@@ -829,6 +867,17 @@ def main(argv: list[str] | None = None) -> None:
                             entry["traffic"], lambda: write_json(args.out, report), sync,
                             args.traffic_limit)
             print_traffic_table(entry["traffic"], traffic_lengths)
+        ragged_lengths = [int(item) for item in args.ragged_lengths.split(",") if item]
+        if ragged_lengths:
+            device = backend.to_backend(np.zeros(1)).device
+            ragged_rows = [row for row in make_traffic_rows(device, working_memory)
+                           if not args.rows or any(part in row.name
+                                                   for part in args.rows.split(","))]
+            print(f"bytes at ragged lengths, {backend.describe()}: (B, H, N, D) = "
+                  "(1, 8, N, 64), float32")
+            entry["ragged_bytes"] = {}
+            ragged_bytes(ragged_rows, ragged_lengths, device, entry["ragged_bytes"],
+                         lambda: write_json(args.out, report))
         if args.kernels:
             device = backend.to_backend(np.zeros(1)).device
             kernel_rows = [row for row in make_traffic_rows(device, working_memory)

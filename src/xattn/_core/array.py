@@ -409,11 +409,17 @@ def split_rows(x: Array, size: int) -> list[Array]:
     """``x`` in pieces of ``size`` rows along axis -2: one operation for torch's and JAX's
     autograd (a slice's backward is a gradient of all of ``x``, zero-filled), else views;
     ``[x]`` itself when it is one piece (no operation, no copy in the backward pass)."""
-    if x.shape[-2] <= size:
+    return split_rows_at(x, list(range(size, x.shape[-2], size)))
+
+
+def split_rows_at(x: Array, bounds: list[int]) -> list[Array]:
+    """``x`` cut before each row of ``bounds`` (increasing, inside ``(0, L)``) along axis
+    -2: as :func:`split_rows`, one operation for torch's and JAX's autograd."""
+    if not bounds:
         return [x]
     if array_api_compat.is_torch_array(x):
-        return list(x.split(size, dim=-2))
-    bounds = list(range(size, x.shape[-2], size))
+        sizes = [b - a for a, b in zip([0, *bounds], [*bounds, x.shape[-2]], strict=True)]
+        return list(x.split(sizes, dim=-2))
     if array_api_compat.is_jax_array(x):
         return list(array_api_compat.array_namespace(x).split(x, bounds, axis=-2))
     return [x[..., a:b, :] for a, b in zip([0, *bounds], [*bounds, x.shape[-2]], strict=True)]

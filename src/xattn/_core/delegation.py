@@ -44,24 +44,27 @@ def qr(xp: Any, a: Array) -> tuple[Array, Array]:
                               dtype=(a.dtype, a.dtype), as_numpy=True, xp=xp)
     return xp.linalg.qr(a)
 
-def append_ones_column(x: Array) -> Array:
-    """``x`` (..., F) with a column of ones appended, (..., F + 1): torch's own ``pad`` on
-    torch (one operation, which ``torch.compile`` traces without a warning), elsewhere a
-    concatenation with ``ones_like`` of a column of ``x`` (on Dask chunked like ``x``;
+def append_ones_column(x: Array, rows_after: int = 0) -> Array:
+    """``x`` (..., F) with a column of ones appended, (..., F + 1), and ``rows_after`` rows
+    of ones after its rows (axis -2; the padding of a block to whole chunks, values of
+    keys that take no part): torch's own ``pad`` on torch (one operation, which
+    ``torch.compile`` traces without a warning), elsewhere a concatenation with
+    ``ones_like`` of a column of ``x`` (on Dask chunked like ``x``;
     :func:`array_api_extra.pad` builds one block there)."""
-    return append_column(x, 1.0)
+    return append_column(x, 1.0, rows_after)
 
 
-def append_column(x: Array, value: bool | float) -> Array:
+def append_column(x: Array, value: bool | float, rows_after: int = 0) -> Array:
     """``x`` (..., F) with a column of ``value`` appended, (..., F + 1), in ``x``'s dtype
-    (a boolean ``x`` takes ``True``/``False``): as :func:`append_ones_column`."""
+    (a boolean ``x`` takes ``True``/``False``), and ``rows_after`` rows of ``value``
+    after its rows: as :func:`append_ones_column`."""
     if array_api_compat.is_torch_array(x):
         import torch
 
-        return torch.nn.functional.pad(x, (0, 1), value=float(value))
+        return torch.nn.functional.pad(x, (0, 1, 0, rows_after), value=float(value))
     xp = array_api_compat.array_namespace(x)
     column = xp.zeros_like(x[..., :1]) if not value else xp.ones_like(x[..., :1])
-    return xp.concat([x, column], axis=-1)
+    return _zero_rows_after(xp.concat([x, column], axis=-1), rows_after, value)
 
 def stop_gradient(x: Array) -> Array:
     """``x`` held constant by autograd (torch, JAX): a stabilizing shift, which cancels.
@@ -102,6 +105,13 @@ def _tracks_gradients(*arrays: Array | None) -> bool:
 
     return (any(x is not None and x.requires_grad for x in arrays)
             and not torch.compiler.is_compiling())
+
+
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing (torch imported: its arrays are at hand)."""
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def _writes_in_place_safely(x: Array) -> bool:
@@ -193,24 +203,36 @@ def squared_norms(x: Array, dtype: Any = None) -> Array:
     return xp.sum(x * x, axis=-1, keepdims=True, dtype=dtype)
 
 
-def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
+def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float,
+               rows_after: int = 0) -> Array:
     """``x`` with NaN, ``+inf`` and ``-inf`` entries replaced by ``nan``, ``posinf`` and
     ``neginf``: the library's ``nan_to_num`` where it has one (one operation, whose
     gradient is zero at the replaced entries; on Dask one task per chunk), ``where``
-    elsewhere.
+    elsewhere. ``rows_after`` rows of zeros are appended along axis -2 (the padding of a
+    block of positions to whole chunks).
 
-    torch, with finite replacements and a gradient to track: a ``nan_to_num`` whose
-    backward is one ``where`` on the mask ``out == x`` (true exactly at the entries kept),
-    made in the backward pass; torch's own derivative forms ``isfinite(x)`` (an ``abs``
-    and three boolean passes) and a product. Under ``torch.compile``, which fuses those
-    passes, torch's own."""
+    torch, eagerly: the result written once, padding rows included (no padded copy of
+    it); with finite replacements and a gradient to track, a ``nan_to_num`` whose backward
+    is one ``where`` on the mask ``out == x`` (true exactly at the entries kept), made in
+    the backward pass; torch's own derivative forms ``isfinite(x)`` (an ``abs`` and three
+    boolean passes) and a product. Under ``torch.compile``, which fuses those passes and
+    the padding, torch's own."""
     if array_api_compat.is_torch_array(x):
         import torch
 
-        if (x.requires_grad and all(math.isfinite(value) for value in (nan, posinf, neginf))
-                and not torch.compiler.is_compiling()):
-            return torch_autograd.nan_to_num_function().apply(x, nan, posinf, neginf)
-        return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+        if torch.compiler.is_compiling():
+            if rows_after:
+                x = torch.nn.functional.pad(x, (0, 0, 0, rows_after))
+            return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+        if x.requires_grad and all(math.isfinite(value) for value in (nan, posinf, neginf)):
+            return torch_autograd.nan_to_num_function().apply(x, nan, posinf, neginf,
+                                                              rows_after)
+        return torch_autograd.padded_nan_to_num(x, nan, posinf, neginf, rows_after)
+    return _zero_rows_after(_nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf), rows_after)
+
+
+def _nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
+    """:func:`nan_to_num` on every library but torch, without padding."""
     if array_api_compat.is_jax_array(x):
         import jax.numpy as jnp
 
@@ -231,6 +253,16 @@ def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float) -> Array:
     xp = array_api_compat.array_namespace(x)
     x = xp.where(xp.isnan(x), nan, x)
     return xp.where(x == xp.inf, posinf, xp.where(x == -xp.inf, neginf, x))
+
+
+def _zero_rows_after(x: Array, rows_after: int, fill: float = 0.0) -> Array:
+    """``x`` (..., L, F) with ``rows_after`` rows of ``fill`` appended along axis -2."""
+    if not rows_after:
+        return x
+    xp = array_api_compat.array_namespace(x)
+    rows = xp.full((*x.shape[:-2], rows_after, x.shape[-1]), fill, dtype=x.dtype,
+                   device=array_api_compat.device(x))
+    return one_chunk_along(xp.concat([x, rows], axis=-2), -2)
 
 def ratio_to_last_column(x: Array, floor: float) -> Array:
     """``x[..., :-1] / max(x[..., -1:], floor)``: numerators over the denominator in the
@@ -255,18 +287,20 @@ def nonfinite_rows(*arrays: Array) -> Array:
     leading dims broadcasting) holds a NaN or an infinity.
 
     On torch: not ``isfinite`` of the arrays' scaled row sums (one matrix product per
-    array, writing one number per row). On JAX: ``isnan`` of the sum over the arrays of
-    ``sum(x * 0)`` (:func:`nonfinite_probe`, which XLA fuses). Elsewhere ``not
+    array, writing one number per row). On JAX, and on torch under ``torch.compile``:
+    ``isnan`` of the sum over the arrays of ``sum(x * 0)`` (:func:`nonfinite_probe`, which
+    XLA and inductor fuse into one reduction). Elsewhere ``not
     all(isfinite(x))``, whose only temporary is one boolean per entry (NumPy would make
     ``x * 0`` a float copy of the input).
     """
     xp = array_api_compat.array_namespace(*arrays)
-    if all(array_api_compat.is_torch_array(x) for x in arrays):
+    if all(array_api_compat.is_torch_array(x) for x in arrays) and not _compiling():
         sums = _scaled_row_sums(arrays[0])
         for x in arrays[1:]:
             sums = sums + _scaled_row_sums(x)
         return ~xp.isfinite(sums)
-    if all(array_api_compat.is_jax_array(x) for x in arrays):
+    if all(array_api_compat.is_jax_array(x) or array_api_compat.is_torch_array(x)
+           for x in arrays):  # XLA and inductor fuse the probes into one reduction
         probe = nonfinite_probe(arrays[0])
         for x in arrays[1:]:
             probe = probe + nonfinite_probe(x)

@@ -16,7 +16,14 @@ from typing import Any, NamedTuple
 import array_api_compat
 import array_api_extra as xpx
 
-from xattn._core.array import Array, chunked_like, one_chunk_along, split_rows, written_in_place
+from xattn._core.array import (
+    Array,
+    chunked_like,
+    one_chunk_along,
+    sequence_positions,
+    split_rows,
+    written_in_place,
+)
 from xattn._core.delegation import append_ones_column, nan_to_num, nonfinite_rows
 from xattn._core.inputs import AttentionInputs
 
@@ -281,19 +288,25 @@ def group_rows(*, length: int, batch_size: int, row_numbers: int, itemsize: int,
     return max(1, min(rows, length))
 
 
-def finite_entries(xp: Any, x: Array, finite: bool = False) -> Array:
+def finite_entries(xp: Any, x: Array, finite: bool = False, rows_after: int = 0) -> Array:
     """``x`` with its NaN and infinite entries replaced by 0, by ``where`` (no product with
     a NaN, in the backward pass either): how an estimator reads a piece of its inputs,
     whose non-finite rows :func:`quarantine` has located. ``finite``: ``x`` is read from
-    :func:`finite_inputs` already, and returned as it is (no second pass)."""
-    return x if finite else nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    :func:`finite_inputs` already, and returned as it is (no second pass). ``rows_after``
+    rows of zeros are appended (axis -2), in the same pass where the library allows
+    (:func:`~xattn._core.delegation.nan_to_num`): a block padded to whole chunks."""
+    if finite:
+        return pad_rows(xp, x, 0, rows_after, 0.0)
+    return nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, rows_after=rows_after)
 
 
-def value_columns(xp: Any, v: Array, finite: bool = False) -> Array:
+def value_columns(xp: Any, v: Array, finite: bool = False, rows_after: int = 0) -> Array:
     """Values with a column of ones appended (the denominator), non-finite entries 0
     (``finite``: as :func:`finite_entries`;
-    :func:`~xattn._core.delegation.append_ones_column`: one operation where the library pads)."""
-    return append_ones_column(finite_entries(xp, v, finite))
+    :func:`~xattn._core.delegation.append_ones_column`: one operation where the library
+    pads), and ``rows_after`` rows of ones appended (axis -2; the values of padding keys,
+    which take no part)."""
+    return append_ones_column(finite_entries(xp, v, finite), rows_after)
 
 
 def running_max(xp: Any, x: Array) -> Array:
@@ -341,24 +354,36 @@ def quarantine(inputs: AttentionInputs, *, causal: bool, offset: int = 0,
         tainted = bad_queries
     elif not causal:
         tainted = bad_queries | xp.any(bad_keys, axis=-1, keepdims=True)
-    else:  # the keys m <= offset + i: a count of the bad ones up to each position
-        seen = xp.cumulative_sum(xp.astype(bad_keys, xp.int32), axis=-1) > 0
-        inside = max(0, min(offset + num_queries, num_keys) - offset)  # positions < M
-        rows = seen[..., offset:offset + inside]
-        if inside < num_queries:  # queries past the last key see all of them
-            last = seen[..., -1:]
-            rows = xp.concat([rows, xp.broadcast_to(
-                last, (*last.shape[:-1], num_queries - inside))], axis=-1)
-        tainted = bad_queries | rows
+    else:  # the keys m <= offset + i: query i is reached from the first bad key on
+        device = array_api_compat.device(bad_keys)
+        key_positions = sequence_positions(bad_keys, axis=-1)  # Dask: chunked like the keys
+        past_every_query = max(num_keys, offset + num_queries)  # no bad key: none reached
+        first_bad = xp.min(xp.where(bad_keys, key_positions,
+                                    xp.asarray(past_every_query, dtype=key_positions.dtype,
+                                               device=device)), axis=-1, keepdims=True)
+        query_positions = (sequence_positions(bad_queries, axis=-1)
+                           if bad_queries.shape[-1] == num_queries
+                           else xp.arange(num_queries, device=device))
+        tainted = bad_queries | (query_positions >= first_bad - offset)
     return tainted[..., None], bad_keys
 
 
-def finite_inputs(inputs: AttentionInputs) -> AttentionInputs:
+def finite_inputs(inputs: AttentionInputs, rows_after: int = 0) -> AttentionInputs:
     """The inputs with :func:`finite_entries` applied to q, k and v whole (for the
-    estimators that hand them to a fused kernel or hold them anyway: a copy of each)."""
+    estimators that hand them to a fused kernel or hold them anyway: a copy of each), and
+    ``rows_after`` positions of zeros appended to q, k and v in the same copy (the masks
+    padded with False: padding queries and keys take no part)."""
     xp = inputs.xp
-    return dataclasses.replace(inputs, q=finite_entries(xp, inputs.q),
-                               k=finite_entries(xp, inputs.k), v=finite_entries(xp, inputs.v))
+    masks = {}
+    for name in ("key_mask", "query_mask"):
+        mask = getattr(inputs, name)
+        if mask is not None and rows_after:
+            mask = xp.concat([mask, xp.zeros((*mask.shape[:-1], rows_after), dtype=xp.bool,
+                                             device=array_api_compat.device(mask))], axis=-1)
+        masks[name] = mask
+    return dataclasses.replace(inputs, q=finite_entries(xp, inputs.q, rows_after=rows_after),
+                               k=finite_entries(xp, inputs.k, rows_after=rows_after),
+                               v=finite_entries(xp, inputs.v, rows_after=rows_after), **masks)
 
 
 def mark_tainted(xp: Any, out: Array, tainted: Array) -> Array:

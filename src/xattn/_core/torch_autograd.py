@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 __all__ = ["nan_to_num_function", "neighbour_functions", "neighbour_slices",
-           "ratio_to_last_column_function"]
+           "padded_nan_to_num", "ratio_to_last_column_function"]
 
 
 @functools.cache
@@ -26,8 +26,8 @@ def nan_to_num_function() -> Any:
 
     class NanToNum(torch.autograd.Function):
         @staticmethod
-        def forward(x: Any, nan: float, posinf: float, neginf: float) -> Any:
-            return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+        def forward(x: Any, nan: float, posinf: float, neginf: float, rows_after: int) -> Any:
+            return padded_nan_to_num(x, nan, posinf, neginf, rows_after)
 
         @staticmethod
         def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -36,9 +36,27 @@ def nan_to_num_function() -> Any:
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
             x, out = ctx.saved_tensors
-            return torch.where(out == x, grad, 0.0), None, None, None
+            rows = x.shape[-2]
+            if out.shape[-2] != rows:  # the appended rows have no gradient to pass on
+                out, grad = out[..., :rows, :], grad[..., :rows, :]
+            return torch.where(out == x, grad, 0.0), None, None, None, None
 
     return NanToNum
+
+
+def padded_nan_to_num(x: Any, nan: float, posinf: float, neginf: float,
+                      rows_after: int) -> Any:
+    """``torch.nan_to_num(x)`` (..., L, F) with ``rows_after`` rows of zeros appended along
+    axis -2, written once: into the rows of a new array (no padded copy made after it)."""
+    import torch
+
+    if not rows_after:
+        return torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf)
+    rows = x.shape[-2]
+    out = x.new_empty((*x.shape[:-2], rows + rows_after, x.shape[-1]))
+    torch.nan_to_num(x, nan=nan, posinf=posinf, neginf=neginf, out=out[..., :rows, :])
+    out[..., rows:, :] = 0
+    return out
 
 
 @functools.cache

@@ -43,7 +43,8 @@ from xattn._core.array import Array, one_chunk_along
 from xattn._core.delegation import stop_gradient
 from xattn._core.primitives import finite_shift
 
-__all__ = ["PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix"]
+__all__ = ["PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix",
+           "padded_length", "prefix_group", "prefix_parts"]
 
 PAIR_BLOCK = 64
 """Positions per chunk (a power of two): their query-key pairs are computed exactly, the
@@ -72,6 +73,46 @@ def _merge_parts(xp: Any, part_max: Array, part_sums: Array, rows: int,
     taken_max = xp.where(taken, part_max[..., None, :], -xp.inf)  # (..., rows, P)
     merged_max = xp.max(taken_max, axis=-1)
     return merged_max, xp.exp(taken_max - finite_shift(xp, merged_max)[..., None]) @ part_sums
+
+
+def prefix_group(num_parts: int) -> int:
+    r"""The parts per group of :func:`exclusive_prefix` over ``num_parts`` parts (more than
+    :data:`PREFIX_GROUP`): the smallest size from :math:`\lceil\sqrt{P}\,\rceil` (at least
+    :data:`PREFIX_GROUP`) to :data:`PREFIX_GROUP_MAX` that divides P, so the parts are
+    grouped without padding; when none does, :math:`\lceil\sqrt{P}\,\rceil` (the parts
+    padded to whole groups)."""
+    smallest = min(max(PREFIX_GROUP, math.isqrt(num_parts - 1) + 1), PREFIX_GROUP_MAX)
+    for group in range(smallest, PREFIX_GROUP_MAX + 1):
+        if num_parts % group == 0:
+            return group
+    return smallest
+
+
+def prefix_parts(num_parts: int) -> int:
+    """The fewest parts, at least ``num_parts``, that :func:`exclusive_prefix` groups without
+    padding at every level (:func:`prefix_group`): a block padded to this many chunks
+    (at most about 1 + 1/g more, g about the square root of the count) costs no copy of its
+    chunks' sums inside the prefix."""
+    parts = num_parts
+    while parts > PREFIX_GROUP:
+        group = prefix_group(parts)
+        if parts % group == 0 and (parts // group <= group
+                                   or prefix_parts(parts // group) == parts // group):
+            return parts
+        parts += 1
+    return parts
+
+
+def padded_length(length: int, chunk: int, multiple: int = 1) -> int:
+    """The fewest positions, at least ``length``, in whole chunks of ``chunk`` positions
+    (and a multiple of ``multiple``; both powers of two) whose chunks
+    :func:`exclusive_prefix` groups without padding (:func:`prefix_parts`): the length a
+    block is padded to, once, as its rows are read."""
+    step = max(chunk, multiple)
+    padded = -(-max(length, 1) // step) * step
+    while prefix_parts(padded // chunk) != padded // chunk:
+        padded += step
+    return padded
 
 
 def _in_groups(xp: Any, x: Array, axis: int, group: int, fill: float) -> Array:
@@ -119,8 +160,10 @@ def exclusive_prefix(xp: Any, carried: tuple[Array, Array] | None, part_max: Arr
     Notes
     -----
     Up to ``single`` parts, one selection over the P + 1 parts (``carried`` first). More
-    parts are cut into groups of :math:`g = \sqrt{P}` parts (at least
-    :data:`PREFIX_GROUP`, at most :data:`PREFIX_GROUP_MAX`): their statistics, the prefix
+    parts are cut into groups of g parts (:func:`prefix_group`: the smallest divisor of P
+    from :math:`\sqrt{P}` to :data:`PREFIX_GROUP_MAX`, :math:`\lceil\sqrt{P}\,\rceil`
+    with the parts padded when none divides; at least :data:`PREFIX_GROUP`): their
+    statistics, the prefix
     over the groups (this function again, on at most g parts: one selection while
     :math:`P \le` ``PREFIX_GROUP_MAX`` :sup:`2`), then inside each group one selection
     over the state before the group and the group's parts. So up to 4,096 parts (262,144
@@ -138,7 +181,7 @@ def exclusive_prefix(xp: Any, carried: tuple[Array, Array] | None, part_max: Arr
                 xp.concat([carried[1][..., None, :], part_sums], axis=-2), num_parts + 1)
         return (merged_max[..., :num_parts], merged_sums[..., :num_parts, :],
                 (merged_max[..., num_parts], merged_sums[..., num_parts, :]))
-    group = min(max(PREFIX_GROUP, math.isqrt(num_parts - 1) + 1), PREFIX_GROUP_MAX)
+    group = prefix_group(num_parts)
     grouped_max = _in_groups(xp, part_max, -1, group, -math.inf)  # (..., F, G, g)
     grouped_sums = _in_groups(xp, part_sums, -2, group, 0.0)  # (..., F, G, g, E)
     # the groups' own statistics (their maxima are constants: stabilizers)

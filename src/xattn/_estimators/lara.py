@@ -61,6 +61,7 @@ from xattn._estimators.lara_sampling import (
     build_proposals,
     draw_samples,
     query_pass,
+    query_pass_half,
 )
 from xattn._estimators.rf_groups import (
     lara_group_rows,
@@ -344,7 +345,7 @@ def lara(
     if state is None:  # the defaults (with state=: the state's)
         weighting = "decoupled" if weighting is None else weighting
         beta = 2.0 if beta is None else beta
-    # non-causal LARA multiplies half inputs in their own dtype (query_pass)
+    # non-causal LARA multiplies half inputs in their own dtype (query_pass_half)
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
                                check_finite=check_finite, continuing=stateful,
                                keep_half=not stateful and not check_bool(causal, "causal"))
@@ -428,7 +429,8 @@ def lara(
         out, state = result if stateful else (result, None)
     else:  # keys, then queries, in groups as long as working_memory allows
         rows = lara_group_rows(inputs, num_samples, working_memory, chunk_size)
-        out = query_pass(
+        half = inputs.q.dtype != inputs.compute_dtype
+        out = (query_pass_half if half else query_pass)(
             inputs, query_landmarks, proposal_means, omega, weighting=weighting, beta=beta,
             root_scale=root_scale, rows=rows)
     if tainted is not None:

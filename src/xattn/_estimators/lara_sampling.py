@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from xattn._core.array import Array
-from xattn._core.delegation import stop_gradient
+from xattn._core.delegation import matmul_add, stop_gradient
 from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import (
     RowPieces,
@@ -22,18 +22,21 @@ from xattn._estimators.importance import (
     importance_weights,
     own_proposal_weights,
 )
+from xattn._estimators.lara_causal import (
+    query_proposal_affinity,
+)
 from xattn._estimators.rf_groups import (
+    half_key_sums,
     half_readout_sums,
     positive_key_sums,
     positive_readout,
-    project,
     rows_of,
 )
 from xattn._estimators.rf_scan import stream_bounds
 from xattn._estimators.segments import segment_means
 from xattn.random import as_generator
 
-__all__ = ["build_proposals", "draw_samples", "query_pass"]
+__all__ = ["build_proposals", "draw_samples", "query_pass", "query_pass_half"]
 
 
 def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
@@ -103,9 +106,9 @@ def draw_samples(inputs: AttentionInputs, proposal_means: Array, num_samples: in
         omega = proposal_means + (noise if noise_scale == 1.0 else noise_scale * noise)
     return xp.broadcast_to(omega, sample_shape)
 
-def query_pass(inputs: AttentionInputs, query_landmarks: Array | None,
-               proposal_means: Array, omega: Array, *, weighting: str, beta: float,
-               root_scale: float, rows: int) -> Array:
+def query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means: Array,
+                omega: Array, *, weighting: str, beta: float, root_scale: float,
+                rows: int) -> Array:
     r"""The estimator of eq. 28: the key statistics, then the queries, in groups of
     ``rows`` (one group when all fit).
 
@@ -119,54 +122,29 @@ def query_pass(inputs: AttentionInputs, query_landmarks: Array | None,
     there is one group; with several they are recomputed, in one product of the queries
     with the stacked :math:`[\tilde q; \omega]`, so that working memory stays
     independent of N.
-
-    Half-precision q, k and v: the features, the query affinities :math:`e_{nc}` and
-    the matrix products in their format; the logits (exponents' arguments), the maxima,
-    the sums across key groups and the softmax totals over queries in float32, as
-    :func:`~xattn._estimators.rf_groups.positive_rfa` does. The weights
-    :math:`\alpha_{nc}` are in the inputs' format where it holds :data:`WEIGHT_FLOOR`
-    (``bfloat16``), else float32 (``float16``), and their logarithms join the logits
-    (:func:`~xattn._estimators.rf_groups.positive_readout`).
     """
     xp, q, query_mask = inputs.xp, inputs.q, inputs.query_mask
-    dtype, work = q.dtype, inputs.compute_dtype
     num_samples = omega.shape[-2]
-
-    def in_dtype(x: Array) -> Array:  # a float32 matrix that multiplies half queries
-        return x if x.dtype == dtype else xp.astype(x, dtype)
-
     # what multiplies q or k carries sqrt(s): q . (sqrt(s) omega_c) = q^ . omega_c
-    projection_t = in_dtype(xp.matrix_transpose(root_scale * omega))
+    projection_t = xp.matrix_transpose(root_scale * omega)
     key_max, sums = positive_key_sums(xp, inputs, projection_t, rows)
-    if dtype != work:
-        sums = half_readout_sums(xp, sums, dtype)
     # w_c: the balance heuristic of proposal c at its own sample omega_c (eq. 36)
     log_density_ratio, own_weight = own_proposal_weights(xp, omega, proposal_means)
     logit_offset = key_max + log_density_ratio  # (..., 1, C)
-    # the weights in the inputs' format where it holds WEIGHT_FLOOR (bfloat16), else in
-    # float32 (float16 holds 6e-8 at the least: a floor of 6e-8 costs 1e-2 to 1e-1)
-    weight_dtype = (dtype if float(xp.finfo(dtype).smallest_normal * xp.finfo(dtype).eps)
-                    <= WEIGHT_FLOOR else work)
-    if own_weight.dtype != weight_dtype:
-        own_weight = xp.astype(own_weight, weight_dtype)
 
     groups = stream_bounds(q, -2, rows)
     affinities = None
     recompute = False
     if weighting not in ("balance", "query_proposal"):  # r_nc = softmax_n of q^_n . q~_c
-        assert query_landmarks is not None  # segments: the landmarks
         # and q . (sqrt(s) q~_c) = q^ . q~_c
-        scaled_landmarks = in_dtype(root_scale * query_landmarks)
+        scaled_landmarks = root_scale * query_landmarks
         recompute = len(groups) > 1
         affinities = QuerySoftmax(xp, q, scaled_landmarks, query_mask, groups,
-                                  keep_exponentials=not recompute, total_dtype=work)
-        if recompute:  # the second pass: one product of q and the stacked [q~; omega]
+                                  keep_exponentials=not recompute)
+        if recompute:  # the second pass: one GEMM of q against the stacked [q~; omega]
             landmarks_t = xp.broadcast_to(xp.matrix_transpose(scaled_landmarks),
                                           projection_t.shape)
             projection_t = xp.concat([landmarks_t, projection_t], axis=-1)
-    means_t = None
-    if weighting == "query_proposal":  # q . (sqrt(s) mu_c) = q^ . mu_c
-        means_t = in_dtype(xp.matrix_transpose(root_scale * proposal_means))
     out = RowPieces(inputs.num_queries)
     for index, (start, stop) in enumerate(groups):
         queries = finite_entries(xp, rows_of(q, start, stop))  # rows marked NaN by lara
@@ -174,14 +152,13 @@ def query_pass(inputs: AttentionInputs, query_landmarks: Array | None,
         if recompute:  # s_nc, then the logits of omega
             logits = queries @ projection_t
             scores, logits = logits[..., :num_samples], logits[..., num_samples:]
-            logits = (logits if logits.dtype == work else xp.astype(logits, work)) + logit_offset
+            logits = logits + logit_offset
         else:  # one pass for the product and the offset (torch: baddbmm)
-            logits = project(xp, queries, projection_t, logit_offset, work)
+            logits = matmul_add(queries, projection_t, logit_offset)
         affinity = None if affinities is None else affinities.piece(index, scores)
-        if means_t is not None:  # r_nc = softmax_c of q^_n . mu_c, then eq. 38
-            affinity = (_proposal_affinity(xp, queries @ means_t, work), 1.0)
-        if affinity is not None and affinity[0].dtype != weight_dtype:  # float16
-            affinity = (xp.astype(affinity[0], weight_dtype), affinity[1])
+        if weighting == "query_proposal":  # r_nc = softmax_c of q^_n . mu_c, then eq. 38
+            affinity = (query_proposal_affinity(xp, root_scale * queries,
+                                                proposal_means), 1.0)
         weights = importance_weights(xp, own_weight, affinity,
                                      "decoupled" if weighting == "query_proposal" else weighting,
                                      beta, as_row=True)  # alpha_nc
@@ -192,11 +169,83 @@ def query_pass(inputs: AttentionInputs, query_landmarks: Array | None,
     return out.result()
 
 
-def _proposal_affinity(xp: Any, scores: Array, work: Any) -> Array:
-    r""":math:`r_{nc} = \operatorname{softmax}_c` of the scores :math:`\hat q_n \cdot \mu_c`
-    (C terms a row, summed in ``work``; the result in the scores' dtype)."""
-    exponential = xp.exp(scores - stop_gradient(xp.max(scores, axis=-1, keepdims=True)))
-    total = xp.sum(exponential, axis=-1, keepdims=True, dtype=work)
-    inverse = 1.0 / total
-    return exponential * (inverse if inverse.dtype == scores.dtype
-                          else xp.astype(inverse, scores.dtype))
+def query_pass_half(inputs: AttentionInputs, query_landmarks: Array | None,
+                    proposal_means: Array, omega: Array, *, weighting: str, beta: float,
+                    root_scale: float, rows: int) -> Array:
+    r""":func:`query_pass` for half-precision q, k and v: the features and the matrix
+    products in their format, the maxima, the sums across key groups and the softmax
+    totals over queries in float32.
+
+    The keys go by :func:`~xattn._estimators.rf_groups.half_key_sums`, non-causal RFA's
+    rank-one stabilizer :math:`B`, so the key statistics of every sample share
+    :math:`e^{B}` (it cancels in the ratio) instead of their own :math:`K_c`. The
+    per-sample factor :math:`e^{\ell_c}` of the logits, :math:`\ell_c = \log N(\omega_c;
+    0, I) - \log q_c(\omega_c)` (float32, shifted by its largest), and with
+    ``"balance"`` the weight :math:`\alpha_c = w_c` too, multiply the float32 sums
+    :math:`[A_c, b_c]` before they are scaled and rounded to the half format
+    (:func:`~xattn._estimators.rf_groups.half_readout_sums`). A query then reads them with
+    the features :math:`\phi_{nc} = e^{p_{nc} - \max_c p_{nc}}`, :math:`p_{nc} =
+    \omega_c \cdot \hat q_n`, and its weights :math:`\alpha_{nc}` (from the half
+    affinities :math:`e_{nc}` of :class:`~xattn._estimators.importance.QuerySoftmax`,
+    whose totals :math:`Z_c` are float32): :math:`y_n = \sum_c \alpha_{nc} \phi_{nc}
+    A_c / \sum_c \alpha_{nc} \phi_{nc} b_c`, as :func:`query_pass` up to rounding.
+    """
+    xp, q, query_mask = inputs.xp, inputs.q, inputs.query_mask
+    dtype, work = q.dtype, inputs.compute_dtype
+    num_samples = omega.shape[-2]
+    projection_t = xp.astype(xp.matrix_transpose(root_scale * omega), dtype)
+    _, sums = half_key_sums(xp, inputs, projection_t, rows)  # float32
+    log_density_ratio, own_weight = own_proposal_weights(xp, omega, proposal_means)
+    log_factor = log_density_ratio - stop_gradient(xp.max(log_density_ratio, axis=-1,
+                                                          keepdims=True))
+    floor = WEIGHT_FLOOR  # bfloat16 holds it (float16 inputs are computed in float32)
+    factor = xp.exp(log_factor)  # e^{l_c - max l}, (..., 1, C)
+    if weighting == "balance":  # alpha_c = w_c, the same for every query
+        factor = factor * importance_weights(xp, own_weight, None, weighting, beta,
+                                             as_row=True, floor=floor)
+    sums = half_readout_sums(xp, xp.matrix_transpose(factor) * sums, dtype)
+    own_weight = xp.astype(own_weight, dtype)
+
+    groups = stream_bounds(q, -2, rows)
+    affinities = None
+    recompute = False
+    if weighting in ("decoupled", "coupled"):  # r_nc = softmax_n of q^_n . q~_c
+        assert query_landmarks is not None  # segments: the landmarks
+        scaled_landmarks = xp.astype(root_scale * query_landmarks, dtype)
+        recompute = len(groups) > 1
+        affinities = QuerySoftmax(xp, q, scaled_landmarks, query_mask, groups,
+                                  keep_exponentials=not recompute, total_dtype=work)
+        if recompute:  # the second pass: one product of q and the stacked [q~; omega]
+            landmarks_t = xp.broadcast_to(xp.matrix_transpose(scaled_landmarks),
+                                          projection_t.shape)
+            projection_t = xp.concat([landmarks_t, projection_t], axis=-1)
+    means_t = None
+    if weighting == "query_proposal":  # q . (sqrt(s) mu_c) = q^ . mu_c
+        means_t = xp.astype(xp.matrix_transpose(root_scale * proposal_means), dtype)
+    out = RowPieces(inputs.num_queries)
+    for index, (start, stop) in enumerate(groups):
+        queries = finite_entries(xp, rows_of(q, start, stop))  # rows marked NaN by lara
+        logits = queries @ projection_t  # p_nc (recompute: s_nc first)
+        scores = None
+        if recompute:
+            scores, logits = logits[..., :num_samples], logits[..., num_samples:]
+        weights = None  # "balance": in the sums
+        if weighting != "balance":
+            affinity = None if affinities is None else affinities.piece(index, scores)
+            if means_t is not None:  # r_nc = softmax_c of q^_n . mu_c: C terms a row
+                proposal_scores = queries @ means_t
+                exponential = xp.exp(proposal_scores - stop_gradient(
+                    xp.max(proposal_scores, axis=-1, keepdims=True)))
+                total = xp.sum(exponential, axis=-1, keepdims=True, dtype=work)
+                affinity = (exponential * xp.astype(1.0 / total, dtype), 1.0)
+            weights = importance_weights(
+                xp, own_weight, affinity,
+                "decoupled" if weighting == "query_proposal" else weighting, beta,
+                as_row=True, floor=floor)  # alpha_nc
+            if weights.dtype != dtype:  # "coupled": its formula in float32
+                weights = xp.astype(weights, dtype)
+        rows_out = positive_readout(xp, logits, sums, coefficients=weights)
+        if query_mask is not None:
+            rows_out = xp.where(query_mask[..., start:stop, None], rows_out, 0.0)
+        out.put(start, rows_out)
+    return out.result()

@@ -49,30 +49,17 @@ from xattn._core.primitives import (
     group_rows,
     key_logits_in_range,
     merge_maxima,
-    pad_rows,
 )
 from xattn._estimators.rf_scan import FeatureMap, finish_partial, state_over_keys
 
-__all__ = ["FLOAT16_CHUNK", "half_readout_sums", "lara_group_rows", "positive_key_sums",
-           "positive_readout", "positive_rfa", "project", "rfa_group_rows", "rows_of",
-           "trigonometric_rfa"]
+__all__ = ["half_key_sums", "half_readout_sums", "lara_group_rows",
+           "positive_key_sums", "positive_readout", "positive_rfa", "positive_rfa_half",
+           "rfa_group_rows", "rows_of", "trigonometric_rfa"]
 
 def rows_of(x: Array, start: int, stop: int) -> Array:
     """Rows ``start:stop`` (axis -2) of ``x``; ``x`` itself when they are all of them (no
     view: one group is a fixed number of array operations)."""
     return x if (start, stop) == (0, x.shape[-2]) else x[..., start:stop, :]
-
-
-def project(xp: Any, x: Array, matrix: Array, addend: Array, work: Any) -> Array:
-    r"""``x @ matrix + addend`` in ``work``, an exponent's argument: one
-    :func:`~xattn._core.delegation.matmul_add` when ``x`` has that dtype; half-precision
-    ``x`` and ``matrix``: their product (float32 accumulation, its result rounded to the
-    half format, a relative :math:`2^{-11}` for ``float16``), then the float32 addend
-    added in float32 (a float32 logit such as :math:`-\lVert \hat k_m \rVert^2/2`
-    rounded to the half format would cost its absolute size times the unit roundoff)."""
-    if x.dtype == work:
-        return matmul_add(x, matrix, addend)
-    return xp.astype(x @ matrix, work) + addend
 
 
 def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Array, Array]:
@@ -89,72 +76,33 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
     :func:`~xattn._core.delegation.matmul_add`). With ``key_mask`` a sample
     without allowed keys, which happens only when every key is masked, has :math:`K_s =
     0` and sums 0; otherwise :math:`b'_s \ge 1` (its largest term is :math:`e^0`).
-
-    Half-precision keys (``omega_t`` in their format): the projections are a half
-    product, the logits :math:`a_{ms}`, their maxima :math:`K_s` and the sums float32,
-    and the weights :math:`e^{a_{ms} - K_s} \in [0, 1]` multiply the values in the half
-    format (:func:`_key_sums`). The shift is per sample, as in float32: a weight that
-    underflows the half format is negligible beside its sample's largest, 1, whatever
-    the spread of the logits (a shift shared by the samples would not be: ``float16``
-    holds :math:`e^{-17}` at the least).
     """
     k, v, key_mask, half_scale = inputs.k, inputs.v, inputs.key_mask, 0.5 * inputs.scale
-    work = inputs.compute_dtype
     sums = None
     for start, stop in stream_bounds(k, -2, rows):
         keys = finite_entries(xp, rows_of(k, start, stop))  # non-finite rows: marked NaN
         # a_ms (a key whose squared norm overflows: the dtype's floor, still attended;
         # NumPy computes the overflow quietly)
         with ignore_invalid(xp):
-            minus_half_sq_norm = -half_scale * squared_norms(keys, dtype=work)
-            logits = key_logits_in_range(xp, project(xp, keys, omega_t, minus_half_sq_norm,
-                                                     work))
+            minus_half_sq_norm = -half_scale * squared_norms(keys)
+            logits = key_logits_in_range(xp, matmul_add(keys, omega_t, minus_half_sq_norm))
+        # K_s is a stabilizer (no gradient): it cancels between the sums and the read-out
         if key_mask is not None:
             logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
-        part = _key_sums(xp, logits, finite_entries(xp, rows_of(v, start, stop)),
-                         masked=key_mask is not None)
+            key_max = finite_shift(xp, stop_gradient(xp.max(logits, axis=-2, keepdims=True)))
+        else:  # K_s = max_m a_ms is finite: at least one key
+            key_max = stop_gradient(xp.max(logits, axis=-2, keepdims=True))
+        weights = xp.exp(logits - key_max)  # e^{a_ms - K_s}, masked keys 0
+        # [A'_s, b'_s]: the values' product and the weights' sum, joined at (S, Dv + 1)
+        # (no column of ones appended to the (M, Dv) values)
+        weighted_values = xp.matrix_transpose(weights) @ finite_entries(xp, rows_of(v, start,
+                                                                                    stop))
+        part = (key_max, xp.concat(
+            [weighted_values, xp.matrix_transpose(xp.sum(weights, axis=-2, keepdims=True))],
+            axis=-1))
         sums = part if sums is None else _merge_key_sums(xp, sums, part)
     assert sums is not None  # M >= 1: at least one group
     return sums
-
-
-def _key_sums(xp: Any, logits: Array, values: Array, *,
-              masked: bool) -> tuple[Array, Array]:
-    r""":math:`K_s` (..., 1, S) and :math:`[A'_s, b'_s]` (..., S, Dv + 1) of one group of
-    keys from their logits :math:`a_{ms}` (``-inf`` for a masked key; :math:`K_s = 0`
-    for a sample without keys). Half-precision ``values``: the weights rounded to their
-    format for the product, the sums float32; ``float16`` keys in products of
-    :data:`FLOAT16_CHUNK` (a product's sums at most that many times the largest value,
-    below 65504), each with its own :math:`K_s`, merged in float32."""
-    length = logits.shape[-2]
-    chunk = (FLOAT16_CHUNK if values.dtype == getattr(xp, "float16", None)
-             and length > FLOAT16_CHUNK else length)
-    if chunk < length:  # (..., J, R, S) and (..., J, R, Dv)
-        count, padding = -(-length // chunk), -length % chunk
-        logits, values = (xp.reshape(x, (*x.shape[:-2], count, chunk, x.shape[-1]))
-                          for x in (pad_rows(xp, logits, 0, padding, -math.inf),
-                                    pad_rows(xp, values, 0, padding, 0.0)))
-    # K_s is a stabilizer (no gradient): it cancels between the sums and the read-out;
-    # -inf for a sample without keys (only with ``masked``: a chunk holds a key)
-    raw_max = stop_gradient(xp.max(logits, axis=-2, keepdims=True))
-    key_max = finite_shift(xp, raw_max) if masked else raw_max
-    weights = xp.exp(logits - key_max)  # e^{a_ms - K_s}, masked keys 0
-    if weights.dtype != values.dtype:  # half values: the weights in [0, 1] rounded
-        weights = xp.astype(weights, values.dtype)
-    # [A'_s, b'_s]: the values' product and the weights' sum, joined at (S, Dv + 1)
-    # (no column of ones appended to the (M, Dv) values)
-    weighted_values = xp.matrix_transpose(weights) @ values
-    if weighted_values.dtype != key_max.dtype:
-        weighted_values = xp.astype(weighted_values, key_max.dtype)
-    total = xp.sum(weights, axis=-2, keepdims=True, dtype=key_max.dtype)
-    sums = xp.concat([weighted_values, xp.matrix_transpose(total)], axis=-1)
-    if chunk == length:
-        return key_max, sums
-    # the chunks' sums at their largest K_s (a chunk without keys: 0)
-    group_max = xp.max(raw_max, axis=-3)  # (..., 1, S)
-    factors = xp.exp(raw_max - finite_shift(xp, group_max)[..., None, :, :])
-    return (finite_shift(xp, group_max),
-            xp.sum(xp.matrix_transpose(factors) * sums, axis=-3))
 
 
 def _merge_key_sums(xp: Any, first: tuple[Array, Array],
@@ -176,15 +124,7 @@ def positive_readout(xp: Any, logits: Array, sums: Array,
     :func:`positive_key_sums` (one product gives numerator and denominator);
     :math:`\alpha_{ns}` = ``coefficients`` (LARA's positive weights), 1 if None. A query
     without allowed keys (every sum 0) reads 0."""
-    if coefficients is not None and logits.dtype != sums.dtype:
-        # half sums: the weights' logarithms join the float32 logits, so that each u_ns
-        # in [0, 1] is rounded once (a product of two half numbers may underflow)
-        logits = logits + xp.log(coefficients if coefficients.dtype == logits.dtype
-                                 else xp.astype(coefficients, logits.dtype))
-        coefficients = None
     weights = xp.exp(logits - stop_gradient(xp.max(logits, axis=-1, keepdims=True)))
-    if weights.dtype != sums.dtype:  # half sums: the weights in [0, 1] in their format
-        weights = xp.astype(weights, sums.dtype)
     if coefficients is not None:
         weights = coefficients * weights
     row = weights @ sums
@@ -194,41 +134,96 @@ def positive_readout(xp: Any, logits: Array, sums: Array,
 
 
 def positive_rfa(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
-    r"""Non-causal positive-map RFA, keys and queries in groups of ``rows``.
-
-    Half-precision inputs: the features and the matrix products in their format, the
-    logits, maxima and the sums across key groups in float32 (:func:`positive_key_sums`);
-    the sums are scaled and rounded to the half format (:func:`half_readout_sums`) for
-    the queries' product, and a query's weights :math:`e^{c_{ns} - Q_n} \in [0, 1]`,
-    from float32 logits, are rounded to it."""
-    dtype, work = inputs.q.dtype, inputs.compute_dtype
+    """Non-causal positive-map RFA, keys and queries in groups of ``rows``."""
     omega_t = xp.matrix_transpose(math.sqrt(inputs.scale) * omega)  # q . sqrt(s) w = q^ . w
-    if dtype != work:
-        omega_t = xp.astype(omega_t, dtype)
     key_max, sums = positive_key_sums(xp, inputs, omega_t, rows)
-    if dtype != work:
-        sums = half_readout_sums(xp, sums, dtype)
     out = RowPieces(inputs.num_queries)
     for start, stop in stream_bounds(inputs.q, -2, rows):
         queries = finite_entries(xp, rows_of(inputs.q, start, stop))
-        out.put(start, positive_readout(xp, project(xp, queries, omega_t, key_max, work), sums))
+        out.put(start, positive_readout(xp, matmul_add(queries, omega_t, key_max), sums))
     return out.result()
 
 
-#: Keys per product of non-causal RFA on float16 inputs: a product's sums are float16
-#: numbers (largest 65504), at most this many times the largest value (bfloat16 has
-#: float32's range: one product)
-FLOAT16_CHUNK = 1024
+def half_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Array, Array]:
+    r"""The key statistics of half-precision keys with a rank-one stabilizer, in groups of
+    ``rows`` keys: ``(B (..., 1, 1), [A, b] (..., S, Dv + 1))`` in float32.
+
+    With :math:`p_{ms} = \omega_s \cdot \hat k_m` (``omega_t`` carries
+    :math:`\sqrt{s}`), :math:`\beta_m = \max_s p_{ms} - \lVert \hat k_m
+    \rVert^2/2` and
+    :math:`B = \max_m \beta_m`, every key term factors as :math:`e^{a_{ms}} = e^B\,
+    \psi_{ms}\, w_m` with the feature :math:`\psi_{ms} = e^{p_{ms} - \max_s p_{ms}}` and
+    the weight :math:`w_m = e^{\beta_m - B}`, both in [0, 1]: :math:`A_s = \sum_m
+    \psi_{ms} w_m v_m` and :math:`b_s = \sum_m \psi_{ms} w_m` are two products of half
+    operands (accumulated in float32 by the libraries that multiply half matrices fast),
+    the logits' maxima and the exponents of the weights in float32. Groups merge by their
+    :math:`B` (:func:`~xattn._core.primitives.merge_maxima`); :math:`e^B` and the query
+    constant cancel in the read-out's ratio."""
+    k, v, key_mask, half_scale = inputs.k, inputs.v, inputs.key_mask, 0.5 * inputs.scale
+    work = inputs.compute_dtype
+    merged = None
+    for start, stop in stream_bounds(k, -2, rows):
+        keys = finite_entries(xp, rows_of(k, start, stop))
+        with ignore_invalid(xp):  # an overflowing norm or projection (the floor below)
+            projections = keys @ omega_t  # p_ms, half
+            largest = stop_gradient(xp.max(projections, axis=-1, keepdims=True))
+            key_max = key_logits_in_range(xp, xp.astype(largest, work)
+                                          - half_scale * squared_norms(keys, dtype=work))
+            centred = xp.where(xp.isfinite(largest), projections - largest, 0.0)
+        if key_mask is not None:
+            key_max = xp.where(key_mask[..., start:stop, None], key_max, -xp.inf)
+        values = finite_entries(xp, rows_of(v, start, stop))
+        # bfloat16 (float16 inputs are computed in float32): one product of the group's
+        # keys, its sums in float32
+        group_max = stop_gradient(xp.max(key_max, axis=-2, keepdims=True))  # B, -inf: none
+        key_weights = xp.astype(xp.exp(key_max - finite_shift(xp, group_max)), keys.dtype)
+        features_t = xp.matrix_transpose(xp.exp(centred))  # psi^T (..., S, R)
+        part = (group_max, xp.astype(xp.concat([features_t @ (key_weights * values),
+                                                features_t @ key_weights], axis=-1), work))
+        if merged is None:
+            merged = part
+        else:
+            maximum, _, (first, second) = merge_maxima(xp, merged[0], part[0])
+            merged = (maximum, first * merged[1] + second * part[1])
+    assert merged is not None  # M >= 1: at least one group
+    return merged
+
+
 
 
 def half_readout_sums(xp: Any, sums: Array, dtype: Any) -> Array:
-    """The float32 sums ``[A', b']`` (..., S, Dv + 1) of :func:`positive_key_sums` in the
-    half format ``dtype`` for the queries' product: divided by their largest denominator,
-    so at most 1 (denominators, each at least 1 / M) and the values' size (numerators);
-    the read-out's ratio does not depend on a common factor (0 without keys)."""
+    """The float32 sums ``[A, b]`` (..., S, Dv + 1) of :func:`half_key_sums` in the half
+    format ``dtype`` for the queries' product: divided by their largest denominator, so at
+    most 1 (denominators) and the values' size (numerators); the read-out's ratio does not
+    depend on a common factor (0 without keys)."""
     largest = xp.max(sums[..., -1:], axis=-2, keepdims=True)
     return xp.astype(sums / clip_below(largest, xp.finfo(largest.dtype).smallest_normal),
                      dtype)
+
+
+def positive_rfa_half(xp: Any, inputs: Any, omega: Array, rows: int) -> Array:
+    r"""Non-causal positive-map RFA of half-precision inputs: features and products in
+    the input dtype, maxima and the sums across key groups in float32.
+
+    The keys by :func:`half_key_sums`; a query reads them as :math:`y_n = \sum_s
+    \phi_{ns} A_s / \sum_s \phi_{ns} b_s` with :math:`\phi_{ns} = e^{p_{ns} - \max_s
+    p_{ns}}`, :math:`p_{ns} = \omega_s \cdot \hat q_n`: one product of half features
+    and the half-rounded sums (the shifts, :math:`e^B` and :math:`e^{-\lVert \hat q_n
+    \rVert^2/2}/S` cancel between numerator and denominator)."""
+    dtype = inputs.q.dtype
+    omega_t = xp.astype(xp.matrix_transpose(math.sqrt(inputs.scale) * omega), dtype)
+    _, sums = half_key_sums(xp, inputs, omega_t, rows)
+    sums = half_readout_sums(xp, sums, dtype)
+    # a row without keys (every key masked) reads 0 / floor = 0 (the half format's
+    # smallest normal number: XLA flushes subnormals to 0)
+    floor = xp.finfo(dtype).smallest_normal
+    out = RowPieces(inputs.num_queries)
+    for start, stop in stream_bounds(inputs.q, -2, rows):
+        projections = finite_entries(xp, rows_of(inputs.q, start, stop)) @ omega_t  # p_ns
+        features = xp.exp(projections - stop_gradient(xp.max(projections, axis=-1,
+                                                             keepdims=True)))
+        out.put(start, ratio_to_last_column(features @ sums, floor))
+    return out.result()
 
 
 def trigonometric_rfa(xp: Any, inputs: Any, mapping: FeatureMap,

@@ -62,7 +62,7 @@ from xattn._core.primitives import (
     pad_rows,
     value_columns,
 )
-from xattn._estimators.chunks import PAIR_BLOCK
+from xattn._estimators.chunks import PAIR_BLOCK, padded_length
 
 __all__ = [
     "PAIR_BLOCK",
@@ -164,13 +164,18 @@ def finish_partial(xp: Any, partial: Partial, *, guard: bool) -> tuple[Array, Ar
 
 
 def _key_validity(xp: Any, key_mask: Array | None, first_key: int, start: int, stop: int,
-                 device: Any) -> Array | None:
-    """Boolean (..., stop - start): keys that take part (``key_mask``, and ``m >= first_key``)."""
+                 device: Any, rows_after: int = 0) -> Array | None:
+    """Boolean (..., stop - start + rows_after): keys that take part (``key_mask``, and
+    ``m >= first_key``; none of the ``rows_after`` padding rows after ``stop``)."""
     valid = None
-    if first_key > start:
-        valid = xp.arange(start, stop, device=device) >= first_key
+    if first_key > start or rows_after:
+        positions = xp.arange(start, stop + rows_after, device=device)
+        valid = (positions >= first_key) & (positions < stop)
     if key_mask is not None:
         chunk = key_mask[..., start:stop]
+        if rows_after:
+            chunk = xp.concat([chunk, xp.zeros((*chunk.shape[:-1], rows_after), dtype=xp.bool,
+                                               device=device)], axis=-1)
         valid = chunk if valid is None else (chunk & valid)
     return valid
 
@@ -198,13 +203,15 @@ def block_positions(*, length: int, batch_size: int, num_features: int, width: i
 
 def _key_inputs(xp: Any, mapping: FeatureMap, k: RowBlocks, v: RowBlocks, root_scale: float,
                 key_mask: Array | None, first_key: int, start: int, stop: int,
-                finite: bool = False) -> tuple[tuple[Array, ...], Array]:
+                finite: bool = False, rows_after: int = 0) -> tuple[tuple[Array, ...], Array]:
     """The mapped keys ``start:stop`` and their value columns (``finite``: k and v have
-    no NaN or infinity, :func:`~xattn._core.primitives.finite_inputs`, read as they are)."""
-    keys = finite_entries(xp, k.get(start, stop), finite)
-    values = value_columns(xp, v.get(start, stop), finite)
+    no NaN or infinity, :func:`~xattn._core.primitives.finite_inputs`, read as they are),
+    with ``rows_after`` padding keys after them that take no part (appended to the rows of
+    k and v as they are read: no padded copy of the mapped keys)."""
+    keys = finite_entries(xp, k.get(start, stop), finite, rows_after)
+    values = value_columns(xp, v.get(start, stop), finite, rows_after)
     device = array_api_compat.device(keys)
-    valid = _key_validity(xp, key_mask, first_key, start, stop, device)
+    valid = _key_validity(xp, key_mask, first_key, start, stop, device, rows_after)
     return mapping.keys(keys if root_scale == 1.0 else root_scale * keys, valid), values
 
 
@@ -278,26 +285,34 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
         nonlocal state
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start
-            queries = query_rows.get(start, stop)
-            queries = finite_entries(xp, queries, finite)
+            # the block padded to whole chunks, as many as the prefix over them groups
+            # without padding (chunks.prefix_parts): forward, as its rows are read (the
+            # padding after them); reversed, after they are flipped
+            padding = padded_length(length, mapping.multiple) - length
+            appended = 0 if reverse else padding
+            queries = finite_entries(xp, query_rows.get(start, stop), finite, appended)
             queries = mapping.queries(queries if root_scale == 1.0 else root_scale * queries)
             # the block's keys, aligned so that key i is allowed for query j iff i <= j
             key_start, key_stop = ((start + offset, stop + offset) if reverse
                                    else (start - offset, stop - offset))
             low, high = max(key_start, 0), min(key_stop, num_keys)
             if low >= high:  # no key reaches this block: the carried state only
-                yield mapping.readout(queries, carried())
+                readout = mapping.readout(queries, carried())
+                yield readout if not appended else tuple(x[..., :length, :] for x in readout)
                 continue
+            # keys past the last one: appended as they are read (forward) or padded
+            beyond = key_stop - high
             keys, values = _key_inputs(xp, mapping, key_rows, value_rows, root_scale, key_mask,
-                                       first_key, low, high, finite)
-            keys = tuple(pad_rows(xp, x, low - key_start, key_stop - high, fill)
+                                       first_key, low, high, finite,
+                                       0 if reverse else beyond + padding)
+            after = beyond if reverse else 0
+            keys = tuple(pad_rows(xp, x, low - key_start, after, fill)
                          for x, fill in zip(keys, mapping.key_fills, strict=True))
-            values = pad_rows(xp, values, low - key_start, key_stop - high, 0.0)
+            values = pad_rows(xp, values, low - key_start, after, 0.0)
             if reverse:
                 queries, values = xp.flip(queries, axis=-2), xp.flip(values, axis=-2)
                 keys = tuple(xp.flip(x, axis=-2) for x in keys)
-            padding = -length % mapping.multiple
-            if padding:
+            if padding and reverse:
                 queries = pad_rows(xp, queries, 0, padding, 0.0)
                 values = pad_rows(xp, values, 0, padding, 0.0)
                 keys = tuple(pad_rows(xp, x, 0, padding, fill)

@@ -52,6 +52,7 @@ from xattn._core.state import (
 from xattn._estimators.feature_maps import PositiveMap, TrigonometricMap
 from xattn._estimators.rf_groups import (
     positive_rfa,
+    positive_rfa_half,
     rfa_group_rows,
     trigonometric_rfa,
 )
@@ -405,11 +406,8 @@ def rfa(
             window=window, sinks=sinks, scale=scale)
         omega = state.omega
     # RFA with positive features, causal or not, with a window and sinks too, multiplies
-    # half inputs in their own dtype (not yet when it continues a state); float16 not in
-    # the scan, whose rank-one shifts need float32's range (guide 05)
-    float16 = str(getattr(q, "dtype", "")).rsplit(".", 1)[-1] == "float16"
-    half_scan = (not stateful and feature_map in (None, "positive", "hyperbolic")
-                 and not (float16 and (causal or window or sinks)))
+    # half inputs in their own dtype (not yet when it continues a state)
+    half_scan = not stateful and feature_map in (None, "positive", "hyperbolic")
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
                                check_finite=check_finite, continuing=stateful,
                                keep_half=half_scan)
@@ -480,7 +478,9 @@ def rfa(
         else:  # non-causal: keys, then queries, in groups of this many rows
             rows = rfa_group_rows(inputs, width, itemsize, working_memory, chunk_size_given)
             out, invalid = (trigonometric_rfa(xp, inputs, mapping, rows) if trigonometric
-                            else (positive_rfa(xp, inputs, omega, rows), None))
+                             else (positive_rfa(xp, inputs, omega, rows)
+                                   if inputs.q.dtype == work
+                                   else positive_rfa_half(xp, inputs, omega, rows), None))
         out = mark_tainted(xp, out, tainted)
     if invalid is not None:
         _warn_if_any(xp, invalid if tainted is None else invalid & ~tainted)

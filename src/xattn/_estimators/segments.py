@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xattn._core.array import Array, index_sizes, one_chunk_along
+from xattn._core.array import Array, index_sizes, one_chunk_along, split_rows_at
 from xattn._core.primitives import join, nonzero_divisor
 
 __all__ = ["adaptive_bins", "segment_means"]
@@ -97,13 +97,18 @@ def _contiguous_segment_means(xp: Any, x: Array, num_segments: int,
     length, dim, batch = x.shape[-2], x.shape[-1], x.shape[:-2]
     base, extra = divmod(length, num_segments)
     in_long_segments = extra * (base + 1)
+    # the rows of the long and of the short segments, by one split (a slice's backward
+    # writes a gradient of all of x, one for each)
+    if extra and base:
+        long_rows, short_rows = split_rows_at(x, [in_long_segments])
+    else:
+        long_rows = short_rows = x  # one kind of segment: all the rows
     means = []
     if extra:  # the first `extra` segments have base + 1 rows
-        means.append(xp.mean(xp.reshape(x[..., :in_long_segments, :],
-                                        (*batch, extra, base + 1, dim)), axis=-2))
+        means.append(xp.mean(xp.reshape(long_rows, (*batch, extra, base + 1, dim)), axis=-2))
     if base:
-        means.append(xp.mean(xp.reshape(x[..., in_long_segments:, :],
-                                        (*batch, num_segments - extra, base, dim)), axis=-2))
+        means.append(xp.mean(xp.reshape(short_rows, (*batch, num_segments - extra, base, dim)),
+                             axis=-2))
     else:
         means.append(xp.zeros((*batch, num_segments - extra, dim), dtype=x.dtype,
                               device=device))

@@ -44,6 +44,7 @@ from xattn._estimators.band import (
     band_width,
     exact_partial,
 )
+from xattn._estimators.chunks import padded_length
 from xattn._estimators.rf_scan import (
     FeatureMap,
     Partial,
@@ -123,7 +124,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
     per query and a working set per block (the result of every block is joined as
     :class:`~xattn._core.primitives.RowPieces` does).
     """
-    num_queries = inputs.q.shape[-2]
+    num_queries = length = inputs.q.shape[-2]
     blocks = [(start, min(start + block_size, num_queries))
               for start in range(0, num_queries, block_size)]
     # one block holds the whole sequence anyway: the inputs are read as finite once, not
@@ -131,13 +132,22 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
     finite = len(blocks) == 1
     root_scale = math.sqrt(inputs.scale)
     if finite:  # and scaled once: q^ and k^, so that q^ . k^ = s q . k (scale 1 below)
-        inputs = finite_inputs(inputs)
+        padding = 0
+        if causal and inputs.k.shape[-2] == num_queries:
+            # padded once, in that copy, to whole chunks of the scan and of the band (no
+            # later key reaches a query, so the padding keys are attended by none)
+            size, count = _band_chunks(window, num_queries) if window else (1, 1)
+            padding = (padded_length(num_queries, mapping.multiple, size if count > 1 else 1)
+                       - num_queries)
+            length = num_queries + padding
+            blocks = [(0, length)]
+        inputs = finite_inputs(inputs, padding)
         inputs = dataclasses.replace(inputs, q=root_scale * inputs.q, k=root_scale * inputs.k,
                                      scale=1.0)
         root_scale = 1.0
     q, k, v = inputs.q, inputs.k, inputs.v
     num_keys = k.shape[-2]
-    out = RowPieces(num_queries)
+    out = RowPieces(length)
     suffix = None  # shift, denominator and weight of the partials over the keys after the band
     if window and not causal:  # the keys m >= n + w + 1, from the last block back
         suffix = RowPieces(num_queries)
@@ -164,7 +174,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
                                 start=min(sinks, num_keys), stop=num_keys,
                                 chunk_size=chunk_size, batch_shape=inputs.batch_shape,
                                 finite=finite)
-    clamped = RowPieces(num_queries) if guard else None
+    clamped = RowPieces(length) if guard else None
     for start, stop in blocks:
         queries = q[..., start:stop, :]
         q_hat = queries if finite else root_scale * finite_entries(xp, queries)
@@ -191,4 +201,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
         out.put(start, rows)
         if clamped is not None:
             clamped.put(start, invalid)
-    return out.result(), None if clamped is None else clamped.result()
+    if length == num_queries:
+        return out.result(), None if clamped is None else clamped.result()
+    return (out.result()[..., :num_queries, :],
+            None if clamped is None else clamped.result()[..., :num_queries, :])
