@@ -421,8 +421,10 @@ def global_state() -> dict[str, Any]:
     deterministic modes, NumPy's floating-point error handling, Keras's dtype policy, the
     environment variables. Libraries not imported yet are left out (a few microseconds in
     all: it runs twice per test)."""
+    # pytest's own (PYTEST_CURRENT_TEST), and inductor's note to its compile workers
+    # (_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR, set at its first compilation)
     environ = {key: value for key, value in os.environ.items()
-               if not key.startswith("PYTEST_")}  # pytest's own (PYTEST_CURRENT_TEST)
+               if not key.startswith(("PYTEST_", "_TORCHINDUCTOR_"))}
     state: dict[str, Any] = {"numpy.errstate": np.geterr(), "environ": environ}
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "are_deterministic_algorithms_enabled"):
