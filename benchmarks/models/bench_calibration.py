@@ -24,6 +24,7 @@ Run::
     python benchmarks/models/bench_calibration.py   # results/conversion_minilm_calibrated.json
     python benchmarks/models/bench_calibration.py --samples 64 --windows 16
     python benchmarks/models/bench_calibration.py --table
+    python benchmarks/models/bench_calibration.py --merge other.json   # rows of other runs
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def run(args):
             seconds, cpu = time.perf_counter() - tic, time.process_time() - cpu
             fitted = cosines(model, eval_texts, exact, name)
             row = {"S": count, "window": window, "sinks": 1 if window else 0,
+                   "threads": args.threads,
                    "random": random, "fitted": fitted, "calibration_seconds": seconds,
                    "calibration_cpu_seconds": cpu,
                    "load_average_before": load, "load_average_after": os.getloadavg()[0],
@@ -159,9 +161,24 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--table", action="store_true")
+    parser.add_argument("--merge", type=Path, nargs="+", default=[],
+                        help="add the rows of these outputs (runs of other --samples or "
+                             "--windows, e.g. in parallel processes) to --output")
     parser.add_argument("--output", type=Path, default=OUTPUT)
     args = parser.parse_args()
-    if not args.table:
+    if args.merge:
+        merged = json.loads(args.output.read_text()) if args.output.exists() else {"rows": []}
+        for path in args.merge:
+            other = json.loads(path.read_text())
+            for row in other["rows"]:  # the thread count of the run that measured the row
+                row.setdefault("threads", other["settings"]["threads"])
+            merged = {**other, **merged, "rows": merged["rows"]}
+            keys = {(row["S"], row["window"]) for row in other["rows"]}
+            merged["rows"] = sorted([row for row in merged["rows"]
+                                     if (row["S"], row["window"]) not in keys]
+                                    + other["rows"], key=lambda row: (row["S"], row["window"]))
+        args.output.write_text(json.dumps(merged, indent=2) + "\n")
+    elif not args.table:
         run(args)
     print(table(json.loads(args.output.read_text())))
 

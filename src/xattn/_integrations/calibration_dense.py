@@ -61,23 +61,25 @@ def dense_rfa(q: Any, k: Any, v: Any, omega: Any, *, key_mask: Any, feature_map:
     tiny = xp.finfo(q.dtype).smallest_normal
     features = (c - xp.sum(q * q, axis=-1, keepdims=True) / 2 + xp.matrix_transpose(d)
                 - math.log(omega.shape[-2]) + xp.log(xp.maximum(products, tiny)))
-    exact = q @ xp.matrix_transpose(k)
     rows = xp.arange(n, device=device)[:, None]
     cols = xp.arange(m, device=device)[None, :]
-    in_exact = xp.zeros((n, m), dtype=xp.bool, device=device)
-    if window:
-        in_exact = in_exact | (xp.abs(rows - cols) <= window)
-    if sinks:
-        in_exact = in_exact | (cols < sinks)
-    logits = xp.where(in_exact, exact, features)
-    allowed = xp.ones((n, m), dtype=xp.bool, device=device)
+    logits = features
+    if window or sinks:  # the exact band and sinks
+        in_exact = xp.zeros((n, m), dtype=xp.bool, device=device)
+        if window:
+            in_exact = in_exact | (xp.abs(rows - cols) <= window)
+        if sinks:
+            in_exact = in_exact | (cols < sinks)
+        logits = xp.where(in_exact, q @ xp.matrix_transpose(k), features)
+    allowed = None
     if causal:
         allowed = cols <= rows
     if key_mask is not None:
-        allowed = allowed & key_mask[..., None, :]
-    logits = xp.where(allowed, logits, -math.inf)
+        allowed = key_mask[..., None, :] if allowed is None else allowed & key_mask[..., None, :]
+    if allowed is not None:  # masked logits -inf: their weights are 0, and so their gradients
+        logits = xp.where(allowed, logits, -math.inf)
     shift = xp.max(logits, axis=-1, keepdims=True)
     shift = xp.where(xp.isfinite(shift), shift, xp.zeros_like(shift))
-    weights = xp.where(allowed, xp.exp(logits - shift), xp.zeros_like(logits))
+    weights = xp.exp(logits - shift)
     total = xp.sum(weights, axis=-1, keepdims=True)
     return (weights @ v) / xp.where(total > 0, total, xp.ones_like(total))
