@@ -19,7 +19,6 @@ import array_api_extra as xpx
 from xattn._core.array import (
     Array,
     chunked_like,
-    one_chunk_along,
     sequence_positions,
     split_rows,
     written_in_place,
@@ -32,6 +31,7 @@ __all__ = [
     "RowBlocks",
     "RowPieces",
     "causal_allowed",
+    "common_shift",
     "finite_entries",
     "finite_inputs",
     "finite_shift",
@@ -45,7 +45,6 @@ __all__ = [
     "nonzero_divisor",
     "pad_rows",
     "quarantine",
-    "running_max",
     "value_columns",
 ]
 
@@ -87,6 +86,18 @@ class MergedMaxima(NamedTuple):
     shift that exponentials of the merged set subtract."""
     factors: tuple[Array, ...]
     r""":math:`e^{m_i - \hat m}` per part: 0 for an empty part, at most 1."""
+
+
+def common_shift(xp: Any, *maxima: Array) -> tuple[Array, Array]:
+    r"""The merged maximum :math:`m = \max_i m_i` of parts (``-inf`` where every part is
+    empty) and the shift :math:`\hat m` that exponentials of the merged set subtract
+    (:math:`m`, 0 where every part is empty: :func:`finite_shift`): the first half of
+    :func:`merge_maxima`, for a merge whose factors are made where they are used (a
+    running maximum joined by new logits, a band's shift over its parts)."""
+    maximum = maxima[0]
+    for part_maximum in maxima[1:]:
+        maximum = xp.maximum(maximum, part_maximum)
+    return maximum, finite_shift(xp, maximum)
 
 
 def merge_maxima(xp: Any, *maxima: Array) -> MergedMaxima:
@@ -131,10 +142,7 @@ def merge_maxima(xp: Any, *maxima: Array) -> MergedMaxima:
     >>> bool(np.isclose(total, np.exp(x - merged.shift).sum())), merged.factors[2]
     (True, np.float64(0.0))
     """
-    maximum = maxima[0]
-    for part_maximum in maxima[1:]:
-        maximum = xp.maximum(maximum, part_maximum)
-    shift = finite_shift(xp, maximum)
+    maximum, shift = common_shift(xp, *maxima)
     return MergedMaxima(maximum, shift,
                         tuple(xp.exp(part_maximum - shift) for part_maximum in maxima))
 
@@ -307,18 +315,6 @@ def value_columns(xp: Any, v: Array, finite: bool = False, rows_after: int = 0) 
     pads), and ``rows_after`` rows of ones appended (axis -2; the values of padding keys,
     which take no part)."""
     return append_ones_column(finite_entries(xp, v, finite), rows_after)
-
-
-def running_max(xp: Any, x: Array) -> Array:
-    """``max(x[..., :i + 1, :], axis=-2)`` for every ``i`` (a cumulative maximum, by
-    doubling: log2 of the length steps)."""
-    step = 1
-    while step < x.shape[-2]:
-        fill = xp.full((*x.shape[:-2], step, x.shape[-1]), -xp.inf, dtype=x.dtype,
-                       device=array_api_compat.device(x))
-        x = xp.maximum(x, xp.concat([fill, x[..., :-step, :]], axis=-2))
-        step *= 2
-    return one_chunk_along(x, -2)  # Dask: not a chunk per step
 
 
 def quarantine(inputs: AttentionInputs, *, causal: bool, offset: int = 0,

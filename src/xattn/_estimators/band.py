@@ -41,8 +41,8 @@ from xattn._core.delegation import (
     stop_gradient,
 )
 from xattn._core.primitives import (
+    common_shift,
     finite_entries,
-    finite_shift,
     join,
     pad_rows,
     value_columns,
@@ -438,10 +438,8 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
     padding = size * count - length
     if base is not None:  # its rows padded like the queries' (-inf: no key there)
         maxima.append(pad_rows(xp, base[0], 0, padding, -math.inf))
-    shift = maxima[0]
-    for maximum in maxima[1:]:
-        shift = xp.maximum(shift, maximum)
-    offset = band_offset = finite_shift(xp, shift)
+    shift, offset = common_shift(xp, *maxima)
+    band_offset = offset
     if half:  # one shift for the whole row: the one the band's weights take, rounded
         band_offset = xp.astype(offset, queries.dtype)
         offset = xp.astype(band_offset, work)

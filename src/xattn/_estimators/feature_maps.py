@@ -19,7 +19,12 @@ from xattn._core.delegation import (
     squared_norms,
     stop_gradient,
 )
-from xattn._core.primitives import finite_shift, key_logits_in_range, merge_maxima
+from xattn._core.primitives import (
+    common_shift,
+    finite_shift,
+    key_logits_in_range,
+    merge_maxima,
+)
 from xattn._estimators.chunks import PAIR_BLOCK, exclusive_prefix
 from xattn._estimators.rf_scan import Partial, State
 
@@ -238,9 +243,8 @@ class PositiveMap:
                           features)
 
         # (3) each query: mu_n over the state and the keys m <= n of its chunk
-        running_max = xp.maximum(stop_gradient(before_max),
-                                 cumulative_max(fixed_key_max, axis=-2))  # (..., J, b, 1)
-        row_shift = finite_shift(xp, running_max)
+        running_max, row_shift = common_shift(  # (..., J, b, 1)
+            xp, stop_gradient(before_max), cumulative_max(fixed_key_max, axis=-2))
         allowed = _lower_triangle(xp, chunk, device, strict=False)
         pair_factor = xp.exp(xp.where(allowed, xp.matrix_transpose(key_max) - row_shift,
                                       -xp.inf))  # e^{beta_m - mu_n} for m <= n, else 0
@@ -258,11 +262,11 @@ class PositiveMap:
 
         # the state after the block, one maximum per feature: K_s = max_m a_ms, the key
         # logits a_ms = (a_ms - beta_m) + beta_m from the keys as they came (not chunked)
-        feature_max = xp.max(stop_gradient(centred + keys[1]), axis=-2)
-        if state is not None:
-            feature_max = xp.maximum(feature_max, state[0])
+        feature_max, feature_shift = common_shift(
+            xp, xp.max(stop_gradient(centred + keys[1]), axis=-2),
+            *(() if state is None else (state[0],)))
         # e^{M - K_s} >= 1; a feature whose sums underflowed in the shared frame keeps 0
-        log_factor = xp.reshape(after_max, (*lead, 1)) - finite_shift(xp, feature_max)
+        log_factor = xp.reshape(after_max, (*lead, 1)) - feature_shift
         largest = math.log(xp.finfo(log_factor.dtype).max) - 1.0
         factor = xp.exp(xp.clip(log_factor, max=largest))
         factor = xp.where(log_factor <= largest, factor, xp.zeros_like(factor))[..., None]
@@ -380,8 +384,8 @@ class TrigonometricMap:
                                                            width))
 
         # each query: the state before its chunk and the keys m <= n of its chunk
-        row_max = xp.maximum(before_max, cumulative_max(fixed_log_weights, axis=-2))
-        row_shift = finite_shift(xp, row_max)  # (..., J, b, 1)
+        row_max, row_shift = common_shift(  # (..., J, b, 1)
+            xp, before_max, cumulative_max(fixed_log_weights, axis=-2))
         state_factor = xp.exp(before_max - row_shift)  # 0 before the first key
         allowed = _lower_triangle(xp, chunk, array_api_compat.device(queries), strict=False)
         pair_weights = xp.exp(xp.where(allowed, xp.matrix_transpose(log_weights) - row_shift,

@@ -14,7 +14,7 @@ from typing import Any
 from xattn._core.array import Array
 from xattn._core.delegation import stop_gradient
 from xattn._core.inputs import AttentionInputs
-from xattn._core.primitives import finite_entries, finite_shift, quarantine
+from xattn._core.primitives import common_shift, finite_entries, finite_shift, quarantine
 from xattn._core.state import RFAState
 from xattn._estimators.rf_scan import FeatureMap, State, state_over_keys
 
@@ -104,11 +104,9 @@ def _merge_stacked(xp: Any, *stacks: State) -> State:
     = \sum_j e^{m_j - m} S_j` (a set left out has :math:`m_j = -\infty`: factor 0). The
     terms are added one set at a time, so that no stacked product of the factors and
     the sums is held (one term per device: a few hundred operations at most)."""
-    maximum = xp.max(stacks[0][0], axis=0)
-    for stack in stacks[1:]:
-        maximum = xp.maximum(maximum, xp.max(stack[0], axis=0))
-    maximum = stop_gradient(maximum)  # the result does not depend on it
-    shift = finite_shift(xp, maximum)[None, ...]
+    maximum, shift = common_shift(xp, *(stop_gradient(xp.max(stack[0], axis=0))
+                                        for stack in stacks))  # the result depends on neither
+    shift = shift[None, ...]
     merged = [maximum]
     for i in range(1, len(stacks[0])):
         terms = []

@@ -63,7 +63,7 @@ from xattn._core.delegation import (
     stop_gradient,
 )
 from xattn._core.inputs import AttentionInputs
-from xattn._core.primitives import finite_entries, finite_shift
+from xattn._core.primitives import common_shift, finite_entries, finite_shift
 from xattn._core.state import RFAState
 from xattn._estimators.feature_maps import PositiveMap
 from xattn._estimators.rf_scan import FeatureMap, combine_partials, finish_partial
@@ -107,8 +107,7 @@ def _joined(xp: Any, key_max: Array, sums: Array, logits: Array,
             value_column: Array) -> tuple[Array, Array]:
     """The sums (..., F), (..., F, E) after one key with logits ``logits`` (..., F) and
     value ``value_column`` [v, 1] (..., 1, E) joins them: the online-softmax merge."""
-    new_max = xp.maximum(key_max, stop_gradient(logits))
-    shift = finite_shift(xp, new_max)  # -inf (no key yet, an invalid one) -> 0
+    new_max, shift = common_shift(xp, key_max, stop_gradient(logits))  # -inf: no key yet
     return new_max, (xp.exp(key_max - shift)[..., None] * sums
                      + xp.exp(logits - shift)[..., None] * value_column)
 
