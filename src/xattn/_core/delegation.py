@@ -107,13 +107,6 @@ def _tracks_gradients(*arrays: Array | None) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def _compiling() -> bool:
-    """Whether ``torch.compile`` is tracing (torch imported: its arrays are at hand)."""
-    import torch
-
-    return torch.compiler.is_compiling()
-
-
 def _writes_in_place_safely(x: Array) -> bool:
     """Whether a write in place into the new array ``x`` is seen by every later reader:
     NumPy, and eager torch when autograd does not track ``x``."""
@@ -287,20 +280,18 @@ def nonfinite_rows(*arrays: Array) -> Array:
     leading dims broadcasting) holds a NaN or an infinity.
 
     On torch: not ``isfinite`` of the arrays' scaled row sums (one matrix product per
-    array, writing one number per row). On JAX, and on torch under ``torch.compile``:
-    ``isnan`` of the sum over the arrays of ``sum(x * 0)`` (:func:`nonfinite_probe`, which
-    XLA and inductor fuse into one reduction). Elsewhere ``not
+    array, writing one number per row). On JAX: ``isnan`` of the sum over the arrays of
+    ``sum(x * 0)`` (:func:`nonfinite_probe`, which XLA fuses). Elsewhere ``not
     all(isfinite(x))``, whose only temporary is one boolean per entry (NumPy would make
     ``x * 0`` a float copy of the input).
     """
     xp = array_api_compat.array_namespace(*arrays)
-    if all(array_api_compat.is_torch_array(x) for x in arrays) and not _compiling():
+    if all(array_api_compat.is_torch_array(x) for x in arrays):
         sums = _scaled_row_sums(arrays[0])
         for x in arrays[1:]:
             sums = sums + _scaled_row_sums(x)
         return ~xp.isfinite(sums)
-    if all(array_api_compat.is_jax_array(x) or array_api_compat.is_torch_array(x)
-           for x in arrays):  # XLA and inductor fuse the probes into one reduction
+    if all(array_api_compat.is_jax_array(x) for x in arrays):
         probe = nonfinite_probe(arrays[0])
         for x in arrays[1:]:
             probe = probe + nonfinite_probe(x)
