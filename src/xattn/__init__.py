@@ -31,7 +31,7 @@ adapter), :mod:`xattn.features` (random feature maps and samples),
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xattn._core.array import default_working_memory
 from xattn._core.options import ESTIMATORS
@@ -41,6 +41,9 @@ from xattn._estimators.lara import PROPOSALS, lara
 from xattn._estimators.ra import ra
 from xattn._estimators.rfa import TrigonometricDenominatorWarning, default_num_features, rfa
 from xattn._estimators.softmax import softmax_attention
+
+if TYPE_CHECKING:  # loaded on first use (__getattr__ below)
+    from xattn._integrations.calibration import CalibrationReport, calibrate_omega
 
 __all__ = [
     "ESTIMATORS",
