@@ -141,12 +141,16 @@ def run(args):
 
 def table(results):
     lines = ["| S | window (+ sink) | random ω: mean cos | 5th pct | fitted ω: mean cos | "
-             "5th pct | fit (s) |", "|---|---|---|---|---|---|---|"]
+             "5th pct | fit: wall s (threads) | fit: CPU s |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         window = f"{row['window']} + 1" if row["window"] else "none"
+        threads = row.get("threads", results["settings"]["threads"])
+        cpu = row.get("calibration_cpu_seconds")
         lines.append(f"| {row['S']} | {window} | {row['random']['mean']:.3f} | "
                      f"{row['random']['p5']:.3f} | {row['fitted']['mean']:.3f} | "
-                     f"{row['fitted']['p5']:.3f} | {row['calibration_seconds']:.0f} |")
+                     f"{row['fitted']['p5']:.3f} | {row['calibration_seconds']:.0f} "
+                     f"({threads}) | {'-' if cpu is None else f'{cpu:.0f}'} |")
     return "\n".join(lines)
 
 
