@@ -105,11 +105,17 @@ def mask_options(name, key_mask, query_mask):
 def dask_client():
     """A 2-worker LocalCluster on loopback, one thread each; closed after the module."""
     distributed = pytest.importorskip("distributed")
+    environ = dict(os.environ)
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, host="127.0.0.1",
                                        dashboard_address=None, memory_limit="1GiB",
                                        processes=True)
     # not the default scheduler: other test modules keep computing locally
     client = distributed.Client(cluster, set_as_default=False)
+    # the nannies set variables for the worker processes they started (PYTHONHASHSEED,
+    # MALLOC_TRIM_THRESHOLD_, __DASK_PARENT_PID): this process's environment as it was
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    os.environ.update(environ)
     yield client
     client.close()
     cluster.close()

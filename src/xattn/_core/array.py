@@ -42,6 +42,7 @@ __all__ = [
     "result_dtype",
     "sequence_positions",
     "split_rows",
+    "split_rows_at",
     "stream_bounds",
     "take",
     "take_rows",
