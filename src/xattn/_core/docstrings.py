@@ -26,9 +26,10 @@ _MARKER = re.compile(r"^(?P<indent> *)\{\{(?P<name>\w+)\}\}$", re.MULTILINE)
 #: The ``q``, ``k``, ``v`` entries of an estimator's Parameters section.
 QKV_PARAMETERS = """\
 q : array, shape (..., N, D)
-    Queries. Real floating dtype; half precision (float16, bfloat16) keeps its dtype for
-    the features and products on torch, JAX and CuPy, the maxima and sums across chunks
-    in float32 (:doc:`/guide/05_half_precision`); the output is in the input dtype.
+    Queries. Real floating dtype; bfloat16 keeps its dtype for the features and products
+    on torch, JAX and CuPy, the maxima and sums across chunks in float32, and float16 is
+    computed in float32 (:doc:`/guide/05_half_precision`); the output is in the input
+    dtype.
 k : array, shape (..., M, D)
     Keys.
 v : array, shape (..., M, Dv)

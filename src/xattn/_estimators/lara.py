@@ -345,7 +345,8 @@ def lara(
     if state is None:  # the defaults (with state=: the state's)
         weighting = "decoupled" if weighting is None else weighting
         beta = 2.0 if beta is None else beta
-    # non-causal LARA multiplies half inputs in their own dtype (query_pass_half)
+    # non-causal LARA multiplies bfloat16 inputs in their own dtype (query_pass_half;
+    # float16 inputs are computed in float32: prepare_attention)
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask, query_mask=query_mask,
                                check_finite=check_finite, continuing=stateful,
                                keep_half=not stateful and not check_bool(causal, "causal"))

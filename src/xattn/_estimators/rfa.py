@@ -406,7 +406,7 @@ def rfa(
             window=window, sinks=sinks, scale=scale)
         omega = state.omega
     # RFA with positive features, causal or not, with a window and sinks too, multiplies
-    # half inputs in their own dtype (not yet when it continues a state)
+    # bfloat16 inputs in their own dtype (not when it continues a state; float16: float32)
     half_scan = not stateful and feature_map in (None, "positive", "hyperbolic")
     inputs = prepare_attention(q, k, v, scale=scale, key_mask=key_mask,
                                check_finite=check_finite, continuing=stateful,
