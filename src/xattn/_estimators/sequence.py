@@ -55,17 +55,9 @@ from xattn._core.primitives import (
     quarantine,
 )
 from xattn._core.state import RFAState
+from xattn._estimators import rf_scan
 from xattn._estimators.decode import _new_tokens, _updated_sinks, continue_rfa
-from xattn._estimators.rf_scan import (
-    FeatureMap,
-    Partial,
-    State,
-    combine_partials,
-    finish_partial,
-    returned_state,
-    scan_partials,
-    state_over_keys,
-)
+from xattn._estimators.rf_scan import FeatureMap, Partial, State
 from xattn._estimators.sequence_state import merged_state, piece_payload, unpack
 from xattn._estimators.window import exact_partial
 
@@ -180,14 +172,15 @@ def piece_scan(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, summed: Ar
     length = inputs.num_queries
     root_scale = math.sqrt(inputs.scale)
     returned: list[State] = []
-    scan = scan_partials(xp, mapping, inputs.q, inputs.k, inputs.v, root_scale=root_scale,
-                         key_mask=summed, first_key=0, offset=window + 1 if window else 0,
-                         reverse=False, block_size=block_size, chunk_size=chunk_size,
-                         batch_shape=batch, finite=finite, returned=returned)
+    scan = rf_scan.scan_partials(
+        xp, mapping, inputs.q, inputs.k, inputs.v, root_scale=root_scale, key_mask=summed,
+        first_key=0, offset=window + 1 if window else 0, reverse=False,
+        block_size=block_size, chunk_size=chunk_size, batch_shape=batch, finite=finite,
+        returned=returned)
     inner = [next(scan) for _ in range(0, length, block_size)]
-    features = returned_state(scan, returned)
+    features = rf_scan.returned_state(scan, returned)
     if window and length > window:  # the last key to leave the window (the scan stops before)
-        features = mapping.merge_states(features, state_over_keys(
+        features = mapping.merge_states(features, rf_scan.state_over_keys(
             xp, mapping, inputs.k, inputs.v, root_scale=root_scale, key_mask=summed,
             first_key=0, start=length - window - 1, stop=length - window,
             chunk_size=chunk_size, batch_shape=batch, finite=finite))
@@ -258,12 +251,13 @@ def piece_rows(xp: Any, inputs: AttentionInputs, read: AttentionInputs, mapping:
     halo = (before.window_keys, before.window_values, before.window_valid)
     if window:  # rows j < w: the halo's keys e <= j - 1 after those of before
         returned: list[State] = []
-        scan = scan_partials(xp, mapping, inputs.q[..., :window, :], halo[0], halo[1],
-                             root_scale=root_scale, key_mask=halo[2], first_key=0, offset=1,
-                             reverse=False, block_size=block_size, chunk_size=chunk_size,
-                             batch_shape=batch, initial=known, returned=returned)
+        scan = rf_scan.scan_partials(
+            xp, mapping, inputs.q[..., :window, :], halo[0], halo[1], root_scale=root_scale,
+            key_mask=halo[2], first_key=0, offset=1, reverse=False, block_size=block_size,
+            chunk_size=chunk_size, batch_shape=batch, initial=known, returned=returned)
         head = _rows(xp, [next(scan) for _ in range(0, window, block_size)], batch)
-        known = mapping.merge_states(returned_state(scan, returned), state_over_keys(  # the halo
+        known = rf_scan.returned_state(scan, returned)
+        known = mapping.merge_states(known, rf_scan.state_over_keys(  # the halo
             xp, mapping, halo[0], halo[1], root_scale=root_scale, key_mask=halo[2],
             first_key=0, start=window - 1, stop=window, chunk_size=chunk_size,
             batch_shape=batch))
@@ -285,7 +279,7 @@ def piece_rows(xp: Any, inputs: AttentionInputs, read: AttentionInputs, mapping:
             exact = exact_partial(xp, root_scale * q_hat[..., :middle - start, :],
                                   start + window, window=window, causal=True, band=halo,
                                   finite=True)
-            parts.append(part if exact is None else combine_partials(xp, [part, exact]))
+            parts.append(part if exact is None else rf_scan.combine_partials(xp, [part, exact]))
         if middle < stop:
             part = mapping.readout(mapping.queries(q_hat[..., middle - start:, :]), known)
             parts.append(part if constant is None
@@ -297,7 +291,8 @@ def piece_rows(xp: Any, inputs: AttentionInputs, read: AttentionInputs, mapping:
                 band=(read.k, read.v, summed) if window else None, finite=finite,
                 sinks=sink_rows, sink_position=before.position + start)
             partials += [] if exact is None else [exact]
-        rows, invalid = finish_partial(xp, combine_partials(xp, partials), guard=guard)
+        rows, invalid = rf_scan.finish_partial(xp, rf_scan.combine_partials(xp, partials),
+                                               guard=guard)
         out.put(start, rows)
         if clamped is not None:
             clamped.put(start, invalid)
