@@ -620,6 +620,13 @@ def inductor_kernels(rows: list[Row], lengths: list[int], dtypes: list[str], dev
     torch._dynamo.reset()
 
 
+def selected_rows(rows: list[Row], names: str | None) -> list[Row]:
+    """The rows whose name contains one of the comma-separated ``names`` (None: all)."""
+    if not names:
+        return rows
+    return [row for row in rows if any(part in row.name for part in names.split(","))]
+
+
 def ragged_bytes(rows: list[Row], lengths: list[int], device: Any, cells: dict[str, Any],
                  save: Callable[[], Any]) -> None:
     """Bytes written per |q| at each of ``lengths`` (not multiples of 64) and at the next
@@ -822,11 +829,8 @@ def main(argv: list[str] | None = None) -> None:
         if name not in devices:
             continue
         backend = load_backend("torch", devices[name], "float32")
-        rows = make_rows(backend.namespace, backend.to_backend(np.zeros(1)).device,
-                         working_memory)
-        if args.rows:
-            wanted = args.rows.split(",")
-            rows = [row for row in rows if any(part in row.name for part in wanted)]
+        rows = selected_rows(make_rows(backend.namespace, backend.to_backend(np.zeros(1)).device,
+                                       working_memory), args.rows)
         entry = {"environment": environment(backend), "rows": {}}
         sync = torch.cuda.synchronize if devices[name] == "cuda" else None
         report["backends"][name] = entry
@@ -855,11 +859,7 @@ def main(argv: list[str] | None = None) -> None:
             print_table(entry["rows"], lengths)
         if traffic_lengths:
             device = backend.to_backend(np.zeros(1)).device
-            traffic_rows = make_traffic_rows(device, working_memory)
-            if args.rows:
-                wanted = args.rows.split(",")
-                traffic_rows = [row for row in traffic_rows
-                                if any(part in row.name for part in wanted)]
+            traffic_rows = selected_rows(make_traffic_rows(device, working_memory), args.rows)
             print(f"traffic, {backend.describe()}: (B, H, N, D) = (1, 8, N, 64), "
                   f"dtypes {', '.join(traffic_dtypes)}")
             entry["traffic"] = {}
@@ -870,9 +870,7 @@ def main(argv: list[str] | None = None) -> None:
         ragged_lengths = [int(item) for item in args.ragged_lengths.split(",") if item]
         if ragged_lengths:
             device = backend.to_backend(np.zeros(1)).device
-            ragged_rows = [row for row in make_traffic_rows(device, working_memory)
-                           if not args.rows or any(part in row.name
-                                                   for part in args.rows.split(","))]
+            ragged_rows = selected_rows(make_traffic_rows(device, working_memory), args.rows)
             print(f"bytes at ragged lengths, {backend.describe()}: (B, H, N, D) = "
                   "(1, 8, N, 64), float32")
             entry["ragged_bytes"] = {}
@@ -880,9 +878,7 @@ def main(argv: list[str] | None = None) -> None:
                          lambda: write_json(args.out, report))
         if args.kernels:
             device = backend.to_backend(np.zeros(1)).device
-            kernel_rows = [row for row in make_traffic_rows(device, working_memory)
-                           if not args.rows or any(part in row.name
-                                                   for part in args.rows.split(","))]
+            kernel_rows = selected_rows(make_traffic_rows(device, working_memory), args.rows)
             print(f"inductor kernels, forward + backward, {backend.describe()}: "
                   "(B, H, N, D) = (1, 8, N, 64)")
             entry["inductor_kernels"] = {}
