@@ -124,3 +124,12 @@ def fill_docstring(**fragments: str) -> Callable[[_Documented], _Documented]:
         documented.__doc__ = filled
         return documented
     return fill
+
+
+def document_estimator(state_class: type, **fragments: str
+                       ) -> Callable[[_Documented], _Documented]:
+    """:func:`fill_docstring` with the sections every estimator shares: ``{{qkv}}``
+    (:data:`QKV_PARAMETERS`) and ``{{returns}}`` (:func:`returns_with_state` of
+    ``state_class``); ``fragments`` fill its other markers (``examples=EXAMPLE_INPUTS``)."""
+    return fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(state_class),
+                          **fragments)

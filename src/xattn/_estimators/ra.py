@@ -33,12 +33,7 @@ import math
 from typing import Any
 
 from xattn._core.array import Array, default_working_memory
-from xattn._core.docstrings import (
-    EXAMPLE_INPUTS,
-    QKV_PARAMETERS,
-    fill_docstring,
-    returns_with_state,
-)
+from xattn._core.docstrings import EXAMPLE_INPUTS, document_estimator
 from xattn._core.inputs import AttentionInputs, prepare_attention
 from xattn._core.options import check_bool, check_noise_scale, check_positive_int
 from xattn._core.primitives import (
@@ -81,8 +76,7 @@ def _part(x: Array | None, axis: int, start: int, stop: int) -> Array | None:
     return x[(..., slice(start, stop), *(slice(None),) * (-1 - axis))]
 
 
-@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(RAState),
-                examples=EXAMPLE_INPUTS)
+@document_estimator(RAState, examples=EXAMPLE_INPUTS)
 def ra(
     q: Array,
     k: Array,

@@ -31,7 +31,7 @@ import warnings
 from typing import Any
 
 from xattn._core.array import Array, concrete_count, default_working_memory
-from xattn._core.docstrings import QKV_PARAMETERS, fill_docstring, returns_with_state
+from xattn._core.docstrings import document_estimator
 from xattn._core.inputs import check_samples, prepare_attention
 from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
@@ -90,7 +90,7 @@ class TrigonometricDenominatorWarning(RuntimeWarning):
     """
 
 
-@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(RFAState))
+@document_estimator(RFAState)
 def rfa(
     q: Array,
     k: Array,

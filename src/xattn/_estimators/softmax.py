@@ -6,12 +6,7 @@ from typing import Any
 
 from xattn._core.array import Array, sequence_positions, stream_bounds
 from xattn._core.delegation import has_native_attention, native_attention
-from xattn._core.docstrings import (
-    EXAMPLE_INPUTS,
-    QKV_PARAMETERS,
-    fill_docstring,
-    returns_with_state,
-)
+from xattn._core.docstrings import EXAMPLE_INPUTS, document_estimator
 from xattn._core.inputs import AttentionInputs, prepare_attention
 from xattn._core.options import (
     DEFAULT_CHUNK_SIZE,
@@ -38,8 +33,7 @@ __all__ = ["softmax_attention"]
 
 
 
-@fill_docstring(qkv=QKV_PARAMETERS, returns=returns_with_state(SoftmaxState),
-                examples=EXAMPLE_INPUTS)
+@document_estimator(SoftmaxState, examples=EXAMPLE_INPUTS)
 def softmax_attention(
     q: Array,
     k: Array,

@@ -13,16 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from xattn.cli.common import (
-    CommandError,
-    advance,
-    environment,
-    format_bytes,
-    format_table,
-    output_dir,
-    progress_bar,
-    write_json,
-)
+from xattn.cli import common
+from xattn.cli.common import CommandError
 from xattn.cli.decode import (
     DECODE_SAMPLES,
     DEFAULT_POSITIONS,
@@ -115,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--compile compiles with torch.compile: use --backend torch "
                            f"(got --backend {args.backend}; JAX's calls are jit-compiled "
                            "already)")
-    out_dir = output_dir(args.out, ("bench.json", "bench.png"))  # before any work
+    out_dir = common.output_dir(args.out, ("bench.json", "bench.png"))  # before any work
     native = native_softmax_spec(args.backend, args.dtype)
     # the references: xattn's portable loop, and the framework's fused kernel where it has
     # one (what users of that framework already run)
@@ -138,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     too_slow: set[str] = set()
     print(f"xattn bench: {backend.describe()}, {args.dtype}, {args.heads} heads, "
           f"D = {args.head_dim}, lengths {', '.join(map(str, lengths))}")
-    with progress_bar(len(specs) * len(lengths), "xattn bench", args.progress) as bar:
+    with common.progress_bar(len(specs) * len(lengths), "xattn bench", args.progress) as bar:
         for length in lengths:
             shape = (args.heads, length, args.head_dim)
             q, k, v = (backend.to_backend(host_rng.normal(size=shape)) for _ in range(3))
@@ -147,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                     results[spec.name].append({"length": length, "samples": None,
                                                "time_s": None, "peak_memory_bytes": None,
                                                "skipped": too_large[spec.name, length]})
-                    advance(bar, f"{spec.name} N={length} skipped")
+                    common.advance(bar, f"{spec.name} N={length} skipped")
                     continue
                 if spec.name in too_slow:
                     results[spec.name].append({"length": length, "samples": None,
@@ -155,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                                                "skipped": f"a call took over --time-limit "
                                                           f"{args.time_limit:g} s at a "
                                                           "shorter length"})
-                    advance(bar, f"{spec.name} N={length} skipped")
+                    common.advance(bar, f"{spec.name} N={length} skipped")
                     continue
                 measurement = Measurement()
                 call = measured(functions[spec.name], backend, measurement)
@@ -177,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 if args.time_limit and max(measurement.first_time,
                                            measurement.time_s) > args.time_limit:
                     too_slow.add(spec.name)
-                advance(bar, f"{spec.name} N={length}")
+                common.advance(bar, f"{spec.name} N={length}")
             del q, k, v
 
     estimators = [spec.name for spec in specs if spec not in exact]
@@ -195,13 +187,13 @@ def run(args: argparse.Namespace) -> int:
                                           "length"), spec.name) for spec in exact]
         print(f"{name}: {'; '.join(verdicts)}")
     print(f"[MiB]: peak memory of the first call, from {backend.memory_method}")
-    budget = environment(backend)["working_memory_bytes"]
+    budget = common.environment(backend)["working_memory_bytes"]
     print(f"causal rfa and lara: blocks of at most {budget / 2**20:.0f} MiB of intermediates "
           f"(xattn.default_working_memory on {backend.device}; the whole sequence when it "
           f"fits)")
     payload = {
         "command": "bench",
-        "environment": environment(backend),
+        "environment": common.environment(backend),
         "dtype": args.dtype,
         "heads": args.heads,
         "head_dim": args.head_dim,
@@ -228,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     }
     json_path = out_dir / "bench.json"
     png_path = out_dir / "bench.png"
-    write_json(json_path, payload)
+    common.write_json(json_path, payload)
     _plot_bench(png_path, results, crossover, backend)
     print(f"wrote {json_path} and {png_path}")
     return 0
@@ -293,8 +285,8 @@ def _run_decode(args: argparse.Namespace) -> int:
              heads=args.heads, head_dim=args.head_dim, samples=samples, window=args.window,
              sinks=args.sinks, position=largest, itemsize=itemsize)),
     ], backend.memory_available(), backend.describe())
-    out_dir = output_dir(args.out, ("decode.json", "decode.png"))
-    return run_decode(args, backend, out_dir, environment(backend))
+    out_dir = common.output_dir(args.out, ("decode.json", "decode.png"))
+    return run_decode(args, backend, out_dir, common.environment(backend))
 
 
 def _check_memory(specs: list[EstimatorSpec], samples: dict[str, int], lengths: list[int],
@@ -432,9 +424,9 @@ def _print_bench_table(results: dict[str, list[dict[str, Any]]],
         for name_rows in results.values():
             row = name_rows[index]
             cells += ["skipped" if row["time_s"] is None else f"{1e3 * row['time_s']:.2f}",
-                      format_bytes(row["peak_memory_bytes"])]
+                      common.format_bytes(row["peak_memory_bytes"])]
         rows.append(cells)
-    print(format_table(columns, rows, rule=False))
+    print(common.format_table(columns, rows, rule=False))
 
 
 def _plot_bench(path: Path, results: dict[str, list[dict[str, Any]]],

@@ -81,27 +81,31 @@ DEFAULT_ATTENTIONS = tuple(name for name in ATTENTIONS
                            if name != NATIVE and name not in LARA_VARIANTS)
 
 
+#: ``xattn train --help``'s description (argparse reflows it).
+_DESCRIPTION = """\
+Train the Long Range Arena model (2 layers, embedding 64, feed-forward 128, 2 heads,
+mean pooling) with each estimator as its attention, through
+xattn.torch.MultiheadAttention or xattn.flax.MultiHeadAttention, with AdamW (weight
+decay 0.01, gradient norm clipped at 1, linear warm-up over 10 % of the steps, then
+cosine decay to 0). With --estimators native the same model also runs with the
+framework's own attention layer (torch.nn.MultiheadAttention, nnx.MultiHeadAttention;
+same initialization as the xattn layer), the baseline of the softmax row. Test accuracy
+is measured on a held-out split with every attention in its evaluation mode: RFA with
+its last features, RA biased and deterministic, LARA deterministic (the proposal means
+as samples). Prints a table (test accuracy mean +- std over seeds, final training loss,
+ms per step, peak memory) and writes DIR/train.json (every figure, learning curves,
+configuration, versions) and DIR/train.png (test accuracy against step). DIR/train.json
+is rewritten (atomically) as each run finishes, so neither Ctrl-C nor a crash loses a
+finished run; --resume then runs only the missing ones, keeping the runs it does not
+plan (see --resume). The memory the runs need is estimated first and too large a size is
+refused before any work."""
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``train`` sub-command to ``subparsers``."""
     parser = subparsers.add_parser(
         "train", help="train a small Transformer with each estimator; test accuracy",
-        description="Train the Long Range Arena model (2 layers, embedding 64, feed-forward "
-        "128, 2 heads, mean pooling) with each estimator as its attention, through "
-        "xattn.torch.MultiheadAttention or xattn.flax.MultiHeadAttention, with AdamW "
-        "(weight decay 0.01, gradient norm clipped at 1, linear warm-up over 10 % of the "
-        "steps, then cosine decay to 0). With --estimators native the same model also "
-        "runs with the framework's own attention layer (torch.nn.MultiheadAttention, "
-        "nnx.MultiHeadAttention; same initialization as the xattn layer), the baseline "
-        "of the softmax row. Test accuracy is measured on a held-out split "
-        "with every attention in its evaluation mode: RFA with its last features, RA "
-        "biased and deterministic, LARA deterministic (the proposal means as samples). "
-        "Prints a table (test accuracy mean +- std over seeds, final training loss, ms "
-        "per step, peak memory) and writes DIR/train.json (every figure, learning curves, "
-        "configuration, versions) and DIR/train.png (test accuracy against step). "
-        "DIR/train.json is rewritten (atomically) as each run finishes, so neither "
-        "Ctrl-C nor a crash loses a finished run; --resume then runs only the missing "
-        "ones, keeping the runs it does not plan (see --resume). The memory the runs "
-        "need is estimated first and too large a size is refused before any work.")
+        description=_DESCRIPTION)
     parser.add_argument("--framework", default="torch", choices=FRAMEWORKS,
                         metavar="|".join(FRAMEWORKS),
                         help=f"{' or '.join(FRAMEWORKS)} (default: torch)")
