@@ -25,6 +25,7 @@ use of ``xattn.flax`` (or by ``import xattn.flax``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -40,7 +41,6 @@ from xattn._integrations.layers import (
     DEFAULT_LARA_SAMPLES,
     ESTIMATOR_OPTIONS_DOC,
     ESTIMATORS,
-    RFA_ONLY_RAISES,
     draw_features,
     learned_proposal_means,
     module_docstring,
@@ -80,14 +80,18 @@ class MultiHeadAttention(Decoding, nnx.Module):
     ``1/sqrt(head_dim)``.
 
     **Training and evaluation.** ``estimator="rfa"``: the samples :math:`\omega`
-    (``features``, shape ``(num_features, head_dim)``, shared by all heads) are redrawn at
-    the start of a training-mode call once ``redraw_interval`` training calls have used
-    them (the choice is made with :func:`jax.numpy.where`, so it works under
-    :func:`flax.nnx.jit`); never in evaluation mode; :meth:`redraw_features` redraws by
-    hand. ``"lara"``: random samples in training mode, ``deterministic=True`` in
-    evaluation mode. ``"ra"``: the unbiased random estimator in training mode,
-    ``biased=True, deterministic=True`` in evaluation mode. Evaluation outputs are
-    deterministic for every estimator.
+    (variable ``features``, shape ``(num_features, head_dim)``, shared by all heads, or
+    ``(num_heads, num_features, head_dim)``, one matrix per head, when such an array is
+    assigned with ``layer.features = FeatureState(omega)`` or restored with
+    :func:`flax.nnx.update`: fitted samples, say; another shape raises a ``ValueError``
+    naming ``features`` at the next call) are redrawn at the start of a training-mode
+    call once ``redraw_interval`` training calls have used them (the choice is made with
+    :func:`jax.numpy.where`, so it works under :func:`flax.nnx.jit`; per-head features
+    are redrawn one matrix per head); never in evaluation mode, which uses them as they
+    are; :meth:`redraw_features` redraws by hand. ``"lara"``: random samples in training
+    mode, ``deterministic=True`` in evaluation mode. ``"ra"``: the unbiased random
+    estimator in training mode, ``biased=True, deterministic=True`` in evaluation mode.
+    Evaluation outputs are deterministic for every estimator.
 
     Attention weights are never materialized (there is no ``sow_weights``). Supported
     masks are key masks ``mask`` of shape ``(batch..., 1 or num_heads, 1, kv_length)``
@@ -240,12 +244,17 @@ class MultiHeadAttention(Decoding, nnx.Module):
         self.cache: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
-    def _draw_features(self, key: Any) -> jax.Array:
+    def _draw_features(self, key: Any, heads: tuple[int, ...] = ()) -> jax.Array:
+        """A ``(num_features, head_dim)`` draw, or ``heads + (num_features, head_dim)``
+        of independent draws (per-head features: one matrix per head)."""
         assert self.num_features is not None  # set for "rfa" by _setup_estimator
+        if heads:
+            keys = jax.random.split(key, math.prod(heads))
+            return jnp.stack([self._draw_features(one) for one in keys]).reshape(
+                *heads, self.num_features, self.head_dim)
         return draw_features(key, self.num_features, self.head_dim, self.estimator_options,
                              xp=jnp, dtype=jnp.float32)
 
-    @fill_docstring(raises=RFA_ONLY_RAISES)
     def redraw_features(self, rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None
                         ) -> None:
         """Draw new RFA samples ``features`` in place of the old and restart the count.
@@ -253,7 +262,8 @@ class MultiHeadAttention(Decoding, nnx.Module):
         A training-mode call does this itself every ``redraw_interval`` calls; call it by
         hand to redraw at other times (for example with ``redraw_interval=None``). The
         draw uses the feature options given at construction; ``steps_since_redraw`` is
-        reset to 0.
+        reset to 0. Per-head features ``(num_heads, num_features, head_dim)`` get
+        ``num_heads`` independent draws.
 
         Parameters
         ----------
@@ -261,7 +271,13 @@ class MultiHeadAttention(Decoding, nnx.Module):
             Source of the draw (the ``rng_collection`` stream of an :class:`flax.nnx.Rngs`);
             default: the layer's own stream.
 
-        {{raises}}
+        Raises
+        ------
+        ValueError
+            If the layer's estimator is not ``"rfa"``, or ``features`` has a shape other
+            than ``(S, head_dim)`` or ``(num_heads, S, head_dim)``.
+        TypeError
+            ``features`` not a :class:`FeatureState` (a plain array).
 
         Examples
         --------
@@ -277,10 +293,15 @@ class MultiHeadAttention(Decoding, nnx.Module):
         ((8, 4), False)
         >>> int(layer.steps_since_redraw[...])
         0
+        >>> layer.features = xattn.flax.FeatureState(jnp.ones((4, 8, 4)))  # one per head
+        >>> layer.redraw_features(jax.random.key(2))
+        >>> layer.features.shape
+        (4, 8, 4)
         """
         self._require_rfa("redraw_features")
-        assert self.features is not None and self.steps_since_redraw is not None  # "rfa"
-        self.features[...] = self._draw_features(self._next_key(rngs))
+        assert self.steps_since_redraw is not None  # "rfa"
+        features = self._checked_features()  # per-head features (h, S, d): h draws
+        features[...] = self._draw_features(self._next_key(rngs), features.shape[:-2])
         self.steps_since_redraw[...] = jnp.zeros((), dtype=jnp.int32)
 
     def _next_key(self, rngs: Any) -> jax.Array:
@@ -352,9 +373,11 @@ class MultiHeadAttention(Decoding, nnx.Module):
             ahead (use ``proposal="learned"``), keys of another length than the
             queries, a batch other than the cache's, ``"rfa"`` features redrawn since
             :meth:`init_cache`, more tokens than ``max_length`` (the last two checked
-            outside :func:`flax.nnx.jit` only).
+            outside :func:`flax.nnx.jit` only). ``"rfa"``: ``features`` of a shape other
+            than ``(S, head_dim)`` or ``(num_heads, S, head_dim)``.
         TypeError
-            A ``mask`` that is not boolean; ``deterministic`` (when given), ``is_causal``
+            ``features`` not a :class:`FeatureState` (a plain array); a ``mask`` that is
+            not boolean; ``deterministic`` (when given), ``is_causal``
             or ``decode`` not a bool (NumPy bools are accepted).
 
         {{examples}}
@@ -418,10 +441,11 @@ class MultiHeadAttention(Decoding, nnx.Module):
             return self.out(jnp.swapaxes(heads, -3, -2))
         if self._counts_training_steps(not deterministic):
             # an "rfa" layer (see _counts_training_steps) holds both
-            assert self.features is not None and self.steps_since_redraw is not None
+            assert self.steps_since_redraw is not None
+            features = self._checked_features()
             redraw, steps = self._redraw_schedule(self.steps_since_redraw[...], jnp.where)
-            fresh = self._draw_features(self._next_key(rngs))
-            self.features[...] = jnp.where(redraw, fresh, self.features[...])
+            fresh = self._draw_features(self._next_key(rngs), features.shape[:-2])
+            features[...] = jnp.where(redraw, fresh, features[...])
             self.steps_since_redraw[...] = steps
         heads = self._estimate(q, k, v, key_mask=key_mask, causal=is_causal,
                                training=not deterministic, features=self._estimator_features(),

@@ -174,7 +174,26 @@ class Decoding(LayerCore):
         proposal means (evaluation mode's samples); None for the other estimators."""
         if self.proposal_means is not None:
             return self.proposal_means[...]
-        return None if self.features is None else self.features[...]
+        return None if self.features is None else self._checked_features()[...]
+
+    def _checked_features(self) -> Any:
+        """The ``features`` variable of an ``"rfa"`` layer, ``(S, head_dim)`` shared by the
+        heads or ``(num_heads, S, head_dim)`` one matrix per head (or ``(1, S, head_dim)``);
+        ``TypeError`` for a plain array, ``ValueError`` naming ``features`` for another
+        shape (read at every call, redraw and :meth:`init_cache`: the user may assign
+        fitted samples between them)."""
+        features = self.features
+        if not isinstance(features, nnx.Variable):
+            raise TypeError(f"features must be a xattn.flax.FeatureState (module state), got "
+                            f"{type(features).__name__}: assign fitted samples with "
+                            "layer.features = xattn.flax.FeatureState(omega)")
+        shape = tuple(features.shape)
+        if (shape[-1:] != (self.head_dim,) or len(shape) not in (2, 3)
+                or (len(shape) == 3 and shape[0] not in (1, self.num_heads))):
+            raise ValueError(f"features must have shape (S, head_dim) = (S, {self.head_dim}) "
+                             f"or, one matrix per head, (num_heads, S, head_dim) = "
+                             f"({self.num_heads}, S, {self.head_dim}); got {shape}")
+        return features
 
     def _decode_step(self, q: jax.Array, k: jax.Array, v: jax.Array, key_mask: Any,
                      deterministic: bool, key: Any) -> jax.Array:
