@@ -215,6 +215,10 @@ def test_conversion_of_a_padded_encoder():
     batch = {"input_ids": torch.randint(60, (4, 20)), "attention_mask": padding}
     reports = xt.calibrate(model, [batch], attention, steps=3)
     assert reports[0].heldout_rows + reports[0].train_rows == 2 * 20 + 2 * 12
+    # refine splits the padded batch's rows, its attention_mask with them
+    refined = xt.refine(model, [batch], attention, steps=2, evaluate_every=1)
+    assert (refined.sequences, refined.heldout_sequences) == (4, 1)
+    assert refined.heldout_error_after <= refined.heldout_error_before
     with pytest.raises(ValueError, match="fits RFA's samples"):
         xt.calibrate(model, [batch], xt.register("xattn_calibration_sm", estimator="softmax"))
 
@@ -234,3 +238,63 @@ def test_flax_attention_fn_takes_fitted_samples():
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="omega"):
         xattn.flax.attention_fn("ra", omega=omega)
+
+
+def test_refine_lowers_the_heldout_error_and_leaves_the_model_alone():
+    transformers = pytest.importorskip("transformers")
+    import xattn.transformers as xt
+
+    attention = xt.register("xattn_refine_test", num_features=8)
+    model = _gpt2(transformers)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model.lm_head.weight.requires_grad_(True)
+    generator = torch.Generator().manual_seed(2)
+    batches = [{"input_ids": torch.randint(60, (4, 24), generator=generator)}
+               for _ in range(2)]
+    with pytest.raises(ValueError, match="no fitted samples"):
+        xt.refine(model, batches, attention)
+    xt.calibrate(model, batches, attention, steps=6)
+    calibrated = {layer: omega.clone() for layer, omega in attention.fitted.items()}
+    measured = []
+    report = xt.refine(model, batches, attention, steps=20, evaluate_every=5,
+                       learning_rate=3e-2, patience=None,
+                       progress=lambda step, error: measured.append((step, error)))
+    assert [step for step, _ in measured] == [0, 5, 10, 15, 20]
+    assert report.heldout_error_before == measured[0][1]
+    assert report.heldout_error_after == min(error for _, error in measured)
+    # 20 steps on 6 sequences lower the held-out error of a random model's 2 layers
+    assert report.heldout_error_after < report.heldout_error_before
+    assert report.best_step > 0 and report.steps == 20
+    assert (report.sequences, report.heldout_sequences) == (8, 2)
+    assert all(not torch.equal(attention.fitted[layer], calibrated[layer])
+               for layer in calibrated)
+    assert all(not omega.requires_grad for omega in attention.fitted.values())
+    for name, parameter in model.named_parameters():  # unchanged, requires_grad put back
+        assert torch.equal(parameter, weights[name]), name
+        assert parameter.requires_grad
+    assert model.config._attn_implementation != "xattn_refine_test" and not model.training
+
+    # the report's error is that of the samples in use: measured again, it is the same
+    again = xt.refine(model, batches, attention, steps=1, evaluate_every=1,
+                      learning_rate=1e-12)
+    assert again.heldout_error_before == pytest.approx(report.heldout_error_after, rel=1e-5)
+
+
+def test_refine_refuses_bad_input():
+    transformers = pytest.importorskip("transformers")
+    import xattn.transformers as xt
+
+    model = _gpt2(transformers)
+    batch = {"input_ids": torch.randint(60, (2, 8))}
+    attention = xt.register("xattn_refine_bad", num_features=8)
+    xt.calibrate(model, [batch], attention, steps=1)
+    with pytest.raises(ValueError, match="trains RFA's samples"):
+        xt.refine(model, [batch], xt.register("xattn_refine_sm", estimator="softmax"))
+    with pytest.raises(TypeError, match="mappings"):
+        xt.refine(model, [batch["input_ids"]], attention)
+    with pytest.raises(ValueError, match="at least 2"):
+        xt.refine(model, [{"input_ids": batch["input_ids"][:1]}], attention)
+    for option, value in (("holdout", 1.0), ("steps", 0), ("learning_rate", 0.0),
+                          ("evaluate_every", 0), ("patience", 0)):
+        with pytest.raises(ValueError, match=option):
+            xt.refine(model, [batch], attention, **{option: value})

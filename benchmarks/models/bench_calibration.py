@@ -98,6 +98,9 @@ def run(args):
                  "fit_tokens_mean": float(np.mean([b["attention_mask"].sum(1).float().mean()
                                                    for b in batches]))},
         "settings": {"steps": args.steps, "learning_rate": args.learning_rate,
+                     "refine_steps": args.refine_steps,
+                     "refine_learning_rate": args.refine_learning_rate,
+                     "refine_patience": args.refine_patience,
                      "patience": args.patience, "holdout": 0.25, "batches": len(batches),
                      "threads": args.threads, "sinks_with_window": 1, "seed": 0},
         "environment": {"torch": torch.__version__,
@@ -119,10 +122,18 @@ def run(args):
                                                    patience=args.patience)
             seconds, cpu = time.perf_counter() - tic, time.process_time() - cpu
             fitted = cosines(model, eval_texts, exact, name)
+            refined, refinement = None, None
+            if args.refine_steps:
+                refinement = xattn.transformers.refine(
+                    encoder, batches, attention, steps=args.refine_steps,
+                    learning_rate=args.refine_learning_rate, patience=args.refine_patience)
+                refined = cosines(model, eval_texts, exact, name)
             row = {"S": count, "window": window, "sinks": 1 if window else 0,
                    "threads": args.threads,
                    "random": random, "fitted": fitted, "calibration_seconds": seconds,
                    "calibration_cpu_seconds": cpu,
+                   "refined": refined,
+                   "refinement": None if refinement is None else refinement.to_json(),
                    "load_average_before": load, "load_average_after": os.getloadavg()[0],
                    "fit_passages": len(fit_texts),
                    "layers": {str(layer): {key: value for key, value in report.to_json().items()
@@ -134,15 +145,17 @@ def run(args):
             results["rows"].sort(key=lambda r: (r["S"], r["window"]))
             args.output.write_text(json.dumps(results, indent=2) + "\n")
             print(f"S={count} window={window}: random {random['mean']:.4f}, fitted "
-                  f"{fitted['mean']:.4f} ({seconds:.0f} s to fit, load {load:.1f})",
-                  flush=True)
+                  f"{fitted['mean']:.4f} ({seconds:.0f} s to fit, load {load:.1f})"
+                  + ("" if refined is None else f", refined {refined['mean']:.4f} "
+                     f"({refinement.seconds:.0f} s)"), flush=True)
     return results
 
 
 def table(results):
     lines = ["| S | window (+ sink) | random ω: mean cos | 5th pct | fitted ω: mean cos | "
-             "5th pct | fit: wall s (threads) | fit: CPU s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "5th pct | fit: wall s (threads) | fit: CPU s | refined ω: mean cos | 5th pct "
+             "| refine: wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         window = f"{row['window']} + 1" if row["window"] else "none"
         threads = row.get("threads", results["settings"]["threads"])
@@ -150,7 +163,10 @@ def table(results):
         lines.append(f"| {row['S']} | {window} | {row['random']['mean']:.3f} | "
                      f"{row['random']['p5']:.3f} | {row['fitted']['mean']:.3f} | "
                      f"{row['fitted']['p5']:.3f} | {row['calibration_seconds']:.0f} "
-                     f"({threads}) | {'-' if cpu is None else f'{cpu:.0f}'} |")
+                     f"({threads}) | {'-' if cpu is None else f'{cpu:.0f}'} | "
+                     + ("- | - | - |" if not row.get("refined") else
+                        f"{row['refined']['mean']:.3f} | {row['refined']['p5']:.3f} | "
+                        f"{row['refinement']['seconds']:.0f} |"))
     return "\n".join(lines)
 
 
@@ -163,6 +179,11 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--patience", type=int, default=40)
     parser.add_argument("--learning-rate", type=float, default=1e-2)
+    parser.add_argument("--refine-steps", type=int, default=120,
+                        help="steps of xattn.transformers.refine after the per-layer fit "
+                        "(0: none)")
+    parser.add_argument("--refine-learning-rate", type=float, default=1e-2)
+    parser.add_argument("--refine-patience", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--merge", type=Path, nargs="+", default=[],

@@ -105,6 +105,7 @@ from xattn._estimators.lara_causal import check_lara_causal_options
 from xattn._integrations.hf_cache import StateLayer, XattnCache, continue_state, take_pending
 from xattn._integrations.hf_calibration import calibrate, load_features, save_features
 from xattn._integrations.hf_masks import AttentionMask, attention_mask, mask_from_tensor
+from xattn._integrations.hf_refinement import RefinementReport, refine
 from xattn._integrations.layers import LayerCore, attend, draw_features, learned_proposal_means
 from xattn.random import Generator, TorchDefaultGenerator, TorchGenerator
 
@@ -114,8 +115,9 @@ try:  # the per-forward record of the outputs a model collects through hooks (tr
 except ImportError:  # pragma: no cover - an older or later layout: the keyword is checked
     _active_collector = None
 
-__all__ = ["ESTIMATORS", "AttentionMask", "StateLayer", "XattnAttention", "XattnCache",
-           "attention_mask", "calibrate", "load_features", "register", "save_features"]
+__all__ = ["ESTIMATORS", "AttentionMask", "RefinementReport", "StateLayer", "XattnAttention",
+           "XattnCache", "attention_mask", "calibrate", "load_features", "refine", "register",
+           "save_features"]
 
 # keyword arguments of an attention call that ask for something the hook cannot compute
 _UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "position_bias")

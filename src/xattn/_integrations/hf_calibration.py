@@ -9,9 +9,10 @@ back by the hook. Re-exported and documented by :mod:`xattn.transformers`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,9 @@ class _Capture:
     repeated to the query heads), its key padding and causality, and returns exact
     softmax attention."""
 
-    def __init__(self, attention: Any) -> None:
+    def __init__(self, attention: Any, record: bool = True) -> None:
         self.attention = attention
+        self.record = record
         self.records: dict[int, list[tuple[Any, ...]]] = {}
         self.modules: dict[int, Any] = {}
 
@@ -65,17 +67,23 @@ class _Capture:
         if query.shape[-2] != key.shape[-2]:
             raise ValueError("calibration runs forward passes without a cache: the queries "
                              "must be the keys' positions")
-        layer = self.attention.module_layer(module)
-        self.modules[layer] = module
         mask = None if key_mask is None else key_mask[:, None, :]
-        self.records.setdefault(layer, []).append(
-            (query.detach(), key.detach(), value.detach(), mask, causal, scaling))
+        if self.record:
+            layer = self.attention.module_layer(module)
+            self.modules[layer] = module
+            self.records.setdefault(layer, []).append(
+                (query.detach(), key.detach(), value.detach(), mask, causal, scaling))
         out = softmax_attention(query, key, value, scale=scaling, key_mask=mask, causal=causal)
         return out.transpose(1, 2).contiguous(), None
 
 
-def _capture(model: Any, batches: Iterable[Mapping[str, Any]], attention: Any) -> _Capture:
-    capture = _Capture(attention)
+@contextlib.contextmanager
+def exact_attention(model: Any, attention: Any, *, record: bool = False
+                    ) -> Iterator[_Capture]:
+    """Within the block, ``model`` runs exact softmax attention in evaluation mode (the
+    masks as the hook reads them), recording each layer's q, k, v if ``record``; its
+    attention implementation and training mode are put back after."""
+    capture = _Capture(attention, record)
     AttentionInterface.register(_CAPTURE, capture)
     AttentionMaskInterface.register(_CAPTURE, attention_mask)
     previous = model.config._attn_implementation
@@ -83,15 +91,24 @@ def _capture(model: Any, batches: Iterable[Mapping[str, Any]], attention: Any) -
     model.eval()
     model.set_attn_implementation(_CAPTURE)
     try:
-        with torch.no_grad():
-            for batch in batches:
-                if not isinstance(batch, Mapping):
-                    raise TypeError(f"batches must be mappings of the model's inputs (e.g. a "
-                                    f"tokenizer's output), got a {type(batch).__name__}")
-                model(**batch, use_cache=False)
+        yield capture
     finally:
         model.set_attn_implementation(previous)
         model.train(was_training)
+
+
+def check_batch(batch: Any) -> Mapping[str, Any]:
+    """``batch`` if it is a mapping of the model's inputs, else a ``TypeError``."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batches must be mappings of the model's inputs (e.g. a "
+                        f"tokenizer's output), got a {type(batch).__name__}")
+    return batch
+
+
+def _capture(model: Any, batches: Iterable[Mapping[str, Any]], attention: Any) -> _Capture:
+    with exact_attention(model, attention, record=True) as capture, torch.no_grad():
+        for batch in batches:
+            model(**check_batch(batch), use_cache=False)
     if not capture.records:
         raise ValueError("the model ran no attention layer on the batches (no batch given?)")
     return capture
