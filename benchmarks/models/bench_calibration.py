@@ -176,10 +176,10 @@ def main():
     parser.add_argument("--windows", type=int, nargs="+", default=[0, 16, 64])
     parser.add_argument("--fit-count", type=int, default=64)
     parser.add_argument("--eval-count", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--patience", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--patience", type=int, default=50)
     parser.add_argument("--learning-rate", type=float, default=1e-2)
-    parser.add_argument("--refine-steps", type=int, default=120,
+    parser.add_argument("--refine-steps", type=int, default=200,
                         help="steps of xattn.transformers.refine after the per-layer fit "
                         "(0: none)")
     parser.add_argument("--refine-learning-rate", type=float, default=1e-2)

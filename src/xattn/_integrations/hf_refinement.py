@@ -111,7 +111,7 @@ def _error_sum(hidden: torch.Tensor, exact: torch.Tensor, batch: Mapping[str, An
 
 
 def refine(model: Any, batches: Iterable[Mapping[str, Any]], attention: Any, *,
-           steps: int = 100, learning_rate: float = 1e-2, holdout: float = 0.25,
+           steps: int = 200, learning_rate: float = 1e-2, holdout: float = 0.25,
            patience: int | None = 30, evaluate_every: int = 10, seed: int = 0,
            progress: Any = None) -> RefinementReport:
     r"""Refine the calibrated samples of every attention layer together, on the whole
