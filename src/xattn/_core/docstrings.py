@@ -17,7 +17,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 __all__ = ["EXAMPLE_INPUTS", "KEY_VALUE_CACHE_ATTRIBUTES", "QKV_PARAMETERS",
-           "SELF_ATTENTION_EXAMPLE_INPUTS", "fill_docstring", "returns_with_state"]
+           "SELF_ATTENTION_EXAMPLE_INPUTS", "document_estimator", "fill_docstring",
+           "returns_with_state"]
 
 _Documented = TypeVar("_Documented")
 

@@ -25,7 +25,8 @@ from xattn._estimators.softmax import softmax_attention
 from xattn._integrations.calibration import CalibrationReport, calibrate_omega
 from xattn._integrations.hf_masks import AttentionMask, attention_mask, mask_from_tensor
 
-__all__ = ["FEATURES_FILE", "calibrate", "load_features", "save_features"]
+__all__ = ["FEATURES_FILE", "calibrate", "check_batch", "exact_attention", "load_features",
+           "save_features"]
 
 #: The file name of the fitted samples in a model's directory.
 FEATURES_FILE = "xattn_features.safetensors"
