@@ -154,8 +154,8 @@ def run(args):
 def table(results):
     lines = ["| S | window (+ sink) | random ω: mean cos | 5th pct | fitted ω: mean cos | "
              "5th pct | fit: wall s (threads) | fit: CPU s | refined ω: mean cos | 5th pct "
-             "| refine: wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| refine: wall s | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         window = f"{row['window']} + 1" if row["window"] else "none"
         threads = row.get("threads", results["settings"]["threads"])
@@ -166,7 +166,8 @@ def table(results):
                      f"({threads}) | {'-' if cpu is None else f'{cpu:.0f}'} | "
                      + ("- | - | - |" if not row.get("refined") else
                         f"{row['refined']['mean']:.3f} | {row['refined']['p5']:.3f} | "
-                        f"{row['refinement']['seconds']:.0f} |"))
+                        f"{row['refinement']['seconds']:.0f} |")
+                     + f" {row['load_average_before']:.1f} |")
     return "\n".join(lines)
 
 

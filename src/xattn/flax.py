@@ -83,7 +83,7 @@ class MultiHeadAttention(Decoding, nnx.Module):
     (variable ``features``, shape ``(num_features, head_dim)``, shared by all heads, or
     ``(num_heads, num_features, head_dim)``, one matrix per head, when such an array is
     assigned with ``layer.features = FeatureState(omega)`` or restored with
-    :func:`flax.nnx.update`: fitted samples, say; another shape raises a ``ValueError``
+    ``flax.nnx.update``: fitted samples, say; another shape raises a ``ValueError``
     naming ``features`` at the next call) are redrawn at the start of a training-mode
     call once ``redraw_interval`` training calls have used them (the choice is made with
     :func:`jax.numpy.where`, so it works under :func:`flax.nnx.jit`; per-head features

@@ -82,7 +82,9 @@ def _split(batches: list[Mapping[str, Any]], holdout: float, seed: int
     count = min(total - 1, max(1, round(holdout * total)))
     held = np.zeros(total, dtype=bool)
     held[np.random.default_rng(seed).permutation(total)[:count]] = True
-    train, heldout, start = [], [], 0
+    train: list[dict[str, Any]] = []
+    heldout: list[dict[str, Any]] = []
+    start = 0
     for batch, size in zip(batches, sizes, strict=True):
         flags = torch.from_numpy(held[start:start + size])
         start += size
