@@ -194,18 +194,18 @@ def refine(model: Any, batches: Iterable[Mapping[str, Any]], attention: Any, *,
     >>> import torch
     >>> import xattn.transformers
     >>> from transformers import BertConfig, BertModel
-    >>> attention = xattn.transformers.register("xattn_rfa_refine_doc", num_features=8)
-    >>> config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-    ...                     num_attention_heads=4, intermediate_size=64)
     >>> _ = torch.manual_seed(0)
-    >>> model = BertModel(config, add_pooling_layer=False).eval()
-    >>> batches = [{"input_ids": torch.randint(100, (4, 16))} for _ in range(2)]
-    >>> _ = xattn.transformers.calibrate(model, batches, attention, steps=20)
-    >>> report = xattn.transformers.refine(model, batches, attention, steps=20)
-    >>> report.heldout_error_after <= report.heldout_error_before
-    True
+    >>> model = BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+    ...                              num_attention_heads=4, intermediate_size=64),
+    ...                   add_pooling_layer=False).eval()
+    >>> attention = xattn.transformers.register("xattn_rfa_refine_doc", num_features=8)
+    >>> text = [{"input_ids": torch.randint(100, (8, 16))}]
+    >>> _ = xattn.transformers.calibrate(model, text, attention, steps=20)
+    >>> report = xattn.transformers.refine(model, text, attention, steps=20)
+    >>> report.heldout_error_after <= report.heldout_error_before, report.heldout_sequences
+    (True, 2)
     >>> model.set_attn_implementation("xattn_rfa_refine_doc")
-    >>> out = model(batches[0]["input_ids"]).last_hidden_state
+    >>> out = model(text[0]["input_ids"]).last_hidden_state
     """
     if attention.estimator != "rfa":
         raise ValueError(f"refine trains RFA's samples: the attention {attention.name!r} "
