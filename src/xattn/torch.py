@@ -33,6 +33,7 @@ from xattn._integrations.layers import (
     ESTIMATORS,
     RFA_ONLY_RAISES,
     LayerCore,
+    check_features_shape,
     draw_features,
     learned_proposal_means,
     module_docstring,
@@ -234,12 +235,7 @@ class MultiheadAttention(LayerCore, Projections):
         shape = tuple(loaded.shape)
         if shape == tuple(self.features.shape):
             return
-        if (shape[-1:] != (self.head_dim,) or len(shape) not in (2, 3)
-                or (len(shape) == 3 and shape[0] not in (1, self.num_heads))):
-            raise ValueError(f"features must have shape (S, head_dim) = (S, {self.head_dim}) "
-                             f"or, one matrix per head, (num_heads, S, head_dim) = "
-                             f"({self.num_heads}, S, {self.head_dim}); the state_dict holds "
-                             f"{shape}")
+        check_features_shape(shape, self.head_dim, self.num_heads, "the state_dict holds")
         self.features = self.features.new_empty(shape)
 
     def _random(self) -> Generator:

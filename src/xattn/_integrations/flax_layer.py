@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from xattn._core.options import check_bool
-from xattn._integrations.layers import FIXED_SIZE_STATES, LayerCore
+from xattn._integrations.layers import FIXED_SIZE_STATES, LayerCore, check_features_shape
 
 __all__ = ["Decoding", "FeatureState", "constructor_signature", "key_mask",
            "variable_signature"]
@@ -187,12 +187,7 @@ class Decoding(LayerCore):
             raise TypeError(f"features must be a xattn.flax.FeatureState (module state), got "
                             f"{type(features).__name__}: assign fitted samples with "
                             "layer.features = xattn.flax.FeatureState(omega)")
-        shape = tuple(features.shape)
-        if (shape[-1:] != (self.head_dim,) or len(shape) not in (2, 3)
-                or (len(shape) == 3 and shape[0] not in (1, self.num_heads))):
-            raise ValueError(f"features must have shape (S, head_dim) = (S, {self.head_dim}) "
-                             f"or, one matrix per head, (num_heads, S, head_dim) = "
-                             f"({self.num_heads}, S, {self.head_dim}); got {shape}")
+        check_features_shape(tuple(features.shape), self.head_dim, self.num_heads, "got")
         return features
 
     def _decode_step(self, q: jax.Array, k: jax.Array, v: jax.Array, key_mask: Any,

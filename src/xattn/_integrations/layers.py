@@ -55,6 +55,7 @@ __all__ = [
     "STATE_CLASSES",
     "LayerCore",
     "attend",
+    "check_features_shape",
     "draw_features",
     "learned_proposal_means",
     "module_docstring",
@@ -77,6 +78,18 @@ def draw_features(rng: Any, num_features: int, head_dim: int, options: dict[str,
     sample_norm = check_choice(options.get("sample_norm", "chi"), "sample_norm", SAMPLE_NORMS)
     return sample_omega(rng, num_features, head_dim, xp=xp, dtype=dtype, device=device,
                         orthogonal=orthogonal, norm=sample_norm)
+
+
+def check_features_shape(shape: tuple[int, ...], head_dim: int, num_heads: int,
+                         source: str) -> None:
+    """``ValueError`` naming ``features`` unless ``shape`` is a layer's RFA samples:
+    ``(S, head_dim)`` shared by the heads, or ``(num_heads, S, head_dim)`` (or
+    ``(1, S, head_dim)``) one matrix per head; ``source`` says where ``shape`` came from."""
+    if (shape[-1:] != (head_dim,) or len(shape) not in (2, 3)
+            or (len(shape) == 3 and shape[0] not in (1, num_heads))):
+        raise ValueError(f"features must have shape (S, head_dim) = (S, {head_dim}) or, one "
+                         f"matrix per head, (num_heads, S, head_dim) = ({num_heads}, S, "
+                         f"{head_dim}); {source} {shape}")
 
 
 def learned_proposal_means(seed: Any, num_heads: int, num_samples: int,
