@@ -229,3 +229,25 @@ def test_ragged_lengths_write_what_the_next_multiple_writes(bench_ops, name, mod
     whole = bench_ops.count_call(row, mode, *_traffic_inputs(-(-length // 64) * 64))
     assert ragged["bytes_per_q"] <= 1.05 * whole["bytes_per_q"], (ragged["top_bytes_per_q"],
                                                                   whole["top_bytes_per_q"])
+
+
+#: Inductor's kernels for a forward plus backward in float32, each kernel of the generated
+#: code counted once (``kernels_in_code``), at most: the targets of the compiled path.
+KERNEL_TARGETS = {"rfa S=64 causal": 45, "rfa S=64 causal, window=64 sinks=1": 70,
+                  "rfa S=64": 30, "lara C=64": 60, "sdpa causal (torch)": 1}
+
+
+def test_inductor_generates_at_most_the_target_kernels(bench_ops):
+    """One compilation of each traffic row's forward plus backward at (1, 8, 1024, 64) (the
+    count is the same at 4096 and 16384: ``benchmarks/results/ops_kernels_cpu.json``)."""
+    import torch
+    cells = {}
+    rows = bench_ops.make_traffic_rows(torch.device("cpu"), None)
+    bench_ops.inductor_kernels(rows, [1024], ["float32"], torch.device("cpu"), cells,
+                               save=lambda: None)
+    counted = {name: cell["float32"]["1024"] for name, cell in cells.items()}
+    assert set(counted) == set(KERNEL_TARGETS)
+    for name, cell in counted.items():
+        assert "error" not in cell, (name, cell)
+        assert cell["kernels_in_code"] <= KERNEL_TARGETS[name], (name, cell)
+        assert cell["kernels"] == cell["kernels_in_code"] + cell["outer_loop_recounts"]

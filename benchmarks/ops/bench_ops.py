@@ -68,7 +68,12 @@ lengths that are not multiples of 64 and at the next multiple, and their ratio::
 **Inductor's kernels** (``--kernels``): for each row of the traffic table, the kernels
 inductor generates for one ``torch.compile(fullgraph=True)`` of its forward plus backward
 (``torch._inductor.metrics.generated_kernel_count``), at ``--kernel-lengths`` (4096 and
-16384) in ``--kernel-dtypes`` (float32 and bfloat16)::
+16384) in ``--kernel-dtypes`` (float32 and bfloat16). Beside it, ``kernels_in_code``:
+the kernels the generated code holds, each once. They differ on the CPU, where inductor
+tries to fuse the outer loops of a few kernels with a local buffer and, when that fails,
+generates the same kernels again; ``generated_kernel_count`` counts the attempt, the
+merged kernel and the retry (``outer_loop_recounts``, their excess). On a GPU (Triton)
+there is no such retry and the two agree::
 
     python benchmarks/ops/bench_ops.py --lengths '' --traffic-lengths '' --kernels
 
@@ -89,6 +94,7 @@ it finished).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
@@ -97,7 +103,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -583,7 +589,9 @@ def inductor_kernels(rows: list[Row], lengths: list[int], dtypes: list[str], dev
     """Inductor's generated kernels for each traffic row's forward plus backward
     (``torch._inductor.metrics.generated_kernel_count`` over one compilation of
     ``torch.compile(fullgraph=True)`` and its first call with ``.sum().backward()``), at
-    :data:`TRAFFIC_SHAPE` with N = each of ``lengths``, in ``cells[row][dtype][N]``; a
+    :data:`TRAFFIC_SHAPE` with N = each of ``lengths``, in ``cells[row][dtype][N]``, and
+    ``kernels_in_code``: that count less inductor's recounts
+    (:func:`outer_loop_recounts`), each kernel of the generated code counted once; a
     compilation that fails records its error."""
     import torch._dynamo
     import torch._inductor.config
@@ -604,20 +612,55 @@ def inductor_kernels(rows: list[Row], lengths: list[int], dtypes: list[str], dev
                 cell: dict[str, Any] = {}
                 started = time.perf_counter()
                 try:
-                    with warnings.catch_warnings(), \
+                    with warnings.catch_warnings(), outer_loop_recounts() as recounts, \
                             torch._inductor.config.patch(force_disable_caches=True):
                         warnings.simplefilter("ignore")
                         compiled(*leaves).float().sum().backward()
                     cell["kernels"] = int(torch._inductor.metrics.generated_kernel_count)
+                    cell["outer_loop_recounts"] = sum(recounts)
+                    cell["kernels_in_code"] = cell["kernels"] - sum(recounts)
                 except Exception as error:  # the failure is the result
                     cell["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                 cell["compile_and_first_call_s"] = round(time.perf_counter() - started, 2)
                 cells.setdefault(row.name, {}).setdefault(dtype_name, {})[str(length)] = cell
                 print(f"  {row.name:40s} {dtype_name:9s} N={length:6d}: "
-                      f"{cell.get('kernels', cell.get('error'))} kernels "
+                      f"{cell.get('kernels', cell.get('error'))} kernels, "
+                      f"{cell.get('kernels_in_code', '-')} in the code "
                       f"({cell['compile_and_first_call_s']} s)", flush=True)
                 save()
     torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def outer_loop_recounts() -> Iterator[list[int]]:
+    """A list that collects, while the context lasts, for each group of kernels inductor's
+    CPU backend tries to fuse by their outer loops, how many more kernels
+    ``generated_kernel_count`` counts than the group holds: 1 (the merged kernel) when the
+    fusion succeeds, the group's size (the same kernels generated again) when it fails
+    (``CppScheduling.codegen_outer_loop_node``, torch 2.13; nothing where a torch has no
+    such method)."""
+    import torch._inductor.metrics
+    from torch._inductor.codegen import cpp
+
+    recounts: list[int] = []
+    scheduling = getattr(cpp, "CppScheduling", None)
+    original = getattr(scheduling, "codegen_outer_loop_node", None)
+    if original is None:
+        yield recounts
+        return
+
+    def codegen_outer_loop_node(self: Any, node: Any) -> Any:
+        before = torch._inductor.metrics.generated_kernel_count
+        result = original(self, node)
+        counted = torch._inductor.metrics.generated_kernel_count - before
+        recounts.append(counted - len(node.get_outer_nodes()))
+        return result
+
+    scheduling.codegen_outer_loop_node = codegen_outer_loop_node
+    try:
+        yield recounts
+    finally:
+        scheduling.codegen_outer_loop_node = original
 
 
 def selected_rows(rows: list[Row], names: str | None) -> list[Row]:
