@@ -250,4 +250,3 @@ def test_inductor_generates_at_most_the_target_kernels(bench_ops):
     for name, cell in counted.items():
         assert "error" not in cell, (name, cell)
         assert cell["kernels_in_code"] <= KERNEL_TARGETS[name], (name, cell)
-        assert cell["kernels"] == cell["kernels_in_code"] + cell["outer_loop_recounts"]
