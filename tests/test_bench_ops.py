@@ -214,15 +214,19 @@ def test_bytes_written_and_half_precision_products(bench_ops, name, mode):
 
 
 # A length that is not a multiple of the chunk (64) writes per |q| at most 1.05 times what
-# the next multiple writes: the block is padded as its rows are read (no padded copy of
-# the mapped queries, keys and values), to a number of chunks whose prefix groups without
-# padding, and LARA's segments of two sizes are read by one split. Measured at 1,000 and
-# 3,000 against 1,024 and 3,072: 0.99 to 1.04 (before: up to 1.27 at 3,000, the window's
-# forward). Shorter sequences pay for their last chunk's padding (up to 63 positions:
-# 1.7 times at N = 70 against 128), which the guide states.
+# the next multiple writes: the block is cut into equal chunks of at most 64 positions
+# (chunks.chunk_layout: 70 positions are two chunks of 35), padded by fewer positions than
+# it has chunks, as its rows are read (no padded copy of the mapped queries, keys and
+# values), and LARA's segments of two sizes are read by one split. Causal rfa, measured at
+# 40 to 3,000: 0.99 to 1.03 (before the equal chunks: 1.74 at N = 70 against 128, the
+# padding of its last chunk).
+RAGGED_CASES = [*((name, length) for name in ("causal rfa", "causal rfa window", "lara")
+                  for length in (1000, 3000)),
+                *(("causal rfa", length) for length in (40, 70, 130, 200, 1100))]
+
+
 @pytest.mark.parametrize("mode", ["forward", "forward+backward"])
-@pytest.mark.parametrize("name", ["causal rfa", "causal rfa window", "lara"])
-@pytest.mark.parametrize("length", [1000, 3000])
+@pytest.mark.parametrize(("name", "length"), RAGGED_CASES)
 def test_ragged_lengths_write_what_the_next_multiple_writes(bench_ops, name, mode, length):
     row = _traffic_row(bench_ops, name)
     ragged = bench_ops.count_call(row, mode, *_traffic_inputs(length))

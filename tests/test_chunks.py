@@ -68,6 +68,22 @@ def test_exclusive_prefix_equals_the_sequential_merge(backend, rng, num_parts, w
     np.testing.assert_array_equal(backend.to_numpy(got_max), expected_max)
 
 
+@pytest.mark.parametrize("largest", [64, 40, 1])
+def test_chunk_layout_pads_fewer_positions_than_chunks(largest):
+    """Every length to 5,000: equal chunks of at most ``largest``, as many as the prefix
+    groups without padding, padded by fewer positions than chunks (so at most 1 + count /
+    length times the length), laid out again the same once padded; a multiple of 64 whose
+    chunks the prefix groups is whole chunks of 64 (the layout before ragged lengths)."""
+    for length in range(1, 5001):
+        chunk, count = _chunks.chunk_layout(length, largest)
+        assert chunk <= largest and _chunks.prefix_parts(count) == count, length
+        assert 0 <= chunk * count - length < count, length
+        assert _chunks.chunk_layout(chunk * count, largest) == (chunk, count), length
+        if largest == 64 and length % 64 == 0:
+            assert _chunks.padded_length(length, 64) != length or chunk == 64, length
+    assert _chunks.chunk_layout(70, 64) == (35, 2)
+
+
 @pytest.mark.thin(dtype_name=("float32",), feature_map=("positive",))
 @pytest.mark.parametrize("feature_map", ["positive", "hyperbolic"])
 @pytest.mark.parametrize("dtype_name", ["float64", "float32"])

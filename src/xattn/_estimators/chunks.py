@@ -43,12 +43,13 @@ from xattn._core.array import Array, one_chunk_along
 from xattn._core.delegation import stop_gradient
 from xattn._core.primitives import finite_shift
 
-__all__ = ["PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "exclusive_prefix",
-           "padded_length", "prefix_group", "prefix_parts"]
+__all__ = ["PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "chunk_layout",
+           "exclusive_prefix", "padded_length", "prefix_group", "prefix_parts"]
 
 PAIR_BLOCK = 64
-"""Positions per chunk (a power of two): their query-key pairs are computed exactly, the
-chunks before a query come to it through the prefix state. 64, as the head dimension
+"""The most positions per chunk: their query-key pairs are computed exactly, the
+chunks before a query come to it through the prefix state. A block whose length is not a
+multiple of it is cut into equal chunks a little shorter (:func:`chunk_layout`). 64, as the head dimension
 of most models: the states before the chunks, S x (Dv + 1) numbers per chunk, then
 weigh about as much as the inputs (Yang et al., 2023, chose the same for their chunks)."""
 
@@ -113,6 +114,26 @@ def padded_length(length: int, chunk: int, multiple: int = 1) -> int:
     while prefix_parts(padded // chunk) != padded // chunk:
         padded += step
     return padded
+
+
+def chunk_layout(length: int, largest: int) -> tuple[int, int]:
+    """``(chunk, count)``: ``length`` positions in ``count`` chunks of ``chunk`` positions,
+    none longer than ``largest``, padded by fewer than ``count`` positions.
+
+    ``count`` is the fewest chunks of at most ``largest`` positions that
+    :func:`exclusive_prefix` groups without padding (:func:`prefix_parts`) and ``chunk =
+    ceil(length / count)``, so a length that is not a multiple of ``largest`` costs what
+    its own positions cost, not those of a whole chunk more: 70 positions are two chunks
+    of 35, 4,096 are 64 chunks of 64. The layout of ``chunk * count`` positions is the
+    same one (the padded block is laid out as its unpadded length was).
+
+    Examples
+    --------
+    >>> chunk_layout(70, 64), chunk_layout(4096, 64), chunk_layout(1, 64)
+    ((35, 2), (64, 64), (1, 1))
+    """
+    count = prefix_parts(-(-max(length, 1) // largest))
+    return -(-max(length, 1) // count), count
 
 
 def _in_groups(xp: Any, x: Array, axis: int, group: int, fill: float) -> Array:

@@ -62,7 +62,7 @@ from xattn._core.primitives import (
     pad_rows,
     value_columns,
 )
-from xattn._estimators.chunks import PAIR_BLOCK, padded_length
+from xattn._estimators.chunks import PAIR_BLOCK, chunk_layout
 
 __all__ = [
     "PAIR_BLOCK",
@@ -90,8 +90,11 @@ class FeatureMap(Protocol):
 
     key_fills: tuple[float, ...]
     """Per array returned by :meth:`keys`, the fill of the rows of padding keys."""
+    pair_block: int
+    """The longest chunk of :meth:`block` (:func:`~xattn._estimators.chunks.chunk_layout`)."""
     multiple: int
-    """Blocks handed to :meth:`block` have a multiple of this many positions."""
+    """The largest power of two up to :attr:`pair_block`: the chunk of a block padded
+    to whole chunks beforehand (:func:`~xattn._estimators.chunks.padded_length`)."""
 
     def queries(self, q_hat: Array) -> Array:
         """The queries' side of the features, (..., B, F)."""
@@ -123,11 +126,13 @@ class FeatureMap(Protocol):
         ...
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State | None, keep_state: bool = True) -> tuple[Partial, State | None]:
+              state: State | None, keep_state: bool = True,
+              chunk: int | None = None) -> tuple[Partial, State | None]:
         """A block of aligned queries and keys (key ``i`` allowed for query ``j`` iff
-        ``i <= j``) after the keys of ``state`` (None: no key before the block); returns
-        its partial and the new state (None may be returned without ``keep_state``: no
-        later block or caller reads it)."""
+        ``i <= j``) after the keys of ``state`` (None: no key before the block), in
+        chunks of ``chunk`` positions (None: :attr:`multiple`); returns its partial and
+        the new state (None may be returned without ``keep_state``: no later block or
+        caller reads it)."""
         ...
 
 
@@ -285,10 +290,12 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
         nonlocal state
         for start, stop in (reversed(blocks) if reverse else blocks):
             length = stop - start
-            # the block padded to whole chunks, as many as the prefix over them groups
-            # without padding (chunks.prefix_parts): forward, as its rows are read (the
-            # padding after them); reversed, after they are flipped
-            padding = padded_length(length, mapping.multiple) - length
+            # the block in equal chunks of at most pair_block positions, as many as the
+            # prefix over them groups without padding (chunks.chunk_layout), padded by
+            # fewer positions than chunks: forward, as its rows are read (the padding
+            # after them); reversed, after they are flipped
+            chunk, count = chunk_layout(length, mapping.pair_block)
+            padding = chunk * count - length
             appended = 0 if reverse else padding
             queries = finite_entries(xp, query_rows.get(start, stop), finite, appended)
             queries = mapping.queries(queries if root_scale == 1.0 else root_scale * queries)
@@ -323,7 +330,7 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
             keys = tuple(one_chunk_along(x, -2) for x in keys)
             last = start == (blocks[0][0] if reverse else blocks[-1][0])
             partial, state = mapping.block(queries, keys, values, state,
-                                           keep_state=keep_state or not last)
+                                           keep_state=keep_state or not last, chunk=chunk)
             if padding:
                 shift, sums, weight = partial
                 partial = (shift[..., :length, :], sums[..., :length, :],
