@@ -217,12 +217,15 @@ def test_bytes_written_and_half_precision_products(bench_ops, name, mode):
 # the next multiple writes: the block is cut into equal chunks of at most 64 positions
 # (chunks.chunk_layout: 70 positions are two chunks of 35), padded by fewer positions than
 # it has chunks, as its rows are read (no padded copy of the mapped queries, keys and
-# values), and LARA's segments of two sizes are read by one split. Causal rfa, measured at
-# 40 to 3,000: 0.99 to 1.03 (before the equal chunks: 1.74 at N = 70 against 128, the
-# padding of its last chunk).
+# values); a window's band in equal chunks of 64 to 127 positions whose scan chunks divide
+# the padded length (window.window_layout: 70 positions one band chunk, 150 two of 75);
+# LARA's segments of two sizes are read by one split. Measured from 40 to 3,000: causal
+# rfa 0.99 to 1.03, window 64 + 1 sink 0.49 to 1.03 (before: 1.74 and 1.80 at N = 70
+# against 128, the padding of the last chunk).
 RAGGED_CASES = [*((name, length) for name in ("causal rfa", "causal rfa window", "lara")
                   for length in (1000, 3000)),
-                *(("causal rfa", length) for length in (40, 70, 130, 200, 1100))]
+                *((name, length) for name in ("causal rfa", "causal rfa window")
+                  for length in (40, 70, 130, 150, 200, 250, 1025, 1100))]
 
 
 @pytest.mark.parametrize("mode", ["forward", "forward+backward"])

@@ -298,6 +298,60 @@ def test_scores_of_80_stay_finite_in_float32(backend, rng, feature_map, causal):
     np.testing.assert_allclose(result, expected, rtol=1e-3, atol=1e-3 * np.abs(v).max())
 
 
+# a causal sequence in one block whose length is not a multiple of the band's chunk: the
+# band and the scan in equal chunks (xattn._estimators.window.window_layout: 70 positions
+# with a window of 64 are one band chunk of 70, 150 are two of 75; a window of 20 takes
+# chunks of 32 or a little more), several batch-heads
+RAGGED = [(40, 64, 1), (70, 64, 1), (100, 64, 0), (150, 64, 1), (201, 64, 2), (70, 16, 0),
+          (150, 20, 2), (201, 16, 1)]
+
+
+@pytest.mark.thin(case=(RAGGED[3],))
+@pytest.mark.parametrize("case", RAGGED)
+def test_ragged_causal_lengths_match_the_kernel_matrix(backend, rng, case):
+    length, window, sinks = case
+    xp = backend.ns
+    q, k, v = make_qkv(rng, batch=(2, 2), num_queries=length, num_keys=length)
+    omega = omega_for(5)
+    out = attend(backend, *(backend.asarray(a) for a in (q, k, v)),
+                 omega=backend.asarray(omega), window=window, sinks=sinks, causal=True)
+    expected = explicit_windowed_rfa(q, k, v, omega, "positive", window, sinks, causal=True)
+    backend.check(out, expected, dtype=xp.float64)
+
+
+@pytest.mark.parametrize("case", RAGGED[1:5])
+def test_ragged_causal_gradients_match_the_kernel_matrix(case):
+    """torch float64: the gradients of q, k and v against autograd through the explicit
+    kernel matrix (positive features written out), at the ragged layouts above."""
+    torch = pytest.importorskip("torch")
+    length, window, sinks = case
+    q, k, v = make_qkv(np.random.default_rng(length), batch=(2, 2), num_queries=length,
+                       num_keys=length)
+    omega = torch.as_tensor(omega_for(6))
+    ours = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    theirs = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    cotangent = torch.as_tensor(np.random.default_rng(0).normal(size=(2, 2, length, 3)))
+    out = xattn.rfa(*ours, omega=omega, window=window, sinks=sinks, causal=True)
+    (out * cotangent).sum().backward()
+
+    q_hat, k_hat = (x / 8 ** 0.25 for x in theirs[:2])
+
+    def features(x):  # exp(x . w - |x|^2 / 2) / sqrt(S)
+        return torch.exp(x @ omega.T - 0.5 * (x * x).sum(-1, keepdim=True)) / 4.0
+
+    positions = torch.arange(length)
+    offset = positions[:, None] - positions[None, :]
+    exact = (offset <= window) | (positions[None, :] < sinks)
+    kernel = torch.where(exact, torch.exp(q_hat @ k_hat.transpose(-1, -2)),
+                         features(q_hat) @ features(k_hat).transpose(-1, -2))
+    kernel = torch.where(offset >= 0, kernel, 0.0)
+    expected = (kernel @ theirs[2]) / kernel.sum(-1, keepdim=True)
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-10)
+    (expected * cotangent).sum().backward()
+    for mine, reference in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_gradients(causal):
     torch = pytest.importorskip("torch")

@@ -3,9 +3,11 @@ r"""The exact part of windowed RFA: a block of queries against its band and sink
 Query :math:`n` takes exactly the keys :math:`n - w \le m \le n + w` (causal: :math:`n - w
 \le m \le n`) and the :math:`K` sink keys, each once. The block's queries are cut into
 chunks of :math:`C` positions, :math:`C` the smallest power of two :math:`\ge \max(w, 16)`
-(the last chunk padded), carried on a batch axis: every key of a chunk's band lies in
-the chunk itself or its neighbours (:math:`C \ge w`), so the band is a fixed number of
-(C x C) products, whatever the block's length:
+(the last chunk padded; a causal sequence in one block takes equal chunks a little
+longer instead, :func:`xattn._estimators.window.window_layout`), carried on a batch
+axis: every key of a chunk's band lies in the chunk itself or its neighbours
+(:math:`C \ge w`), so the band is a fixed number of (C x C) products, whatever the
+block's length:
 
 .. math::
 
@@ -279,7 +281,8 @@ def _whole_sequence_band(xp: Any, band: KeyRows, queries: Array, size: int, coun
         valid = xp.reshape(xp.broadcast_to(valid, (*lead, length)), (chunks, 1, size))
     rows = xp.arange(size, device=device)[:, None]
     columns = xp.arange(size, device=device)[None, :]
-    neighbours = (0, -1) if causal else (0, -1, 1)
+    # one chunk: its own products only (it has no neighbour)
+    neighbours = (0,) if count == 1 else (0, -1) if causal else (0, -1, 1)
     in_bands, biases = [], []
     for neighbour in neighbours:
         relative = neighbour * size + columns - rows  # key position - query position
@@ -337,7 +340,8 @@ def _sink_scores(xp: Any, sinks: KeyRows, queries: Array, first_position: int | 
 def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: bool,
                   band: KeyRows | None, first_key: int = 0, sinks: KeyRows | None = None,
                   sink_position: int | Array | None = None, sinks_in_band: bool = False,
-                  finite: bool = False, base: Partial | None = None) -> Partial | None:
+                  finite: bool = False, base: Partial | None = None,
+                  band_chunk: int | None = None) -> Partial | None:
     r"""Exact sums of a block of queries over their band keys and the sink keys.
 
     Query ``i`` of the block, at position :math:`n = \text{start} + i` of the sequence of
@@ -393,6 +397,10 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
         the band and the sinks are added in place of a separate merge
         (:func:`~xattn._estimators.rf_scan.combine_partials`). Its weight must be its
         denominator (not the trigonometric map's bound).
+    band_chunk : int, optional
+        Queries per chunk of the band, at least the smallest :func:`_band_chunks` takes
+        (None: :func:`_band_chunks`'s power of two): a length cut into equal chunks
+        (:func:`xattn._estimators.window.window_layout`).
 
     Returns
     -------
@@ -406,9 +414,11 @@ def exact_partial(xp: Any, queries: Array, start: int, *, window: int, causal: b
     if not window:
         band = None
     size, count = _band_chunks(window, length) if band is not None else (length, 1)
+    if band is not None and band_chunk is not None:
+        size, count = band_chunk, -(-length // band_chunk)
     padded = pad_rows(xp, queries, 0, size * count - length, 0.0)
     whole = scored = None
-    if (band is not None and start == 0 and count > 1 and band[0].shape[-2] == length
+    if (band is not None and start == 0 and band[0].shape[-2] == length
             and reshapes_freely(queries)):
         whole = _whole_sequence_band(xp, band, padded, size, count, window, first_key, causal,
                                      finite)

@@ -49,9 +49,10 @@ __all__ = ["PAIR_BLOCK", "PREFIX_GROUP", "PREFIX_GROUP_MAX", "chunk_layout",
 PAIR_BLOCK = 64
 """The most positions per chunk: their query-key pairs are computed exactly, the
 chunks before a query come to it through the prefix state. A block whose length is not a
-multiple of it is cut into equal chunks a little shorter (:func:`chunk_layout`). 64, as the head dimension
-of most models: the states before the chunks, S x (Dv + 1) numbers per chunk, then
-weigh about as much as the inputs (Yang et al., 2023, chose the same for their chunks)."""
+multiple of it is cut into equal chunks a little shorter (:func:`chunk_layout`). 64, as
+the head dimension of most models: the states before the chunks, S x (Dv + 1) numbers
+per chunk, then weigh about as much as the inputs (Yang et al., 2023, chose the same for
+their chunks)."""
 
 PREFIX_GROUP = 8
 """Parts merged by one lower-triangular selection in :func:`exclusive_prefix` (fewest)."""

@@ -347,10 +347,11 @@ class TrigonometricMap:
               state: State | None, keep_state: bool = True,
               chunk: int | None = None) -> tuple[Partial, State]:
         r"""One block (key ``i`` allowed for query ``j`` iff ``i <= j``), in chunks of
-        ``chunk`` positions (None: :attr:`multiple`) carried as an axis, as :meth:`PositiveMap.block`: each
-        chunk's sums :math:`\sum_m w_m \phi(\hat k_m) [v_m, 1]` and :math:`\sum_m w_m`
-        shifted by its largest :math:`\log w_m`, the state before each chunk by
-        :func:`~xattn._estimators.chunks.exclusive_prefix` (one shared maximum: a single feature
+        ``chunk`` positions (None: :attr:`multiple`) carried as an axis, as
+        :meth:`PositiveMap.block`: each chunk's sums :math:`\sum_m w_m \phi(\hat k_m)
+        [v_m, 1]` and :math:`\sum_m w_m` shifted by its largest :math:`\log w_m`, the
+        state before each chunk by :func:`~xattn._estimators.chunks.exclusive_prefix`
+        (one shared maximum: a single feature
         whose sums are the flattened :math:`2S \times E` sums and the weight), and the
         pairs of each chunk exactly, shifted by each query's running maximum."""
         xp = self.xp

@@ -242,8 +242,8 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
                   key_mask: Array | None, first_key: int, offset: int, reverse: bool,
                   block_size: int, chunk_size: int, batch_shape: tuple[int, ...],
                   initial: State | None = None, keep_state: bool = True,
-                  finite: bool = False,
-                  returned: list[State] | None = None) -> Generator[Partial, None, None]:
+                  finite: bool = False, returned: list[State] | None = None,
+                  chunk: int | None = None) -> Generator[Partial, None, None]:
     """Partials of the queries over their prefix (or suffix) keys, block by block.
 
     Query ``n`` takes the keys ``m <= n - offset`` (``reverse=False``) or ``m >= n +
@@ -256,7 +256,9 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
     appended to ``returned`` once the last block has been read (:func:`returned_state`; not
     the generator's return value, which ``torch.compile`` loses).
     With ``finite`` q, k and v hold no NaN or infinity
-    (:func:`~xattn._core.primitives.finite_inputs`) and are read as they are.
+    (:func:`~xattn._core.primitives.finite_inputs`) and are read as they are. ``chunk``:
+    the positions per chunk of every block, whose length it divides (None: each block's
+    :func:`~xattn._estimators.chunks.chunk_layout`).
 
     Design: a generator, so that a caller walks the blocks in lock-step with its own
     work on the same positions: :func:`xattn._estimators.window.windowed_rfa` runs one scan for the
@@ -294,8 +296,9 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
             # prefix over them groups without padding (chunks.chunk_layout), padded by
             # fewer positions than chunks: forward, as its rows are read (the padding
             # after them); reversed, after they are flipped
-            chunk, count = chunk_layout(length, mapping.pair_block)
-            padding = chunk * count - length
+            block_chunk, count = ((chunk, -(-length // chunk)) if chunk is not None
+                                  else chunk_layout(length, mapping.pair_block))
+            padding = block_chunk * count - length
             appended = 0 if reverse else padding
             queries = finite_entries(xp, query_rows.get(start, stop), finite, appended)
             queries = mapping.queries(queries if root_scale == 1.0 else root_scale * queries)
@@ -330,7 +333,8 @@ def scan_partials(xp: Any, mapping: FeatureMap, q: Array, k: Array, v: Array, *,
             keys = tuple(one_chunk_along(x, -2) for x in keys)
             last = start == (blocks[0][0] if reverse else blocks[-1][0])
             partial, state = mapping.block(queries, keys, values, state,
-                                           keep_state=keep_state or not last, chunk=chunk)
+                                           keep_state=keep_state or not last,
+                                           chunk=block_chunk)
             if padding:
                 shift, sums, weight = partial
                 partial = (shift[..., :length, :], sums[..., :length, :],

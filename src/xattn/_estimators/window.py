@@ -44,7 +44,7 @@ from xattn._estimators.band import (
     band_width,
     exact_partial,
 )
-from xattn._estimators.chunks import padded_length
+from xattn._estimators.chunks import chunk_layout, padded_length, prefix_parts
 from xattn._estimators.rf_scan import (
     FeatureMap,
     Partial,
@@ -56,12 +56,19 @@ from xattn._estimators.rf_scan import (
 
 # the band's names, imported from here by the decoding steps and the tests
 __all__ = ["BAND_CHUNK_MIN", "KeyRows", "_band_chunks", "band_width", "exact_partial",
-           "windowed_rfa"]
+           "window_layout", "windowed_rfa"]
 
+#: What a position costs besides the band's exact pairs, in pairs: the cost by which
+#: :func:`window_layout` weighs band chunks a little longer than the least against
+#: padding to whole chunks of it (bytes written by a forward plus backward at 64 features
+#: and 64 dimensions, window 64: equal chunks of 75 for 150 positions, whole chunks of 64
+#: for 190).
+POSITION_COST = 300
 
 def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, window: int,
                    sinks: int, causal: bool, finite: bool = False,
-                   base: Partial | None = None) -> Partial | None:
+                   base: Partial | None = None,
+                   band_chunk: int | None = None) -> Partial | None:
     r"""Exact sums of queries ``start:stop`` of ``inputs`` over their band and sink keys
     (:func:`exact_partial`).
 
@@ -84,7 +91,7 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
         Whether a query takes only the keys ``m <= n``.
     finite : bool
         q, k and v hold no NaN or infinity (:func:`~xattn._core.primitives.finite_inputs`).
-    base : Partial, optional
+    base, band_chunk : optional
         As :func:`exact_partial`'s.
 
     Returns
@@ -105,7 +112,48 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
     return exact_partial(xp, queries, start, window=window, causal=causal,
                          band=(k, v, key_mask) if window else None, sinks=sink_rows,
                          sink_position=start if causal else None, sinks_in_band=True,
-                         finite=finite, base=base)
+                         finite=finite, base=base, band_chunk=band_chunk)
+
+
+def window_layout(window: int, length: int, pair_block: int,
+                  multiple: int) -> tuple[int, int, int]:
+    """``(padded, scan_chunk, band_chunk)``: the length that a causal sequence of
+    ``length`` positions with the band ``window`` is padded to, once, the chunk of the
+    random features' scan (:func:`~xattn._estimators.rf_scan.scan_partials`) and that of
+    the band (:func:`exact_partial`), both dividing it.
+
+    The band's chunks are at least the smallest power of two ``size >= max(w, 16)``
+    (:func:`~xattn._estimators.band._band_chunks`: a query's band then spans its chunk and
+    the one before) and the scan's at most ``pair_block``
+    (:func:`~xattn._estimators.chunks.chunk_layout`). Of the layouts in equal band chunks
+    of ``size`` to ``2 size`` positions (as many as ``length`` needs, a few fewer, or one
+    more) whose scan chunks divide the padded length too (or are whole band chunks), the
+    one with the least
+    :data:`POSITION_COST` plus band pairs per position times the padded length: 70
+    positions with a window of 64 are one band chunk of 70 and two scan chunks of 35,
+    not two chunks of 64 each. When none fits, whole chunks of ``size`` and of
+    ``multiple`` (the largest power of two up to ``pair_block``).
+    """
+    size, count = _band_chunks(window, length)
+    options = []
+    for band_count in range(max(1, length // size - 2), count + 1):
+        band_chunk = max(size, -(-length // band_count))
+        padded = band_count * band_chunk
+        if band_chunk >= 2 * size:
+            continue
+        scan_chunk, scan_count = chunk_layout(padded, pair_block)
+        per = multiple // size  # else scan chunks of whole band chunks
+        if scan_chunk * scan_count != padded and per and band_count % per == 0:
+            scan_chunk, scan_count = per * band_chunk, band_count // per
+        if scan_chunk * scan_count != padded or prefix_parts(scan_count) != scan_count:
+            continue
+        # pairs per position: the chunk's own, and the chunk before (all but the first)
+        pairs = band_chunk * (2 * band_count - 1) / band_count
+        options.append((padded * (POSITION_COST + pairs), padded, scan_chunk, band_chunk))
+    if not options:
+        return padded_length(length, multiple, size), multiple, size
+    _, padded, scan_chunk, band_chunk = min(options)
+    return padded, scan_chunk, band_chunk
 
 
 def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, window: int,
@@ -131,15 +179,19 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
     # by each of the scans and the band (several blocks: each reads its own rows)
     finite = len(blocks) == 1
     root_scale = math.sqrt(inputs.scale)
+    scan_chunk = band_chunk = None  # each block's own (scan_partials, exact_partial)
     if finite:  # and scaled once: q^ and k^, so that q^ . k^ = s q . k (scale 1 below)
         padding = 0
         if causal and inputs.k.shape[-2] == num_queries:
             # padded once, in that copy, to whole chunks of the scan and of the band (no
             # later key reaches a query, so the padding keys are attended by none)
-            size, count = _band_chunks(window, num_queries) if window else (1, 1)
-            padding = (padded_length(num_queries, mapping.multiple, size if count > 1 else 1)
-                       - num_queries)
-            length = num_queries + padding
+            if window:
+                length, scan_chunk, band_chunk = window_layout(
+                    window, num_queries, mapping.pair_block, mapping.multiple)
+            else:
+                scan_chunk, count = chunk_layout(num_queries, mapping.pair_block)
+                length = scan_chunk * count
+            padding = length - num_queries
             blocks = [(0, length)]
         inputs = finite_inputs(inputs, padding)
         inputs = dataclasses.replace(inputs, q=root_scale * inputs.q, k=root_scale * inputs.k,
@@ -166,7 +218,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
                                 offset=window + 1 if window else 0, reverse=False,
                                 block_size=block_size, chunk_size=chunk_size,
                                 batch_shape=inputs.batch_shape, keep_state=False,
-                                finite=finite)
+                                finite=finite, chunk=scan_chunk)
     state = None
     if not window and not causal:  # sinks only: every key m >= K, for every query
         state = state_over_keys(xp, mapping, k, v, root_scale=root_scale,
@@ -191,11 +243,13 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
         partials = [(shift + constant, sums, weight) for shift, sums, weight in random_parts]
         combined: Partial | None
         if guard:  # the trigonometric map's weight bounds its denominator: merged apart
-            exact = _exact_partial(xp, inputs, start, stop, window, sinks, causal, finite)
+            exact = _exact_partial(xp, inputs, start, stop, window, sinks, causal, finite,
+                                   band_chunk=band_chunk)
             combined = combine_partials(xp, partials if exact is None else [*partials, exact])
         else:  # the exact sums added to the random features' by the band's products
             combined = _exact_partial(xp, inputs, start, stop, window, sinks, causal, finite,
-                                      base=combine_partials(xp, partials))
+                                      base=combine_partials(xp, partials),
+                                      band_chunk=band_chunk)
         assert combined is not None  # a random part at least
         rows, invalid = finish_partial(xp, combined, guard=guard)
         out.put(start, rows)
