@@ -238,6 +238,21 @@ def test_ragged_lengths_write_what_the_next_multiple_writes(bench_ops, name, mod
                                                                   whole["top_bytes_per_q"])
 
 
+# lara's C = 64 proposals cost a fixed amount per batch-head (their samples, features and
+# sums), which per |q| weighs more on any short sequence (128 positions: 1.18 times 256's),
+# so a short ragged length is held in all: it writes less than the next multiple (70:
+# 0.70 times 128's, 200: 0.86 times 256's), no padding to pay for.
+@pytest.mark.parametrize("mode", ["forward", "forward+backward"])
+@pytest.mark.parametrize("length", [70, 200])
+def test_lara_at_a_short_ragged_length_writes_less_than_the_next_multiple(bench_ops, mode,
+                                                                          length):
+    row = _traffic_row(bench_ops, "lara")
+    multiple = -(-length // 64) * 64
+    ragged = bench_ops.count_call(row, mode, *_traffic_inputs(length))["bytes_per_q"]
+    whole = bench_ops.count_call(row, mode, *_traffic_inputs(multiple))["bytes_per_q"]
+    assert ragged * length < whole * multiple
+
+
 #: Inductor's kernels for a forward plus backward in float32, each kernel of the generated
 #: code counted once (``kernels_in_code``), at most: the targets of the compiled path.
 KERNEL_TARGETS = {"rfa S=64 causal": 45, "rfa S=64 causal, window=64 sinks=1": 70,

@@ -55,8 +55,8 @@ from xattn._estimators.rf_scan import (
 )
 
 # the band's names, imported from here by the decoding steps and the tests
-__all__ = ["BAND_CHUNK_MIN", "KeyRows", "_band_chunks", "band_width", "exact_partial",
-           "window_layout", "windowed_rfa"]
+__all__ = ["BAND_CHUNK_MIN", "POSITION_COST", "KeyRows", "_band_chunks", "band_width",
+           "exact_partial", "window_layout", "windowed_rfa"]
 
 #: What a position costs besides the band's exact pairs, in pairs: the cost by which
 #: :func:`window_layout` weighs band chunks a little longer than the least against
