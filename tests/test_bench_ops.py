@@ -241,7 +241,7 @@ def test_ragged_lengths_write_what_the_next_multiple_writes(bench_ops, name, mod
 # lara's C = 64 proposals cost a fixed amount per batch-head (their samples, features and
 # sums), which per |q| weighs more on any short sequence (128 positions: 1.18 times 256's),
 # so a short ragged length is held in all: it writes less than the next multiple (70:
-# 0.70 times 128's, 200: 0.86 times 256's), no padding to pay for.
+# 0.70 times 128's, 200: 0.85 times 256's), no padding to pay for.
 @pytest.mark.parametrize("mode", ["forward", "forward+backward"])
 @pytest.mark.parametrize("length", [70, 200])
 def test_lara_at_a_short_ragged_length_writes_less_than_the_next_multiple(bench_ops, mode,

@@ -63,7 +63,7 @@ that is SDPA's half-precision backward at N = 16384 (about 2 and 3 minutes)::
 lengths that are not multiples of 64 and at the next multiple, and their ratio::
 
     python benchmarks/ops/bench_ops.py --lengths '' --traffic-lengths '' \
-        --ragged-lengths 70,200,1000,3000,4000 --out benchmarks/results/ops_ragged_cpu.json
+        --ragged-lengths 70,150,200,1000,1100,3000,4000 --out benchmarks/results/ops_ragged_cpu.json
 
 **Inductor's kernels** (``--kernels``): for each row of the traffic table, the kernels
 inductor generates for one ``torch.compile(fullgraph=True)`` of its forward plus backward
