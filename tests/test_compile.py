@@ -200,6 +200,17 @@ def test_inductor_compile_equals_eager(name, dtype, kind):
     check_compiled_equals_eager(function, dtype, kind, "inductor")
 
 
+@pytest.mark.parametrize("window", [16, 64])
+def test_window_layouts_of_a_ragged_length_compile_whole(window):
+    """A causal window at 70 positions: the band and the scan in equal chunks
+    (xattn._estimators.window.window_layout; one band chunk of 70 at window 64) traced
+    whole and equal to eager, values and gradients."""
+    def function(q, k, v, rng):
+        return xattn.rfa(q, k, v, omega=rng, causal=True, window=window, sinks=1)
+
+    check_compiled_equals_eager(function, torch.float32, "omega", "aot_eager")
+
+
 def test_a_new_seed_at_every_step_compiles_at_most_twice():
     """The seed is an input of the graph after its first change (dynamo's automatic
     dynamic), and each compiled call draws the eager call's numbers for its seed."""

@@ -135,7 +135,7 @@ def window_layout(window: int, length: int, pair_block: int,
     ``multiple`` (the largest power of two up to ``pair_block``).
     """
     size, count = _band_chunks(window, length)
-    options = []
+    best: tuple[float, int, int, int] | None = None  # (cost, padded, scan and band chunk)
     for band_count in range(max(1, length // size - 2), count + 1):
         band_chunk = max(size, -(-length // band_count))
         padded = band_count * band_chunk
@@ -149,11 +149,12 @@ def window_layout(window: int, length: int, pair_block: int,
             continue
         # pairs per position: the chunk's own, and the chunk before (all but the first)
         pairs = band_chunk * (2 * band_count - 1) / band_count
-        options.append((padded * (POSITION_COST + pairs), padded, scan_chunk, band_chunk))
-    if not options:
+        cost = padded * (POSITION_COST + pairs)
+        if best is None or cost < best[0]:  # a loop: torch.compile traces no min of a list
+            best = (cost, padded, scan_chunk, band_chunk)
+    if best is None:
         return padded_length(length, multiple, size), multiple, size
-    _, padded, scan_chunk, band_chunk = min(options)
-    return padded, scan_chunk, band_chunk
+    return best[1:]
 
 
 def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, window: int,
