@@ -319,6 +319,24 @@ def test_ragged_causal_lengths_match_the_kernel_matrix(backend, rng, case):
     backend.check(out, expected, dtype=xp.float64)
 
 
+# one block padded to a layout longer than the budget's multiple of 64 (window 16 at 1,091
+# positions: 1,156 against a block of 1,152; window 128 at 1,028: 1,152 against 1,088),
+# not causal with its padding keys masked: the same as blocks of 100 positions, which
+# are laid out block by block
+@pytest.mark.thin(case=((1091, 16, True),))
+@pytest.mark.parametrize("case", [(1091, 16, True), (1028, 128, True), (1100, 64, False),
+                                  (150, 64, False), (70, 16, False), (1091, 16, False)])
+def test_one_ragged_block_equals_blocks_of_100(backend, rng, case):
+    length, window, causal = case
+    xp = backend.ns
+    q, k, v = make_qkv(rng, batch=(2,), num_queries=length, num_keys=length)
+    arrays = [backend.asarray(a) for a in (q, k, v)]
+    options = dict(omega=backend.asarray(omega_for(7)), window=window, sinks=1, causal=causal)
+    whole = attend(backend, *arrays, **options)
+    blocks = attend(backend, *arrays, **options, block_size=100)
+    backend.check(whole, backend.to_numpy(blocks), dtype=xp.float64)
+
+
 @pytest.mark.parametrize("case", RAGGED[1:5])
 def test_ragged_causal_gradients_match_the_kernel_matrix(case):
     """torch float64: the gradients of q, k and v against autograd through the explicit

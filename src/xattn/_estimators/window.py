@@ -34,6 +34,8 @@ import dataclasses
 import math
 from typing import Any
 
+import array_api_compat
+
 from xattn._core.array import Array
 from xattn._core.inputs import AttentionInputs
 from xattn._core.primitives import RowPieces, finite_entries, finite_inputs
@@ -115,10 +117,10 @@ def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, wind
                          finite=finite, base=base, band_chunk=band_chunk)
 
 
-def window_layout(window: int, length: int, pair_block: int,
-                  multiple: int) -> tuple[int, int, int]:
-    """``(padded, scan_chunk, band_chunk)``: the length that a causal sequence of
-    ``length`` positions with the band ``window`` is padded to, once, the chunk of the
+def window_layout(window: int, length: int, pair_block: int, multiple: int,
+                  causal: bool = True) -> tuple[int, int, int]:
+    """``(padded, scan_chunk, band_chunk)``: the length that a sequence of ``length``
+    positions with the band ``window`` (``causal`` or not) is padded to, once, the chunk of the
     random features' scan (:func:`~xattn._estimators.rf_scan.scan_partials`) and that of
     the band (:func:`exact_partial`), both dividing it.
 
@@ -147,8 +149,10 @@ def window_layout(window: int, length: int, pair_block: int,
             scan_chunk, scan_count = per * band_chunk, band_count // per
         if scan_chunk * scan_count != padded or prefix_parts(scan_count) != scan_count:
             continue
-        # pairs per position: the chunk's own, and the chunk before (all but the first)
-        pairs = band_chunk * (2 * band_count - 1) / band_count
+        # pairs per position: the chunk's own, the chunk before (all but the first) and,
+        # not causal, the chunk after (all but the last)
+        neighbours = 2 if causal else 3
+        pairs = band_chunk * (neighbours * band_count - neighbours + 1) / band_count
         cost = padded * (POSITION_COST + pairs)
         if best is None or cost < best[0]:  # a loop: torch.compile traces no min of a list
             best = (cost, padded, scan_chunk, band_chunk)
@@ -183,17 +187,23 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
     scan_chunk = band_chunk = None  # each block's own (scan_partials, exact_partial)
     if finite:  # and scaled once: q^ and k^, so that q^ . k^ = s q . k (scale 1 below)
         padding = 0
-        if causal and inputs.k.shape[-2] == num_queries:
-            # padded once, in that copy, to whole chunks of the scan and of the band (no
-            # later key reaches a query, so the padding keys are attended by none)
+        if (causal or window) and inputs.k.shape[-2] == num_queries:
+            # padded once, in that copy, to whole chunks of the scan and of the band
+            # (causal: no later key reaches a query, so the padding keys are attended by
+            # none; else they are masked out)
             if window:
                 length, scan_chunk, band_chunk = window_layout(
-                    window, num_queries, mapping.pair_block, mapping.multiple)
+                    window, num_queries, mapping.pair_block, mapping.multiple, causal)
             else:
                 scan_chunk, count = chunk_layout(num_queries, mapping.pair_block)
                 length = scan_chunk * count
             padding = length - num_queries
             blocks = [(0, length)]
+            block_size = length  # the scans' one block too (the padding can pass the
+            # budget's multiple of 64 positions)
+            if padding and not causal and inputs.key_mask is None:
+                inputs = dataclasses.replace(inputs, key_mask=xp.arange(
+                    num_queries, device=array_api_compat.device(inputs.q)) >= 0)
         inputs = finite_inputs(inputs, padding)
         inputs = dataclasses.replace(inputs, q=root_scale * inputs.q, k=root_scale * inputs.k,
                                      scale=1.0)
@@ -203,7 +213,7 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
     out = RowPieces(length)
     suffix = None  # shift, denominator and weight of the partials over the keys after the band
     if window and not causal:  # the keys m >= n + w + 1, from the last block back
-        suffix = RowPieces(num_queries)
+        suffix = RowPieces(length)
         backward = scan_partials(xp, mapping, q, k, v, root_scale=root_scale,
                                  key_mask=inputs.key_mask, first_key=sinks,
                                  offset=window + 1, reverse=True, block_size=block_size,
