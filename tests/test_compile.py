@@ -160,6 +160,27 @@ def test_fullgraph_compile_of_half_inputs_equals_eager(name, dtype):
     check_compiled_equals_eager(PATHS[name], dtype, kind, "aot_eager")
 
 
+@pytest.mark.parametrize("name", sorted(PATHS))
+def test_other_lengths_compile_whole(name):
+    """One compiled function called at 70 positions, then at 90 and 103: dynamo compiles
+    the second length with the length symbolic (automatic dynamic shapes), as a user's
+    batches of several lengths meet it. Whole graphs, equal to eager (a ``divmod`` and a
+    clip to the length once broke ``lara`` and ``ra`` there)."""
+    torch._dynamo.reset()
+    compiled_function = torch.compile(PATHS[name], fullgraph=True, backend="aot_eager")
+    for length in (70, 90, 103):
+        rng = np.random.default_rng(length)
+        arrays = [torch.asarray(rng.normal(size=(*SHAPE[:2], length, SHAPE[-1])),
+                                dtype=torch.float32).requires_grad_() for _ in range(3)]
+        eager = _values_and_grads(PATHS[name], arrays, _rng("seed"))
+        compiled = _values_and_grads(compiled_function, arrays, _rng("seed"))
+        torch.testing.assert_close(compiled[0], eager[0], **TOLERANCE[torch.float32])
+        for compiled_grad, eager_grad in zip(compiled[1], eager[1], strict=True):
+            scale = float(eager_grad.abs().max())
+            torch.testing.assert_close(compiled_grad / scale, eager_grad / scale,
+                                       **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("name", ["causal-rfa", "causal-rfa-window-sinks", "rfa-window",
                                   "lara", "causal-lara", "causal-ra"])
 def test_fullgraph_compile_in_several_blocks_equals_eager(name):
@@ -201,14 +222,34 @@ def test_inductor_compile_equals_eager(name, dtype, kind):
 
 
 @pytest.mark.parametrize("window", [16, 64])
-def test_window_layouts_of_a_ragged_length_compile_whole(window):
-    """A causal window at 70 positions: the band and the scan in equal chunks
-    (xattn._estimators.window.window_layout; one band chunk of 70 at window 64) traced
-    whole and equal to eager, values and gradients."""
-    def function(q, k, v, rng):
-        return xattn.rfa(q, k, v, omega=rng, causal=True, window=window, sinks=1)
+def test_window_layouts_of_ragged_lengths_compile_whole(window):
+    """A causal window at ragged lengths, one compiled function called at 130 and then 150
+    positions (the second compilation with the length symbolic, dynamo's automatic
+    dynamic shapes): the band and the scan in equal chunks
+    (xattn._estimators.window.window_layout; two band chunks of 75 at window 64 and 150
+    positions) traced whole and equal to eager, values and gradients. The choice of the
+    layout once took a ``min`` of a list of costs, which dynamo refused with a symbolic
+    length."""
+    generator = torch.Generator().manual_seed(3)
+    omega = torch.randn(32, SHAPE[-1], generator=generator)
 
-    check_compiled_equals_eager(function, torch.float32, "omega", "aot_eager")
+    def function(q, k, v):
+        return xattn.rfa(q, k, v, omega=omega, causal=True, window=window, sinks=1)
+
+    torch._dynamo.reset()
+    compiled_function = torch.compile(function, fullgraph=True, backend="aot_eager")
+    for length in (130, 150):
+        inputs = [torch.randn(2, 3, length, SHAPE[-1], generator=generator).requires_grad_()
+                  for _ in range(3)]
+        eager = function(*inputs)
+        eager_grads = torch.autograd.grad(eager.square().mean(), inputs)
+        compiled = compiled_function(*inputs)
+        compiled_grads = torch.autograd.grad(compiled.square().mean(), inputs)
+        torch.testing.assert_close(compiled, eager, **TOLERANCE[torch.float32])
+        for compiled_grad, eager_grad in zip(compiled_grads, eager_grads, strict=True):
+            scale = float(eager_grad.abs().max())
+            torch.testing.assert_close(compiled_grad / scale, eager_grad / scale,
+                                       **TOLERANCE[torch.float32])
 
 
 def test_a_new_seed_at_every_step_compiles_at_most_twice():

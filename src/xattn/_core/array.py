@@ -239,7 +239,8 @@ def host_to_device(xp: Any, host: np.ndarray, *, dtype: Any, device: Any) -> Arr
 
 def index_sizes(total: int, parts: int) -> list[int]:
     """Sizes of ``parts`` contiguous segments of ``total`` items, differing by at most one."""
-    base, extra = divmod(operator.index(total), operator.index(parts))
+    total, parts = operator.index(total), operator.index(parts)
+    base, extra = total // parts, total % parts  # (no divmod: see segments.segment_means)
     return [base + 1 if i < extra else base for i in range(parts)]
 
 

@@ -187,7 +187,9 @@ def proposal_samples(keys: Keys, q_group: Array, mixture: Mixture, uniforms: Arr
                                      axis=-1)  # (..., B, G)
         # clipped to the last allowed key (rounding can leave the CDF just below u)
         if mixture.allowed is None:
-            component = xp.clip(component, max=keys.k_hat.shape[-2] - 1)
+            # (the last key's position, an array: a clip to a symbolic length would
+            # reach math.isnan under torch.compile)
+            component = xp.minimum(component, keys.key_positions[-1])
         else:  # the last allowed key of each query, (..., B, 1)
             last_key = xp.max(xp.where(mixture.allowed, keys.key_positions, 0), axis=-1)
             component = xp.minimum(component, last_key[..., None])

@@ -95,7 +95,8 @@ def _contiguous_segment_means(xp: Any, x: Array, num_segments: int,
     Segments left empty when C > L get a zero mean.
     """
     length, dim, batch = x.shape[-2], x.shape[-1], x.shape[:-2]
-    base, extra = divmod(length, num_segments)
+    # // and %, not divmod: torch.compile traces no divmod of a symbolic length
+    base, extra = length // num_segments, length % num_segments
     in_long_segments = extra * (base + 1)
     # the rows of the long and of the short segments, by one split (a slice's backward
     # writes a gradient of all of x, one for each)
