@@ -3,8 +3,8 @@ r"""The exact part of windowed RFA: a block of queries against its band and sink
 Query :math:`n` takes exactly the keys :math:`n - w \le m \le n + w` (causal: :math:`n - w
 \le m \le n`) and the :math:`K` sink keys, each once. The block's queries are cut into
 chunks of :math:`C` positions, :math:`C` the smallest power of two :math:`\ge \max(w, 16)`
-(the last chunk padded; a causal sequence in one block takes equal chunks a little
-longer instead, :func:`xattn._estimators.window.window_layout`), carried on a batch
+(the last chunk padded; a sequence in one block takes equal chunks a little longer
+instead, :func:`xattn._estimators.window.window_layout`), carried on a batch
 axis: every key of a chunk's band lies in the chunk itself or its neighbours
 (:math:`C \ge w`), so the band is a fixed number of (C x C) products, whatever the
 block's length:

@@ -173,17 +173,17 @@ class PositiveMap:
         return shift, out, out[..., -1:]
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State | None, keep_state: bool = True,
-              chunk: int | None = None) -> tuple[Partial, State | None]:
+              state: State | None, *, chunk: int,
+              keep_state: bool = True) -> tuple[Partial, State | None]:
         r"""One block: key ``m`` of the block is allowed for query ``n`` iff ``m <= n``.
 
         The chunkwise-parallel form (:mod:`xattn._estimators.chunks`) with a rank-one
         stabilizer: the B positions are J = B / b chunks of b = ``chunk`` positions
-        (:func:`~xattn._estimators.chunks.chunk_layout`; None: :attr:`multiple`)
-        carried as an axis. With :math:`\alpha_n = \max_s p_{ns}`,
-        :math:`\beta_m = \max_s a_{ms}` and :math:`\mu_n = \max_{m \le n} \beta_m`
-        (the running maximum over every key the query attends), every term factors into
-        three, each at most 1 and none from a key after :math:`n`:
+        (:func:`~xattn._estimators.chunks.chunk_layout`) carried as an axis. With
+        :math:`\alpha_n = \max_s p_{ns}`, :math:`\beta_m = \max_s a_{ms}` and
+        :math:`\mu_n = \max_{m \le n} \beta_m` (the running maximum over every key the
+        query attends), every term factors into three, each at most 1 and none from a key
+        after :math:`n`:
 
         .. math::
 
@@ -203,7 +203,6 @@ class PositiveMap:
         """
         xp = self.xp
         centred, key_max = keys
-        chunk = self.multiple if chunk is None else chunk
         length, num_samples, width = queries.shape[-2], queries.shape[-1], values.shape[-1]
         num_chunks, flat = length // chunk, num_samples * width
         device = array_api_compat.device(queries)
@@ -344,10 +343,10 @@ class TrigonometricMap:
         return xp.broadcast_to(norm_max, rows), out, xp.broadcast_to(weight, rows)
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State | None, keep_state: bool = True,
-              chunk: int | None = None) -> tuple[Partial, State]:
+              state: State | None, *, chunk: int,
+              keep_state: bool = True) -> tuple[Partial, State]:
         r"""One block (key ``i`` allowed for query ``j`` iff ``i <= j``), in chunks of
-        ``chunk`` positions (None: :attr:`multiple`) carried as an axis, as
+        ``chunk`` positions carried as an axis, as
         :meth:`PositiveMap.block`: each chunk's sums :math:`\sum_m w_m \phi(\hat k_m)
         [v_m, 1]` and :math:`\sum_m w_m` shifted by its largest :math:`\log w_m`, the
         state before each chunk by :func:`~xattn._estimators.chunks.exclusive_prefix`
@@ -356,7 +355,6 @@ class TrigonometricMap:
         pairs of each chunk exactly, shifted by each query's running maximum."""
         xp = self.xp
         features, half_sq_norm = keys
-        chunk = self.multiple if chunk is None else chunk
         length, num_features, width = queries.shape[-2], queries.shape[-1], values.shape[-1]
         num_chunks, flat = length // chunk, num_features * width
         q_features = xp.reshape(queries, (*queries.shape[:-2], num_chunks, chunk, num_features))

@@ -126,11 +126,11 @@ class FeatureMap(Protocol):
         ...
 
     def block(self, queries: Array, keys: tuple[Array, ...], values: Array,
-              state: State | None, keep_state: bool = True,
-              chunk: int | None = None) -> tuple[Partial, State | None]:
+              state: State | None, *, chunk: int,
+              keep_state: bool = True) -> tuple[Partial, State | None]:
         """A block of aligned queries and keys (key ``i`` allowed for query ``j`` iff
         ``i <= j``) after the keys of ``state`` (None: no key before the block), in
-        chunks of ``chunk`` positions (None: :attr:`multiple`); returns its partial and
+        chunks of ``chunk`` positions; returns its partial and
         the new state (None may be returned without ``keep_state``: no later block or
         caller reads it)."""
         ...

@@ -67,6 +67,7 @@ __all__ = ["BAND_CHUNK_MIN", "POSITION_COST", "KeyRows", "_band_chunks", "band_w
 #: for 190).
 POSITION_COST = 300
 
+
 def _exact_partial(xp: Any, inputs: AttentionInputs, start: int, stop: int, window: int,
                    sinks: int, causal: bool, finite: bool = False,
                    base: Partial | None = None,
@@ -202,8 +203,8 @@ def windowed_rfa(xp: Any, inputs: AttentionInputs, mapping: FeatureMap, *, windo
             block_size = length  # the scans' one block too (the padding can pass the
             # budget's multiple of 64 positions)
             if padding and not causal and inputs.key_mask is None:
-                inputs = dataclasses.replace(inputs, key_mask=xp.arange(
-                    num_queries, device=array_api_compat.device(inputs.q)) >= 0)
+                inputs = dataclasses.replace(inputs, key_mask=xp.ones(
+                    num_queries, dtype=xp.bool, device=array_api_compat.device(inputs.q)))
         inputs = finite_inputs(inputs, padding)
         inputs = dataclasses.replace(inputs, q=root_scale * inputs.q, k=root_scale * inputs.k,
                                      scale=1.0)
