@@ -280,6 +280,55 @@ def test_refine_lowers_the_heldout_error_and_leaves_the_model_alone():
     assert again.heldout_error_before == pytest.approx(report.heldout_error_after, rel=1e-5)
 
 
+def test_refine_error_sums_match_their_formulas():
+    from xattn._integrations.hf_refinement import _error_sums, _objective
+
+    generator = torch.Generator().manual_seed(3)
+    hidden, exact = (torch.randn(3, 2, 5, 4, generator=generator) for _ in range(2))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    sums = _error_sums(hidden, exact, {"attention_mask": mask}).double().numpy()
+    h, e, m = hidden.double().numpy(), exact.double().numpy(), mask.double().numpy()
+    cos = (h * e).sum(-1) / np.linalg.norm(h, axis=-1) / np.linalg.norm(e, axis=-1)
+    assert sums[0] == pytest.approx(((1 - cos) * m).sum(), rel=1e-6)
+    assert sums[1] == 3 * m.sum()
+    means = [(x[-1] * m[..., None]).sum(-2) / m.sum(-1)[:, None] for x in (h, e)]
+    embedding = (means[0] * means[1]).sum(-1) / np.prod(
+        [np.linalg.norm(x, axis=-1) for x in means], axis=0)
+    assert sums[2] == pytest.approx((1 - embedding).sum(), rel=1e-6)
+    assert sums[3] == 2
+    total = torch.as_tensor(sums)
+    assert float(_objective(total, 0.0)) == pytest.approx(sums[0] / sums[1])
+    assert float(_objective(total, 2.5)) == pytest.approx(sums[0] / sums[1]
+                                                          + 2.5 * sums[2] / sums[3])
+
+
+def test_refine_with_the_embedding_term():
+    transformers = pytest.importorskip("transformers")
+    import xattn.transformers as xt
+
+    attention = xt.register("xattn_refine_embedding", num_features=8)
+    model = _gpt2(transformers)
+    generator = torch.Generator().manual_seed(2)
+    batches = [{"input_ids": torch.randint(60, (4, 24), generator=generator)}
+               for _ in range(2)]
+    xt.calibrate(model, batches, attention, steps=6)
+    calibrated = {layer: omega.clone() for layer, omega in attention.fitted.items()}
+    # the held-out objective of the same samples: the hidden-state error plus the weight
+    # times a positive embedding error
+    before = []
+    for weight in (0.0, 1.0, 3.0):
+        attention.fitted.update({layer: omega.clone() for layer, omega in calibrated.items()})
+        before.append(xt.refine(model, batches, attention, steps=1, learning_rate=1e-12,
+                                embedding_weight=weight).heldout_error_before)
+    assert before[1] > before[0]
+    assert before[2] - before[0] == pytest.approx(3 * (before[1] - before[0]), rel=1e-4)
+    attention.fitted.update(calibrated)
+    report = xt.refine(model, batches, attention, steps=20, evaluate_every=5,
+                       learning_rate=3e-2, patience=None, embedding_weight=1.0)
+    assert report.heldout_error_before == pytest.approx(before[1], rel=1e-6)
+    assert report.heldout_error_after < report.heldout_error_before
+
+
 def test_refine_refuses_bad_input():
     transformers = pytest.importorskip("transformers")
     import xattn.transformers as xt
@@ -295,6 +344,7 @@ def test_refine_refuses_bad_input():
     with pytest.raises(ValueError, match="at least 2"):
         xt.refine(model, [{"input_ids": batch["input_ids"][:1]}], attention)
     for option, value in (("holdout", 1.0), ("steps", 0), ("learning_rate", 0.0),
-                          ("evaluate_every", 0), ("patience", 0)):
+                          ("evaluate_every", 0), ("patience", 0), ("embedding_weight", -1.0),
+                          ("embedding_weight", float("nan"))):
         with pytest.raises(ValueError, match=option):
             xt.refine(model, [batch], attention, **{option: value})

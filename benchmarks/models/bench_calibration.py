@@ -126,13 +126,17 @@ def run(args):
             if args.refine_steps:
                 refinement = xattn.transformers.refine(
                     encoder, batches, attention, steps=args.refine_steps,
-                    learning_rate=args.refine_learning_rate, patience=args.refine_patience)
+                    learning_rate=args.refine_learning_rate,
+                    patience=args.refine_patience or None,
+                    embedding_weight=args.refine_embedding_weight)
                 refined = cosines(model, eval_texts, exact, name)
             row = {"S": count, "window": window, "sinks": 1 if window else 0,
                    "threads": args.threads,
                    "random": random, "fitted": fitted, "calibration_seconds": seconds,
                    "calibration_cpu_seconds": cpu,
-                   "refined": refined,
+                   "refined": refined, "refine_steps": args.refine_steps,
+                   "refine_patience": args.refine_patience,
+                   "refine_embedding_weight": args.refine_embedding_weight,
                    "refinement": None if refinement is None else refinement.to_json(),
                    "load_average_before": load, "load_average_after": os.getloadavg()[0],
                    "fit_passages": len(fit_texts),
@@ -151,11 +155,24 @@ def run(args):
     return results
 
 
+def objective(row, settings):
+    """refine's objective and step budget of a row: the hidden states (h), with the
+    sentence embedding's term (h + 1.0 e) where its weight is not 0; rows run before the
+    term existed record neither and used the hidden states alone."""
+    if not row.get("refined"):
+        return "-"
+    weight = row.get("refine_embedding_weight", 0.0)
+    steps = row.get("refine_steps", settings["refine_steps"])
+    patience = row.get("refine_patience", settings["refine_patience"])
+    budget = f"{steps}, patience {patience}" if 0 < patience < steps else f"{steps}"
+    return f"h + {weight:g} e ({budget})" if weight else f"h ({budget})"
+
+
 def table(results):
     lines = ["| S | window (+ sink) | random ω: mean cos | 5th pct | fitted ω: mean cos | "
              "5th pct | fit: wall s (threads) | fit: CPU s | refined ω: mean cos | 5th pct "
-             "| refine: wall s | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| refine: wall s | refine: objective (steps) | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         window = f"{row['window']} + 1" if row["window"] else "none"
         threads = row.get("threads", results["settings"]["threads"])
@@ -167,6 +184,7 @@ def table(results):
                      + ("- | - | - |" if not row.get("refined") else
                         f"{row['refined']['mean']:.3f} | {row['refined']['p5']:.3f} | "
                         f"{row['refinement']['seconds']:.0f} |")
+                     + f" {objective(row, results['settings'])} |"
                      + f" {row['load_average_before']:.1f} |")
     return "\n".join(lines)
 
@@ -184,7 +202,10 @@ def main():
                         help="steps of xattn.transformers.refine after the per-layer fit "
                         "(0: none)")
     parser.add_argument("--refine-learning-rate", type=float, default=1e-2)
-    parser.add_argument("--refine-patience", type=int, default=30)
+    parser.add_argument("--refine-patience", type=int, default=30,
+                        help="refine's patience in steps (0: none, every step is taken)")
+    parser.add_argument("--refine-embedding-weight", type=float, default=1.0,
+                        help="refine's embedding_weight: the sentence embedding's term")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--merge", type=Path, nargs="+", default=[],

@@ -34,8 +34,8 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from xattn._core.array import Array, compute_dtype, host_to_device
-from xattn._core.draws import NORMAL, UNIFORM, host_draw, torch_compiling, torch_ops
+from xattn._core.array import Array, compute_dtype, host_to_device, torch_compiling
+from xattn._core.draws import NORMAL, UNIFORM, host_draw, torch_ops
 
 __all__ = [
     "CupyGenerator",

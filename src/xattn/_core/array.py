@@ -46,6 +46,7 @@ __all__ = [
     "stream_bounds",
     "take",
     "take_rows",
+    "torch_compiling",
     "when_imported",
     "written_in_place",
 ]
@@ -322,12 +323,18 @@ def concrete_count(xp: Any, flags: Array) -> int | None:
     """
     if array_api_compat.is_dask_array(flags):
         return None
-    if array_api_compat.is_torch_array(flags) and sys.modules["torch"].compiler.is_compiling():
+    if array_api_compat.is_torch_array(flags) and torch_compiling():
         return None
     try:
         return int(xp.sum(xp.astype(flags, xp.int32)))
     except TypeError:  # jax.errors.ConcretizationTypeError is a TypeError
         return None
+
+
+def torch_compiling() -> bool:
+    """Whether ``torch.compile`` is tracing (False where torch was never imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.compiler.is_compiling())
 
 
 def written_in_place(x: Array) -> bool:

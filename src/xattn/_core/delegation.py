@@ -19,7 +19,7 @@ import array_api_extra as xpx
 import numpy as np
 
 from xattn._core import torch_autograd
-from xattn._core.array import Array, one_chunk_along
+from xattn._core.array import Array, one_chunk_along, torch_compiling
 from xattn._core.inputs import AttentionInputs
 from xattn._core.torch_autograd import neighbour_slices
 
@@ -175,7 +175,7 @@ def neighbour_sums(weights: tuple[Array, ...], values: Array, neighbours: tuple[
         return torch_autograd.neighbour_functions()[1].apply(values, base, neighbours, *weights)
     xp = array_api_compat.array_namespace(values)
     out = weights[0] @ values if base is None else matmul_add(weights[0], values, base)
-    compiling = _is_compiling(values)
+    compiling = array_api_compat.is_torch_array(values) and torch_compiling()
     for neighbour, piece in zip(neighbours[1:], weights[1:], strict=True):
         rows, key_rows = neighbour_slices(values.shape[0], neighbour)
         if compiling:  # padded to every chunk and added: one pass that inductor fuses,
@@ -186,15 +186,6 @@ def neighbour_sums(weights: tuple[Array, ...], values: Array, neighbours: tuple[
         added = matmul_add(piece, values[key_rows, ...], out[rows, ...])
         out = xp.concat([out[:rows.start, ...], added, out[rows.stop:, ...]], axis=0)
     return out
-
-
-def _is_compiling(x: Array) -> bool:
-    """Whether ``x`` is a torch tensor traced by ``torch.compile``."""
-    if not array_api_compat.is_torch_array(x):
-        return False
-    import torch
-
-    return bool(torch.compiler.is_compiling())
 
 
 def squared_norms(x: Array, dtype: Any = None) -> Array:

@@ -19,7 +19,6 @@ Only :mod:`xattn.random` uses this module; torch is imported by nobody here.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +27,7 @@ import numpy as np
 from xattn._core.array import when_imported
 
 __all__ = ["NORMAL", "UNIFORM", "add_host_kind", "host_draw", "request_shape",
-           "torch_compiling", "torch_ops"]
+           "torch_ops"]
 
 NORMAL = 0
 """The kind of a request for standard normal draws, ``(NORMAL, *shape)``."""
@@ -84,11 +83,6 @@ def _unflattened(flat_requests: list[int]) -> list[tuple[int, ...]]:
         requests.append(tuple(flat_requests[index + 1:index + 1 + length]))
         index += 1 + length
     return requests
-
-
-def torch_compiling() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.compiler.is_compiling())
 
 
 _GENERATORS: dict[int, Any] = {}
