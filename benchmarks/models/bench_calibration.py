@@ -15,8 +15,12 @@ features (one orthogonal draw per layer, shared by its heads), then
 :func:`xattn.transformers.calibrate` fits one ``(12, S, 32)`` matrix per layer on the
 fitting passages (4 batches of 16, a quarter of the passages held out for the choice of
 each head's samples and early stopping; ``--steps`` Adam steps at most, learning rate
-``--learning-rate``) and the model is measured again with the fitted samples. No model
-weight changes. The calibration's wall time (6 layers, 72 heads, the capture of q, k, v
+``--learning-rate``) and the model is measured again with the fitted samples; then
+:func:`xattn.transformers.refine` trains all layers' samples together on the whole
+model (``--refine-steps`` steps, default 150, every one taken unless
+``--refine-patience`` is set; the sentence embedding's term weighted by
+``--refine-embedding-weight``, default 1) and the model is measured a third time. No
+model weight changes. The calibration's wall time (6 layers, 72 heads, the capture of q, k, v
 included) and the machine's load are recorded.
 
 Run::
@@ -198,11 +202,11 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--patience", type=int, default=50)
     parser.add_argument("--learning-rate", type=float, default=1e-2)
-    parser.add_argument("--refine-steps", type=int, default=200,
+    parser.add_argument("--refine-steps", type=int, default=150,
                         help="steps of xattn.transformers.refine after the per-layer fit "
                         "(0: none)")
     parser.add_argument("--refine-learning-rate", type=float, default=1e-2)
-    parser.add_argument("--refine-patience", type=int, default=30,
+    parser.add_argument("--refine-patience", type=int, default=0,
                         help="refine's patience in steps (0: none, every step is taken)")
     parser.add_argument("--refine-embedding-weight", type=float, default=1.0,
                         help="refine's embedding_weight: the sentence embedding's term")

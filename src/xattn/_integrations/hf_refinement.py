@@ -178,8 +178,9 @@ def refine(model: Any, batches: Iterable[Mapping[str, Any]], attention: Any, *,
         Weight, >= 0, of the embedding term of the objective (0: the hidden states
         alone). For a sentence encoder that mean-pools its last hidden states (as
         all-MiniLM-L6-v2 does), 1 fits what the encoder is used for as well: on
-        all-MiniLM-L6-v2 with a window of 16 plus a sink, it lifts the embedding cosine
-        on unseen passages from 0.969 (hidden states alone) to 0.971.
+        all-MiniLM-L6-v2 with S = 64 and a window of 16 plus a sink, 150 steps with
+        ``patience=None`` lift the embedding cosine on unseen passages to 0.971 (0.969
+        with the hidden states alone and the defaults).
     progress : callable, optional
         Called as ``progress(step, heldout_error)`` at each measure.
 
