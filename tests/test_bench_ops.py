@@ -257,6 +257,9 @@ def test_lara_at_a_short_ragged_length_writes_less_than_the_next_multiple(bench_
 #: code counted once (``kernels_in_code``), at most: the targets of the compiled path.
 KERNEL_TARGETS = {"rfa S=64 causal": 45, "rfa S=64 causal, window=64 sinks=1": 70,
                   "rfa S=64": 30, "lara C=64": 60, "sdpa causal (torch)": 1}
+#: The rows whose raw counter (``kernels``: with the C++ backend's outer-loop fusion
+#: attempts, counted again when they fall back) is within the target too.
+RAW_COUNTER_WITHIN_TARGET = {"rfa S=64", "lara C=64", "sdpa causal (torch)"}
 
 
 def test_inductor_generates_at_most_the_target_kernels(bench_ops):
@@ -272,3 +275,5 @@ def test_inductor_generates_at_most_the_target_kernels(bench_ops):
     for name, cell in counted.items():
         assert "error" not in cell, (name, cell)
         assert cell["kernels_in_code"] <= KERNEL_TARGETS[name], (name, cell)
+        if name in RAW_COUNTER_WITHIN_TARGET:
+            assert cell["kernels"] <= KERNEL_TARGETS[name], (name, cell)

@@ -1,7 +1,7 @@
 """torch's single-pass forms of :mod:`xattn._core.delegation` (custom autograd functions
 whose backward writes fewer arrays) against the portable Array API forms: the same
-values, first derivatives and second derivatives (``create_graph``), in float64; and
-Dask's one-task form of ``nan_to_num``."""
+values, first derivatives and second derivatives (``create_graph``), in float64; the
+forms taken under ``torch.compile``; and Dask's one-task form of ``nan_to_num``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from xattn._core.delegation import (
     neighbour_scores,
     neighbour_sums,
     ratio_to_last_column,
+    squared_norms,
 )
 
 torch = pytest.importorskip("torch")
@@ -133,3 +134,33 @@ def test_neighbour_products_equal_chunk_by_chunk_sums_with_derivatives(rng, neig
     inputs = (queries, keys, values, base)
     assert torch.autograd.gradcheck(sums, inputs)
     assert torch.autograd.gradgradcheck(sums, inputs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("factor", [1.0, -0.0625])
+def test_squared_norms_eager_and_compiled_equal_the_float64_sums(rng, dtype, factor):
+    """``factor * sum(x**2)`` per row in ``dtype=float32``: torch eagerly (a norm, squared),
+    under ``torch.compile`` (one reduction of ``factor * x**2``) and NumPy, against float64,
+    values and (torch) gradients; a zero row's gradient is 0 on both torch paths."""
+    x64 = rng.normal(size=(2, 3, 7, 16))
+    x64[1, 2, 4] = 0.0
+    x = torch.asarray(x64, dtype=getattr(torch, dtype))
+    exact = factor * np.sum(np.asarray(x.double()) ** 2, axis=-1, keepdims=True)
+    weights = torch.asarray(rng.normal(size=exact.shape), dtype=torch.float32)
+    compiled = torch.compile(lambda rows: squared_norms(rows, dtype=torch.float32,
+                                                        factor=factor),
+                             backend="aot_eager", fullgraph=True)
+    for form in (lambda rows: squared_norms(rows, dtype=torch.float32, factor=factor),
+                 compiled):
+        leaf = x.clone().requires_grad_()
+        out = form(leaf)
+        assert out.dtype == torch.float32 and out.shape == (2, 3, 7, 1)
+        np.testing.assert_allclose(out.detach().numpy(), exact, rtol=1e-6, atol=1e-6)
+        (grad,) = torch.autograd.grad((weights * out).sum(), leaf)
+        expected = 2 * factor * np.asarray(x.double()) * weights.double().numpy()
+        # the gradient is rounded to the input's dtype (bfloat16: 8 bits)
+        rtol = 1e-6 if dtype == "float32" else 2 ** -7
+        np.testing.assert_allclose(grad.double().numpy(), expected, rtol=rtol, atol=1e-6)
+        assert not grad[1, 2, 4].any()
+    np.testing.assert_allclose(squared_norms(x64, factor=factor), factor * np.sum(
+        x64 ** 2, axis=-1, keepdims=True), rtol=1e-14)

@@ -188,18 +188,30 @@ def neighbour_sums(weights: tuple[Array, ...], values: Array, neighbours: tuple[
     return out
 
 
-def squared_norms(x: Array, dtype: Any = None) -> Array:
-    """(..., L, 1): the squared Euclidean norms of the rows of ``x`` (..., L, F), in
-    ``dtype`` (None: that of ``x``). torch: ``linalg.vector_norm``, one pass that writes
-    one number per row (its gradient at a zero row is 0), squared; elsewhere ``sum(x *
-    x)``, which XLA fuses."""
-    xp = array_api_compat.array_namespace(x)
-    if array_api_compat.is_torch_array(x):
-        import torch
+def squared_norms(x: Array, dtype: Any = None, *, factor: float = 1.0) -> Array:
+    """(..., L, 1): ``factor`` times the squared Euclidean norms of the rows of ``x``
+    (..., L, F), in ``dtype`` (None: that of ``x``).
 
-        norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype)
-        return norms * norms
-    return xp.sum(x * x, axis=-1, keepdims=True, dtype=dtype)
+    torch, eagerly: ``linalg.vector_norm``, one pass that writes one number per row (its
+    gradient at a zero row is 0), squared and scaled. Under ``torch.compile``: ``sum((factor
+    * x) * x)``, one reduction that writes the result (a norm's square root, square and
+    scale would be kernels over the rows of their own: inductor's C++ backend cannot join
+    them to the reduction's loop). Elsewhere ``factor * sum(x * x)``, which XLA fuses.
+    """
+    xp = array_api_compat.array_namespace(x)
+    if dtype is not None and x.dtype != dtype and not array_api_compat.is_torch_array(x):
+        x = xp.astype(x, dtype)
+    if not array_api_compat.is_torch_array(x):
+        sums = xp.sum(x * x, axis=-1, keepdims=True)
+        return sums if factor == 1.0 else factor * sums
+    import torch
+
+    if torch_compiling():
+        if dtype is not None and x.dtype != dtype:
+            x = x.to(dtype)
+        return torch.sum(torch.square(x) * factor, dim=-1, keepdim=True)
+    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype)
+    return norms * norms if factor == 1.0 else (norms * norms) * factor
 
 
 def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float,

@@ -135,7 +135,7 @@ class PositiveMap:
         with ignore_invalid(xp):  # NumPy: an overflowing norm or projection, quietly
             projections = k_hat @ self.samples_for(k_hat)
             largest = stop_gradient(xp.max(projections, axis=-1, keepdims=True))
-            half_sq_norm = 0.5 * squared_norms(k_hat, dtype=work)
+            half_sq_norm = squared_norms(k_hat, dtype=work, factor=0.5)
             key_max = key_logits_in_range(xp, _as(xp, largest, work) - half_sq_norm)
             # a key whose projections overflow (inf - inf): every feature alike, 0
             centred = xp.where(xp.isfinite(largest), projections - largest, 0.0)

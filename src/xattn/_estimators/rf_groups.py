@@ -84,7 +84,7 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
         # a_ms (a key whose squared norm overflows: the dtype's floor, still attended;
         # NumPy computes the overflow quietly)
         with ignore_invalid(xp):
-            minus_half_sq_norm = -half_scale * squared_norms(keys)
+            minus_half_sq_norm = squared_norms(keys, factor=-half_scale)
             logits = key_logits_in_range(xp, matmul_add(keys, omega_t, minus_half_sq_norm))
         # K_s is a stabilizer (no gradient): it cancels between the sums and the read-out
         if key_mask is not None:
@@ -168,7 +168,7 @@ def half_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[Arra
             projections = keys @ omega_t  # p_ms, half
             largest = stop_gradient(xp.max(projections, axis=-1, keepdims=True))
             key_max = key_logits_in_range(xp, xp.astype(largest, work)
-                                          - half_scale * squared_norms(keys, dtype=work))
+                                          - squared_norms(keys, dtype=work, factor=half_scale))
             centred = xp.where(xp.isfinite(largest), projections - largest, 0.0)
         if key_mask is not None:
             key_max = xp.where(key_mask[..., start:stop, None], key_max, -xp.inf)
