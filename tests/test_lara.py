@@ -102,17 +102,27 @@ def _lara_single(q, k, v, key_allowed, query_allowed, noise, proposal, weighting
     else:
         alpha = balance + balance * (affinity - (balance * affinity).sum(axis=1, keepdims=True))
     alpha = np.maximum(alpha, WEIGHT_FLOOR)
-    alpha_prime = alpha * _gaussian(omega, 0.0) / _gaussian(omega, mu)
+    # alpha'_nc = alpha_nc N(omega_c; 0, I) / q_c(omega_c), and xi(x, omega_c) = exp(x .
+    # omega_c - |x|^2 / 2), as logarithms; every exponential below is shifted by its
+    # largest argument (the factors cancel in the ratio), so that a key or proposal mean
+    # of large norm leaves the reference finite
+    log_alpha_prime = np.log(alpha) + 0.5 * (np.sum((omega - mu) ** 2, axis=-1)
+                                             - np.sum(omega ** 2, axis=-1))
 
-    def xi(x):
-        return np.exp(x @ omega.T - 0.5 * np.sum(x * x, axis=-1, keepdims=True))
+    def log_xi(x):
+        return x @ omega.T - 0.5 * np.sum(x * x, axis=-1, keepdims=True)
 
-    key_features = np.where(key_allowed[:, None], xi(k), 0.0)
-    numerator_c, denominator_c = key_features.T @ v, key_features.sum(0)
-    query_weights = alpha_prime * xi(q)
+    out = np.zeros((len(q), v.shape[-1]))
+    if not key_allowed.any():
+        return out
+    key_logits = log_xi(k[key_allowed])  # (M', C)
+    key_shift = key_logits.max(axis=0)
+    key_features = np.exp(key_logits - key_shift)
+    numerator_c, denominator_c = key_features.T @ v[key_allowed], key_features.sum(0)
+    query_logits = log_alpha_prime + log_xi(q) + key_shift
+    query_weights = np.exp(query_logits - query_logits.max(axis=1, keepdims=True))
     numerator, denominator = query_weights @ numerator_c, query_weights @ denominator_c
-    out = numerator / np.where(denominator > 0, denominator, 1.0)[:, None]
-    return np.where((query_allowed & (denominator > 0))[:, None], out, 0.0)
+    return np.where(query_allowed[:, None], numerator / denominator[:, None], 0.0)
 
 
 def reference_lara(q, k, v, *, num_samples, proposal="segment", weighting="decoupled",
@@ -487,6 +497,24 @@ def test_large_scores_stay_finite_float32(backend, rng, proposal):
     expected = reference_lara(q, k, v, num_samples=4, proposal=proposal, scale=1.0, seed=2)
     assert np.all(np.isfinite(expected))
     backend.check(out, expected, dtype=xp.float32, rtol=1e-3)
+
+
+@pytest.mark.parametrize("weighting,seed", [("decoupled", 2), ("balance", 2),
+                                             ("decoupled", None)])
+def test_a_key_of_large_norm_keeps_every_row_finite_float32(backend, rng, weighting, seed):
+    # a finite key of norm 1e10 makes its segment's proposal mean large: the balance
+    # heuristic's own term e^(l_cc - l_cc) must be 1, not e^(rounding error of l_cc, ~1e12)
+    # = 0 (which gave w_c = 1/0 and NaN in every row); float64 reference, float32 tolerance
+    xp = backend.ns
+    q, k, v = make_qkv(rng, batch=(2,), num_queries=70, num_keys=70, head_dim=32)
+    k[1, 10] *= 1e10 / np.linalg.norm(k[1, 10])
+    options = dict(num_samples=8, weighting=weighting)
+    out = run_lara(backend, *(backend.asarray(a, dtype=xp.float32) for a in (q, k, v)),
+                   **options, **({"deterministic": True} if seed is None else {"rng": seed}))
+    assert np.all(np.isfinite(backend.to_numpy(out)))
+    expected = reference_lara(q, k, v, **options, seed=seed)
+    assert np.all(np.isfinite(expected))
+    backend.check(out, expected, dtype=xp.float32, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------

@@ -83,13 +83,22 @@ def own_proposal_weights(xp: Any, omega: Array, proposal_means: Array) -> tuple[
     :math:`\tfrac12\lVert\omega_c - \mu_c\rVert^2 - \tfrac12\lVert\omega_c\rVert^2 =
     -\ell_{cc}` and :math:`w_c = 1 / \sum_{c'} e^{\ell_{cc'} - \ell_{cc}}` (a term
     :math:`e^{+\infty}` gives :math:`w_c = 0`, its limit): the diagonal of
-    :func:`balance_heuristic` without its (C, C) softmax.
+    :func:`balance_heuristic` without its (C, C) softmax. The sum is at least its term
+    :math:`c' = c`, :math:`e^0 = 1`, and is clipped below at 1: that term is computed as
+    the difference of two roundings of :math:`\ell_{cc}`, and a large proposal mean (a
+    key of norm :math:`10^{10}` in float32) makes it :math:`e^{-\text{error}} = 0`, which
+    gave :math:`w_c = 1/0` and NaN in every row. (An error of the other sign makes
+    :math:`w_c` small, never NaN; such a proposal's own density ratio is then
+    :math:`e^{-\lVert\mu_c\rVert^2/2 - \epsilon_c \cdot \mu_c}`, so its sample weighs next
+    to nothing anyway.)
     """
     half_norms = 0.5 * xp.sum(proposal_means * proposal_means, axis=-1, keepdims=True)
     ratio = half_norms - xp.sum(omega * proposal_means, axis=-1, keepdims=True)  # -l_cc
     log_density = omega @ xp.matrix_transpose(proposal_means) - xp.matrix_transpose(
         half_norms)  # l_cc', (..., C, C)
-    own_weight = 1.0 / xp.sum(xp.exp(log_density + ratio), axis=-1, keepdims=True)
+    # the sum is at least its term c' = c, e^0 = 1 (see above)
+    own_weight = 1.0 / clip_below(xp.sum(xp.exp(log_density + ratio), axis=-1,
+                                         keepdims=True), 1.0)
     return xp.matrix_transpose(ratio), xp.matrix_transpose(own_weight)
 
 
