@@ -517,6 +517,25 @@ def test_a_key_of_large_norm_keeps_every_row_finite_float32(backend, rng, weight
     backend.check(out, expected, dtype=xp.float32, rtol=1e-4)
 
 
+def test_a_key_of_large_norm_keeps_the_gradients_finite_float32():
+    # the balance heuristic's exponent e^(l_cc' - l_cc) overflowed for one proposal of a
+    # large mean (a key of norm 1e12): its weight's gradient was 0 * inf = NaN in 9 rows;
+    # float32 gradients against float64's, within float32 rounding of the whole sum
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    for norm in (1e4, 1e8, 1e12):  # the draws of the case found by hand: the third
+        arrays = [rng.normal(size=(2, 3, 70, 32)) for _ in range(3)]
+        arrays[1][1, 2, 10] *= norm / np.linalg.norm(arrays[1][1, 2, 10])
+    gradients = {}
+    for dtype in (torch.float32, torch.float64):
+        leaves = [torch.asarray(x, dtype=dtype).requires_grad_() for x in arrays]
+        xattn.lara(*leaves, num_samples=8, rng=3).sum().backward()
+        gradients[dtype] = [leaf.grad.double().numpy() for leaf in leaves]
+    for single, double in zip(gradients[torch.float32], gradients[torch.float64], strict=True):
+        assert np.all(np.isfinite(single))
+        np.testing.assert_allclose(single, double, rtol=0, atol=1e-5 * np.abs(double).max())
+
+
 # ---------------------------------------------------------------------------------------
 # test 6: bad input
 

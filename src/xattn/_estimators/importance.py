@@ -87,7 +87,9 @@ def own_proposal_weights(xp: Any, omega: Array, proposal_means: Array) -> tuple[
     :math:`c' = c`, :math:`e^0 = 1`, and is clipped below at 1: that term is computed as
     the difference of two roundings of :math:`\ell_{cc}`, and a large proposal mean (a
     key of norm :math:`10^{10}` in float32) makes it :math:`e^{-\text{error}} = 0`, which
-    gave :math:`w_c = 1/0` and NaN in every row. (An error of the other sign makes
+    gave :math:`w_c = 1/0` and NaN in every row. The exponents are clipped above at 64
+    (:math:`w_c < e^{-64}` there, as good as its limit 0): an :math:`e^{+\infty}` term made
+    its gradient :math:`0 \cdot \infty`, NaN. (An error of the other sign makes
     :math:`w_c` small, never NaN; such a proposal's own density ratio is then
     :math:`e^{-\lVert\mu_c\rVert^2/2 - \epsilon_c \cdot \mu_c}`, so its sample weighs next
     to nothing anyway.)
@@ -97,8 +99,8 @@ def own_proposal_weights(xp: Any, omega: Array, proposal_means: Array) -> tuple[
     log_density = omega @ xp.matrix_transpose(proposal_means) - xp.matrix_transpose(
         half_norms)  # l_cc', (..., C, C)
     # the sum is at least its term c' = c, e^0 = 1 (see above)
-    own_weight = 1.0 / clip_below(xp.sum(xp.exp(log_density + ratio), axis=-1,
-                                         keepdims=True), 1.0)
+    own_weight = 1.0 / clip_below(xp.sum(xp.exp(xp.clip(log_density + ratio, max=64.0)),
+                                         axis=-1, keepdims=True), 1.0)
     return xp.matrix_transpose(ratio), xp.matrix_transpose(own_weight)
 
 

@@ -195,8 +195,10 @@ def half_readout_sums(xp: Any, sums: Array, dtype: Any) -> Array:
     """The float32 sums ``[A, b]`` (..., S, Dv + 1) of :func:`half_key_sums` in the half
     format ``dtype`` for the queries' product: divided by their largest denominator, so at
     most 1 (denominators) and the values' size (numerators); the read-out's ratio does not
-    depend on a common factor (0 without keys)."""
-    largest = xp.max(sums[..., -1:], axis=-2, keepdims=True)
+    depend on a common factor (0 without keys), so none of its gradient passes through
+    that factor (where the factor is tiny, its derivative's square of it underflowed and
+    made every gradient NaN)."""
+    largest = stop_gradient(xp.max(sums[..., -1:], axis=-2, keepdims=True))
     return xp.astype(sums / clip_below(largest, xp.finfo(largest.dtype).smallest_normal),
                      dtype)
 
