@@ -190,28 +190,24 @@ def neighbour_sums(weights: tuple[Array, ...], values: Array, neighbours: tuple[
 
 def squared_norms(x: Array, dtype: Any = None, *, factor: float = 1.0) -> Array:
     """(..., L, 1): ``factor`` times the squared Euclidean norms of the rows of ``x``
-    (..., L, F), in ``dtype`` (None: that of ``x``).
-
-    torch, eagerly: ``linalg.vector_norm``, one pass that writes one number per row (its
-    gradient at a zero row is 0), squared and scaled. Under ``torch.compile``: ``sum((factor
-    * x) * x)``, one reduction that writes the result (a norm's square root, square and
-    scale would be kernels over the rows of their own: inductor's C++ backend cannot join
-    them to the reduction's loop). Elsewhere ``factor * sum(x * x)``, which XLA fuses.
-    """
+    (..., L, F), in ``dtype`` (None: that of ``x``). torch, eagerly: ``linalg.vector_norm``
+    (one pass writing one number per row; its gradient at a zero row is 0), squared and
+    scaled; under ``torch.compile``: ``sum(square(x) * factor)``, one reduction (inductor's
+    C++ backend cannot join a norm's square root, square and scale, kernels over the rows,
+    to the reduction's loop); elsewhere ``factor * sum(x * x)``, which XLA fuses."""
     xp = array_api_compat.array_namespace(x)
-    if dtype is not None and x.dtype != dtype and not array_api_compat.is_torch_array(x):
-        x = xp.astype(x, dtype)
-    if not array_api_compat.is_torch_array(x):
-        sums = xp.sum(x * x, axis=-1, keepdims=True)
-        return sums if factor == 1.0 else factor * sums
-    import torch
+    is_torch = array_api_compat.is_torch_array(x)
+    if is_torch and not torch_compiling():
+        import torch
 
-    if torch_compiling():
-        if dtype is not None and x.dtype != dtype:
-            x = x.to(dtype)
-        return torch.sum(torch.square(x) * factor, dim=-1, keepdim=True)
-    norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype)
-    return norms * norms if factor == 1.0 else (norms * norms) * factor
+        norms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=dtype)
+        return norms * norms if factor == 1.0 else (norms * norms) * factor
+    if dtype is not None and x.dtype != dtype:
+        x = xp.astype(x, dtype)
+    if is_torch:  # compiling
+        return xp.sum(x.square() * factor, axis=-1, keepdims=True)
+    sums = xp.sum(x * x, axis=-1, keepdims=True)
+    return sums if factor == 1.0 else factor * sums
 
 
 def nan_to_num(x: Array, *, nan: float, posinf: float, neginf: float,
