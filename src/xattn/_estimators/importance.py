@@ -81,9 +81,8 @@ def own_proposal_weights(xp: Any, omega: Array, proposal_means: Array) -> tuple[
     With :math:`\ell_{cc'} = \omega_c \cdot \mu_{c'} - \tfrac12\lVert\mu_{c'}\rVert^2`
     (:math:`\log q_{c'}(\omega_c)` up to a term of :math:`\omega_c` alone), the ratio is
     :math:`\tfrac12\lVert\omega_c - \mu_c\rVert^2 - \tfrac12\lVert\omega_c\rVert^2 =
-    -\ell_{cc}` and :math:`w_c = 1 / \sum_{c'} e^{\ell_{cc'} - \ell_{cc}}` (a term
-    :math:`e^{+\infty}` gives :math:`w_c = 0`, its limit): the diagonal of
-    :func:`balance_heuristic` without its (C, C) softmax. The sum is at least its term
+    -\ell_{cc}` and :math:`w_c = 1 / \sum_{c'} e^{\ell_{cc'} - \ell_{cc}}`: the diagonal
+    of :func:`balance_heuristic` without its (C, C) softmax. The sum is at least its term
     :math:`c' = c`, :math:`e^0 = 1`, and is clipped below at 1: that term is computed as
     the difference of two roundings of :math:`\ell_{cc}`, and a large proposal mean (a
     key of norm :math:`10^{10}` in float32) makes it :math:`e^{-\text{error}} = 0`, which
