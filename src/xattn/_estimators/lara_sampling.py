@@ -26,8 +26,6 @@ from xattn._estimators.lara_causal import (
     query_proposal_affinity,
 )
 from xattn._estimators.rf_groups import (
-    half_key_sums,
-    half_readout_sums,
     positive_key_sums,
     positive_readout,
     rows_of,
@@ -36,7 +34,14 @@ from xattn._estimators.rf_scan import stream_bounds
 from xattn._estimators.segments import segment_means
 from xattn.random import as_generator
 
-__all__ = ["build_proposals", "draw_samples", "query_pass", "query_pass_half"]
+__all__ = ["HALF_SUMS_RANGE", "build_proposals", "draw_samples", "query_pass",
+           "query_pass_half"]
+
+#: How far below the largest a sample's offset K_c + l_c scales its key sums in the half
+#: path (:func:`query_pass_half`): e^-40 = 4e-18, so that a row's largest term, times
+#: the weight floor, stays above 1e-26, far above bfloat16's smallest normal number
+#: (1.2e-38); a larger gap goes into the query logits.
+HALF_SUMS_RANGE = 40.0
 
 
 def _proposal_means(xp: Any, proposal: str, query_landmarks: Array, key_landmarks: Array,
@@ -172,38 +177,45 @@ def query_pass(inputs: AttentionInputs, query_landmarks: Array, proposal_means: 
 def query_pass_half(inputs: AttentionInputs, query_landmarks: Array | None,
                     proposal_means: Array, omega: Array, *, weighting: str, beta: float,
                     root_scale: float, rows: int) -> Array:
-    r""":func:`query_pass` for half-precision q, k and v: the features and the matrix
-    products in their format, the maxima, the sums across key groups and the softmax
-    totals over queries in float32.
+    r""":func:`query_pass` for half-precision q, k and v: the matrix products, the
+    features and the importance weights in their format; the logits, their maxima, the
+    sums across key groups and the softmax totals over queries in float32.
 
-    The keys go by :func:`~xattn._estimators.rf_groups.half_key_sums`, non-causal RFA's
-    rank-one stabilizer :math:`B`, so the key statistics of every sample share
-    :math:`e^{B}` (it cancels in the ratio) instead of their own :math:`K_c`. The
-    per-sample factor :math:`e^{\ell_c}` of the logits, :math:`\ell_c = \log N(\omega_c;
-    0, I) - \log q_c(\omega_c)` (float32, shifted by its largest), and with
-    ``"balance"`` the weight :math:`\alpha_c = w_c` too, multiply the float32 sums
-    :math:`[A_c, b_c]` before they are scaled and rounded to the half format
-    (:func:`~xattn._estimators.rf_groups.half_readout_sums`). A query then reads them with
-    the features :math:`\phi_{nc} = e^{p_{nc} - \max_c p_{nc}}`, :math:`p_{nc} =
-    \omega_c \cdot \hat q_n`, and its weights :math:`\alpha_{nc}` (from the half
-    affinities :math:`e_{nc}` of :class:`~xattn._estimators.importance.QuerySoftmax`,
-    whose totals :math:`Z_c` are float32): :math:`y_n = \sum_c \alpha_{nc} \phi_{nc}
-    A_c / \sum_c \alpha_{nc} \phi_{nc} b_c`, as :func:`query_pass` up to rounding.
+    The key statistics are those of the float32 path, each sample shifted by its own
+    maximum :math:`K_c` (:func:`~xattn._estimators.rf_groups.positive_key_sums`: the
+    products :math:`\hat k_m \cdot \omega_c` and :math:`\sum_m e^{a_{mc} - K_c} v_m` of
+    half operands, the logits :math:`a_{mc}` and the sums in float32), rounded to the half
+    format once (:math:`b'_c \ge 1`, :math:`|A'_c|` at most the values' size times the
+    number of keys); with ``"balance"`` the weight :math:`\alpha_c = w_c` multiplies them
+    first. A query's logits :math:`e_{nc} = \omega_c \cdot \hat q_n + K_c + \ell_c`, with
+    :math:`\ell_c = \log N(\omega_c; 0, I) - \log q_c(\omega_c)`, add the half product
+    to the float32 offset, and their exponentials shifted by the row's largest are rounded
+    to the half format for the product with the sums. The offsets :math:`K_c + \ell_c` of
+    LARA's samples spread widely where a segment holds a large query or key (their means
+    are those of the segments), so they go into each query's shift: a sample that
+    dominates a row is read against its own sums, never against sums that underflowed
+    beside another sample's. The weights :math:`\alpha_{nc}` come from the half
+    affinities of :class:`~xattn._estimators.importance.QuerySoftmax`, whose totals
+    :math:`Z_c` are float32.
     """
     xp, q, query_mask = inputs.xp, inputs.q, inputs.query_mask
     dtype, work = q.dtype, inputs.compute_dtype
     num_samples = omega.shape[-2]
     projection_t = xp.astype(xp.matrix_transpose(root_scale * omega), dtype)
-    _, sums = half_key_sums(xp, inputs, projection_t, rows)  # float32
+    key_max, sums = positive_key_sums(xp, inputs, projection_t, rows)  # float32
     log_density_ratio, own_weight = own_proposal_weights(xp, omega, proposal_means)
-    log_factor = log_density_ratio - stop_gradient(xp.max(log_density_ratio, axis=-1,
-                                                          keepdims=True))
+    # o_c = K_c + l_c against the largest (it cancels): down to -HALF_SUMS_RANGE it scales
+    # the float32 sums, what lies below (a sample far below the others) joins the logits
+    offset = key_max + log_density_ratio  # (..., 1, C), float32
+    offset = offset - stop_gradient(xp.max(offset, axis=-1, keepdims=True))
+    in_sums = xp.clip(offset, min=-HALF_SUMS_RANGE)
+    in_logits = xp.astype(offset - in_sums, dtype)  # 0 but for such samples
+    scale = xp.exp(in_sums)
     floor = WEIGHT_FLOOR  # bfloat16 holds it (float16 inputs are computed in float32)
-    factor = xp.exp(log_factor)  # e^{l_c - max l}, (..., 1, C)
     if weighting == "balance":  # alpha_c = w_c, the same for every query
-        factor = factor * importance_weights(xp, own_weight, None, weighting, beta,
-                                             as_row=True, floor=floor)
-    sums = half_readout_sums(xp, xp.matrix_transpose(factor) * sums, dtype)
+        scale = scale * importance_weights(xp, own_weight, None, weighting, beta,
+                                           as_row=True, floor=floor)
+    sums = xp.astype(xp.matrix_transpose(scale) * sums, dtype)
     own_weight = xp.astype(own_weight, dtype)
 
     groups = stream_bounds(q, -2, rows)
@@ -225,10 +237,12 @@ def query_pass_half(inputs: AttentionInputs, query_landmarks: Array | None,
     out = RowPieces(inputs.num_queries)
     for index, (start, stop) in enumerate(groups):
         queries = finite_entries(xp, rows_of(q, start, stop))  # rows marked NaN by lara
-        logits = queries @ projection_t  # p_nc (recompute: s_nc first)
         scores = None
-        if recompute:
-            scores, logits = logits[..., :num_samples], logits[..., num_samples:]
+        if recompute:  # s_nc, then p_nc
+            logits = queries @ projection_t
+            scores, logits = logits[..., :num_samples], logits[..., num_samples:] + in_logits
+        else:  # p_nc plus the offsets left out of the sums (torch: one baddbmm)
+            logits = matmul_add(queries, projection_t, in_logits)
         weights = None  # "balance": in the sums
         if weighting != "balance":
             affinity = None if affinities is None else affinities.piece(index, scores)

@@ -76,16 +76,25 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
     :func:`~xattn._core.delegation.matmul_add`). With ``key_mask`` a sample
     without allowed keys, which happens only when every key is masked, has :math:`K_s =
     0` and sums 0; otherwise :math:`b'_s \ge 1` (its largest term is :math:`e^0`).
+
+    Half-precision keys (``omega_t`` in their format): the products in that format, the
+    logits :math:`a_{ms}`, their maxima and the sums in the compute dtype (float32), the
+    weights :math:`e^{a_{ms} - K_s}` rounded to the values' format for their product.
     """
     k, v, key_mask, half_scale = inputs.k, inputs.v, inputs.key_mask, 0.5 * inputs.scale
+    work = inputs.compute_dtype
     sums = None
     for start, stop in stream_bounds(k, -2, rows):
         keys = finite_entries(xp, rows_of(k, start, stop))  # non-finite rows: marked NaN
         # a_ms (a key whose squared norm overflows: the dtype's floor, still attended;
         # NumPy computes the overflow quietly)
         with ignore_invalid(xp):
-            minus_half_sq_norm = squared_norms(keys, factor=-half_scale)
-            logits = key_logits_in_range(xp, matmul_add(keys, omega_t, minus_half_sq_norm))
+            minus_half_sq_norm = squared_norms(keys, dtype=work, factor=-half_scale)
+            if keys.dtype == work:
+                logits = matmul_add(keys, omega_t, minus_half_sq_norm)
+            else:  # half keys: their product rounded, the sum in the compute dtype
+                logits = keys @ omega_t + minus_half_sq_norm
+            logits = key_logits_in_range(xp, logits)
         # K_s is a stabilizer (no gradient): it cancels between the sums and the read-out
         if key_mask is not None:
             logits = xp.where(key_mask[..., start:stop, None], logits, -xp.inf)
@@ -95,8 +104,11 @@ def positive_key_sums(xp: Any, inputs: Any, omega_t: Array, rows: int) -> tuple[
         weights = xp.exp(logits - key_max)  # e^{a_ms - K_s}, masked keys 0
         # [A'_s, b'_s]: the values' product and the weights' sum, joined at (S, Dv + 1)
         # (no column of ones appended to the (M, Dv) values)
-        weighted_values = xp.matrix_transpose(weights) @ finite_entries(xp, rows_of(v, start,
-                                                                                    stop))
+        values = finite_entries(xp, rows_of(v, start, stop))
+        weighted_values = xp.matrix_transpose(
+            weights if values.dtype == work else xp.astype(weights, values.dtype)) @ values
+        if weighted_values.dtype != work:
+            weighted_values = xp.astype(weighted_values, work)
         part = (key_max, xp.concat(
             [weighted_values, xp.matrix_transpose(xp.sum(weights, axis=-2, keepdims=True))],
             axis=-1))
@@ -123,8 +135,11 @@ def positive_readout(xp: Any, logits: Array, sums: Array,
     :math:`c_{ns}` (..., B, S) of a group of queries and the sums :math:`[A'_s, b'_s]` of
     :func:`positive_key_sums` (one product gives numerator and denominator);
     :math:`\alpha_{ns}` = ``coefficients`` (LARA's positive weights), 1 if None. A query
-    without allowed keys (every sum 0) reads 0."""
+    without allowed keys (every sum 0) reads 0. Sums in a half-precision format (float32
+    logits): the exponentials are rounded to it, and the product is of half operands."""
     weights = xp.exp(logits - stop_gradient(xp.max(logits, axis=-1, keepdims=True)))
+    if weights.dtype != sums.dtype:
+        weights = xp.astype(weights, sums.dtype)
     if coefficients is not None:
         weights = coefficients * weights
     row = weights @ sums
