@@ -73,7 +73,9 @@ the kernels the generated code holds, each once. They differ on the CPU, where i
 tries to fuse the outer loops of a few kernels with a local buffer and, when that fails,
 generates the same kernels again; ``generated_kernel_count`` counts the attempt, the
 merged kernel and the retry (``outer_loop_recounts``, their excess). On a GPU (Triton)
-there is no such retry and the two agree::
+there is no such retry and the two agree. ``cpp_kernel_functions``: the C++ functions of
+the CPU's generated code, the kernel calls of one step (the C++ backend puts several
+loop nests, each a kernel of the counts above, in one function)::
 
     python benchmarks/ops/bench_ops.py --lengths '' --traffic-lengths '' --kernels
 
@@ -98,6 +100,7 @@ import contextlib
 import math
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -591,11 +594,15 @@ def inductor_kernels(rows: list[Row], lengths: list[int], dtypes: list[str], dev
     ``torch.compile(fullgraph=True)`` and its first call with ``.sum().backward()``), at
     :data:`TRAFFIC_SHAPE` with N = each of ``lengths``, in ``cells[row][dtype][N]``, and
     ``kernels_in_code``: that count less inductor's recounts
-    (:func:`outer_loop_recounts`), each kernel of the generated code counted once; a
+    (:func:`outer_loop_recounts`), each kernel of the generated code counted once (on the
+    CPU a loop nest: a GPU's kernel), and ``cpp_kernel_functions``: the C++ functions of
+    the generated code on the CPU (:data:`CPP_KERNEL_DEFINITION`; inductor's C++
+    backend puts several loop nests in one function), the calls of one step; a
     compilation that fails records its error."""
     import torch._dynamo
     import torch._inductor.config
     import torch._inductor.metrics
+    from torch._inductor.utils import run_and_get_code
 
     batch, heads, dim = TRAFFIC_SHAPE
     for row in rows:
@@ -615,20 +622,30 @@ def inductor_kernels(rows: list[Row], lengths: list[int], dtypes: list[str], dev
                     with warnings.catch_warnings(), outer_loop_recounts() as recounts, \
                             torch._inductor.config.patch(force_disable_caches=True):
                         warnings.simplefilter("ignore")
-                        compiled(*leaves).float().sum().backward()
+                        _, sources = run_and_get_code(
+                            lambda step=compiled, inputs=leaves:
+                            step(*inputs).float().sum().backward())
                     cell["kernels"] = int(torch._inductor.metrics.generated_kernel_count)
                     cell["outer_loop_recounts"] = sum(recounts)
                     cell["kernels_in_code"] = cell["kernels"] - sum(recounts)
+                    cell["cpp_kernel_functions"] = sum(
+                        len(CPP_KERNEL_DEFINITION.findall(source)) for source in sources)
                 except Exception as error:  # the failure is the result
                     cell["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                 cell["compile_and_first_call_s"] = round(time.perf_counter() - started, 2)
                 cells.setdefault(row.name, {}).setdefault(dtype_name, {})[str(length)] = cell
                 print(f"  {row.name:40s} {dtype_name:9s} N={length:6d}: "
                       f"{cell.get('kernels', cell.get('error'))} kernels, "
-                      f"{cell.get('kernels_in_code', '-')} in the code "
+                      f"{cell.get('kernels_in_code', '-')} in the code, "
+                      f"{cell.get('cpp_kernel_functions', '-')} C++ functions "
                       f"({cell['compile_and_first_call_s']} s)", flush=True)
                 save()
     torch._dynamo.reset()
+
+
+#: A kernel function of inductor's C++ backend in its generated module (``cpp_fused_...
+#: = async_compile.cpp_pybinding(...)``, torch 2.13; none on a GPU).
+CPP_KERNEL_DEFINITION = re.compile(r"^cpp_fused_\w+ = async_compile\.", re.MULTILINE)
 
 
 @contextlib.contextmanager
