@@ -163,9 +163,10 @@ def test_an_xattn_call_writes_a_finite_number_of_q(bench_ops):
 # bfloat16 inputs of rfa, causal or not, with a window too, and of non-causal lara write
 # at most 0.7 times the float32 call (measured 0.55 to 0.69; lara 13.0 and 36.4: 0.67
 # and 0.68, its key sums shifted per sample) with at least 90 % of the matrix-product
-# FLOPs in their dtype (measured 97 to 100 %; lara 99.7 %). float16 inputs are computed in float32 (guide 05): the float32
-# call's bytes and the casts of the inputs and the output (3.5 |q| forward, 6 |q| with the
-# backward; bounds 3.6 and 6.6), no FLOPs in float16.
+# FLOPs in their dtype (measured 97 to 100 %; lara 99.7 %). float16 inputs are computed
+# in float32 (guide 05): the float32 call's bytes and the casts of the inputs and the
+# output (3.5 |q| forward, 6 |q| with the backward; bounds 3.6 and 6.6), no FLOPs in
+# float16.
 BYTE_TARGETS = {"causal rfa": {"forward": 30.0, "forward+backward": 80.0},
                 "causal rfa window": {"forward": 45.0, "forward+backward": 120.0},
                 "rfa": {"forward": 15.0, "forward+backward": 45.0},

@@ -374,3 +374,30 @@ def test_the_draw_operations_exist_when_torch_is_imported_after_xattn():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_compiling_raises_no_warning_about_cached_helpers():
+    """array-api-compat's helpers are ``functools.lru_cache`` around pure functions; Dynamo
+    traces them but warned at every call site (about twenty warnings on a first
+    compilation). xattn marks them as safe once torch is imported (imported here after
+    xattn, in a fresh process, where no warning was shown yet)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import warnings, xattn, torch\n"
+        "q = torch.randn(2, 3, 70, 16, requires_grad=True)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for dtype in (torch.float32, torch.bfloat16):\n"
+        "        x = q.to(dtype)\n"
+        "        for call in (lambda a: xattn.rfa(a, a, a, causal=True, rng=0),\n"
+        "                     lambda a: xattn.lara(a, a, a, num_samples=8, rng=0)):\n"
+        "            torch.compile(call, fullgraph=True, backend='aot_eager')(x)"
+        ".float().sum().backward()\n"
+        "cached = [str(w.message) for w in caught if 'lru_cache' in str(w.message)]\n"
+        "assert not cached, cached\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

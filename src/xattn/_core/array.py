@@ -337,6 +337,32 @@ def torch_compiling() -> bool:
     return torch is not None and bool(torch.compiler.is_compiling())
 
 
+def _trace_array_api_compat_quietly(torch: Any) -> None:
+    """Let ``torch.compile`` trace array-api-compat's cached helpers without a warning.
+
+    They are ``functools.lru_cache`` around pure functions of a namespace or an array
+    type (``is_torch_namespace``, ``is_numpy_array``, ...). Dynamo skips such a cache and
+    traces the function, which is right for a pure one, but otherwise warns that it
+    cannot know so, once per call site: about twenty warnings on the first compilation
+    of any xattn call. Uses torch's list of wrappers to trace quietly
+    (``torch._dynamo.utils``, torch 2.13); a torch without it is left as it is."""
+    try:
+        from torch._dynamo.utils import (
+            allow_lru_cache_wrapper_trace_without_warning,
+            is_lru_cache_wrapped_function,
+        )
+    except ImportError:
+        return
+    from array_api_compat.common import _helpers
+
+    for value in vars(_helpers).values():
+        if is_lru_cache_wrapped_function(value):
+            allow_lru_cache_wrapper_trace_without_warning(value)
+
+
+when_imported("torch", _trace_array_api_compat_quietly)
+
+
 def written_in_place(x: Array) -> bool:
     """Whether results like ``x`` are assembled by writing into them: NumPy and CuPy.
 
