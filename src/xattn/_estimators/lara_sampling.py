@@ -178,25 +178,30 @@ def query_pass_half(inputs: AttentionInputs, query_landmarks: Array | None,
                     proposal_means: Array, omega: Array, *, weighting: str, beta: float,
                     root_scale: float, rows: int) -> Array:
     r""":func:`query_pass` for half-precision q, k and v: the matrix products, the
-    features and the importance weights in their format; the logits, their maxima, the
-    sums across key groups and the softmax totals over queries in float32.
+    features and the importance weights in their format; the key logits, their maxima,
+    the sums across key groups and the softmax totals over queries in float32.
 
     The key statistics are those of the float32 path, each sample shifted by its own
     maximum :math:`K_c` (:func:`~xattn._estimators.rf_groups.positive_key_sums`: the
     products :math:`\hat k_m \cdot \omega_c` and :math:`\sum_m e^{a_{mc} - K_c} v_m` of
-    half operands, the logits :math:`a_{mc}` and the sums in float32), rounded to the half
-    format once (:math:`b'_c \ge 1`, :math:`|A'_c|` at most the values' size times the
-    number of keys); with ``"balance"`` the weight :math:`\alpha_c = w_c` multiplies them
-    first. A query's logits :math:`e_{nc} = \omega_c \cdot \hat q_n + K_c + \ell_c`, with
-    :math:`\ell_c = \log N(\omega_c; 0, I) - \log q_c(\omega_c)`, add the half product
-    to the float32 offset, and their exponentials shifted by the row's largest are rounded
-    to the half format for the product with the sums. The offsets :math:`K_c + \ell_c` of
-    LARA's samples spread widely where a segment holds a large query or key (their means
-    are those of the segments), so they go into each query's shift: a sample that
-    dominates a row is read against its own sums, never against sums that underflowed
-    beside another sample's. The weights :math:`\alpha_{nc}` come from the half
-    affinities of :class:`~xattn._estimators.importance.QuerySoftmax`, whose totals
-    :math:`Z_c` are float32.
+    half operands, the logits :math:`a_{mc}` and the sums in float32): :math:`b'_c \ge
+    1`, :math:`|A'_c|` at most the values' size times the number of keys. A sample's
+    offset :math:`o_c = K_c + \ell_c`, with :math:`\ell_c = \log N(\omega_c; 0, I) -
+    \log q_c(\omega_c)`, less the largest (which cancels in the ratio), is split in two:
+    down to ``-HALF_SUMS_RANGE`` it scales the float32 sums (with ``"balance"`` the
+    weight :math:`\alpha_c = w_c` too), which are then rounded to the half format once
+    (:math:`A''_c, b''_c`);
+    what lies further below joins the query logits :math:`p_{nc} = \omega_c \cdot \hat
+    q_n` in the same half product (0 for every sample but those far below the others).
+    The offsets spread widely where a segment holds a large query or key (LARA's means
+    are those of the segments), and one shift for every sample (RFA's rank-one :math:`B`)
+    would let that sample's sums, or all the others', underflow; here a sample that
+    dominates a row is read against its own sums. A query's features :math:`\phi_{nc} =
+    e^{p_{nc} - \max_c p_{nc}}` and weights :math:`\alpha_{nc}` are in the half format,
+    the weights from the half affinities of
+    :class:`~xattn._estimators.importance.QuerySoftmax`, whose totals :math:`Z_c` are
+    float32: :math:`y_n = \sum_c \alpha_{nc} \phi_{nc} A''_c / \sum_c \alpha_{nc}
+    \phi_{nc} b''_c`, as :func:`query_pass` up to rounding.
     """
     xp, q, query_mask = inputs.xp, inputs.q, inputs.query_mask
     dtype, work = q.dtype, inputs.compute_dtype

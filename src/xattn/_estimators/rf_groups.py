@@ -135,11 +135,8 @@ def positive_readout(xp: Any, logits: Array, sums: Array,
     :math:`c_{ns}` (..., B, S) of a group of queries and the sums :math:`[A'_s, b'_s]` of
     :func:`positive_key_sums` (one product gives numerator and denominator);
     :math:`\alpha_{ns}` = ``coefficients`` (LARA's positive weights), 1 if None. A query
-    without allowed keys (every sum 0) reads 0. Sums in a half-precision format (float32
-    logits): the exponentials are rounded to it, and the product is of half operands."""
+    without allowed keys (every sum 0) reads 0."""
     weights = xp.exp(logits - stop_gradient(xp.max(logits, axis=-1, keepdims=True)))
-    if weights.dtype != sums.dtype:
-        weights = xp.astype(weights, sums.dtype)
     if coefficients is not None:
         weights = coefficients * weights
     row = weights @ sums
