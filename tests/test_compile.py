@@ -353,9 +353,6 @@ def test_the_draw_operations_exist_when_torch_is_imported_after_xattn():
     """xattn imports no torch; the graph operations through which a compiled call draws
     are defined right after torch's import completes (a definition cannot be traced), and
     a JAX state made before JAX is imported is still a pytree."""
-    import subprocess
-    import sys
-
     script = (
         "import sys, xattn\n"
         "assert 'torch' not in sys.modules and 'jax' not in sys.modules\n"
@@ -371,9 +368,7 @@ def test_the_draw_operations_exist_when_torch_is_imported_after_xattn():
         "import jax\n"
         "assert len(jax.tree_util.tree_leaves(state)) > 1\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr
+    _run_in_a_fresh_process(script, timeout=120)
 
 
 def test_compiling_raises_no_warning_about_cached_helpers():
@@ -381,9 +376,6 @@ def test_compiling_raises_no_warning_about_cached_helpers():
     traces them but warned at every call site (about twenty warnings on a first
     compilation). xattn marks them as safe once torch is imported (imported here after
     xattn, in a fresh process, where no warning was shown yet)."""
-    import subprocess
-    import sys
-
     script = (
         "import warnings, xattn, torch\n"
         "q = torch.randn(2, 3, 70, 16, requires_grad=True)\n"
@@ -398,6 +390,15 @@ def test_compiling_raises_no_warning_about_cached_helpers():
         "cached = [str(w.message) for w in caught if 'lru_cache' in str(w.message)]\n"
         "assert not cached, cached\n"
     )
+    _run_in_a_fresh_process(script, timeout=300)
+
+
+def _run_in_a_fresh_process(script, timeout):
+    """Run ``script`` with this Python in a new process (its own imports and warnings);
+    fail with its standard error if it fails."""
+    import subprocess
+    import sys
+
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=300)
+                            timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
